@@ -1,0 +1,62 @@
+# FlashAttention Lab. `make lab` opens the course, `make test` runs every test.
+# Both set up .venv first (once, again when pyproject.toml changes).
+#
+# Overridable (see DEVELOPERS.md):
+#   TORCH_SPEC   the torch to install when .venv has none (a CPU build here). A GPU user keeps
+#                their own torch with `make test TORCH_SPEC=` (pip then resolves torch from
+#                pyproject's range) or by creating .venv with --system-site-packages.
+#   TORCH_PIP_ARGS  extra pip arguments for torch, e.g. --index-url https://download.pytorch.org/whl/cpu
+#   TRITON_SPEC  Triton pinned to the GPU machine's minor version, so the code CI interprets is the
+#                code the GPU compiles (Linux only; macOS runs the CPU track without Triton).
+PYTHON ?= python3
+VENV ?= .venv
+VENV_ARGS ?=
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+TRITON_SPEC ?= triton==3.6.*
+LAB_ARGS ?=
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.fa-lab-installed
+UNAME := $(shell uname -s)
+
+.PHONY: lab test test-fast test-gpu setup assign lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
+	@if [ -n "$(TORCH_SPEC)" ] && ! $(PY) -c "import torch" 2>/dev/null; then \
+		echo "installing $(TORCH_SPEC)"; $(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; fi
+	@if [ "$(UNAME)" = "Linux" ] && [ -n "$(TRITON_SPEC)" ]; then $(PIP) install -q "$(TRITON_SPEC)"; fi
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+lab: setup
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" $(LAB_ARGS) README.md
+
+# nbval runs with CUDA hidden so that notebooks take their recorded-results branch.
+test: setup
+	CUDA_VISIBLE_DEVICES="" $(PY) -m pytest -q tests notebooks solutions --nbval \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q tests -m "not slow" $(PYTEST_ARGS)
+
+# On a GPU machine (see DEVELOPERS.md for the device machine, which has no nbval).
+test-gpu:
+	PYTHONPATH=. python3 -m pytest -q tests -m gpu $(PYTEST_ARGS)
+
+assign: setup
+	$(VENV)/bin/fa-lab assign
+
+lint: setup
+	$(PY) -m ruff check fa_lab tests
+
+bench: setup
+	$(VENV)/bin/fa-lab bench --device cpu
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
