@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 from .inputs import check_qkv, resolve_scale
+from .kernels import use_interpreter_without_gpu
+
+use_interpreter_without_gpu()  # before anything imports triton: see fa_lab/kernels/__init__.py
 
 __version__ = "0.1.0"
 

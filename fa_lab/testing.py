@@ -97,7 +97,8 @@ def check_attention(attention_fn, q, k, v, causal=False, scale=None, grads=True,
         raise AssertionError(f"out has dtype {out.dtype}, expected {dtype}")
     if lse.dtype != torch.float32:
         raise AssertionError(f"lse has dtype {lse.dtype}, expected torch.float32")
-    ref_leaves = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]
+    # float64 leaves: gradients flowing into bf16 leaves would be rounded back to bf16.
+    ref_leaves = [t.detach().double().requires_grad_(grads) for t in (q, k, v)]
     ref_out, ref_lse = reference_attention(*ref_leaves, causal, scale)
     base_leaves = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]
     base_out, base_lse = naive_attention(*base_leaves, causal, scale)

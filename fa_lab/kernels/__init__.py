@@ -1,33 +1,57 @@
 """Triton kernels and their launchers.
 
-Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, so triton is
-imported lazily here: on a machine without CUDA the interpreter is switched on
-before the first import, and a learner never sets an environment variable.
+Triton reads ``TRITON_INTERPRET`` when a function is decorated with
+``@triton.jit``, its own library functions (``tl.max``, ``tl.sum``, ...) included,
+which are decorated when triton is first imported. So ``import fa_lab`` switches
+the interpreter on for a machine without CUDA (:func:`use_interpreter_without_gpu`)
+before anything imports triton, and triton itself is imported lazily here: a
+learner never sets an environment variable.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import torch
+
+
+def use_interpreter_without_gpu() -> None:
+    """Set TRITON_INTERPRET=1 when no CUDA GPU is present (a value the user set wins)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def load_triton():
     """Import triton, turning the interpreter on first when no CUDA GPU is present.
 
     Raises ImportError with set-up advice when Triton is not installed (it publishes
-    Linux wheels only).
+    Linux wheels only), and RuntimeError when triton was imported before the
+    interpreter could be switched on.
     """
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    imported_before = "triton" in sys.modules
+    use_interpreter_without_gpu()
     try:
-        return importlib.import_module("triton")
+        triton = importlib.import_module("triton")
     except ImportError as exc:  # pragma: no cover - depends on the platform
         raise ImportError(
             "impl='triton' needs Triton, which publishes Linux wheels only. On macOS or "
             "Windows run the course in WSL, a Linux container or a hosted notebook "
             "(see README.md, 'Running the Triton chapters')."
         ) from exc
+    if interpreting() and imported_before:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(triton.language.standard.max, InterpretedFunction):
+            raise RuntimeError(
+                "triton was imported before the Triton interpreter was switched on, so its kernels "
+                "cannot run on this CPU. Restart the Python kernel and import fa_lab before triton, "
+                "or set TRITON_INTERPRET=1 before importing triton."
+            )
+    if interpreting():
+        from .interpreter_fixes import patch_bfloat16
+        patch_bfloat16(importlib.import_module("triton.runtime.interpreter"))
+    return triton
 
 
 def interpreting() -> bool:
@@ -35,8 +59,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_attention(q, k, v, causal, scale):
+def triton_attention(q, k, v, causal, scale, **configs):
     """Differentiable Triton attention: returns (out, lse). See :mod:`fa_lab.kernels.flash_triton`."""
     load_triton()
     from .flash_triton import triton_attention as run
-    return run(q, k, v, causal, scale)
+    return run(q, k, v, causal, scale, **configs)

@@ -1,0 +1,59 @@
+"""Tile sizes, warps and pipeline stages of the Triton kernels, as a small table.
+
+Autotuning at every import would cost minutes of compilation; instead the table
+holds the configurations measured best on an H200 (see benchmarks/) per padded
+head_dim, and a separate, small configuration for the CPU interpreter, where
+bigger tiles only mean more padding work in numpy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """block_m: query rows per tile; block_n: keys per tile; num_warps, num_stages: launch options."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Forward, by padded head_dim: (non-causal, causal).
+FWD_CUDA = {
+    16: (TileConfig(128, 64, 4, 3), TileConfig(128, 64, 4, 3)),
+    32: (TileConfig(128, 64, 4, 3), TileConfig(128, 64, 4, 3)),
+    64: (TileConfig(128, 64, 4, 3), TileConfig(128, 64, 4, 3)),
+    128: (TileConfig(128, 128, 8, 3), TileConfig(128, 128, 8, 3)),
+    256: (TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2)),
+}
+# Backward (dK/dV kernel and dQ kernel share the tile shape), by padded head_dim.
+BWD_CUDA = {
+    16: TileConfig(64, 64, 4, 2),
+    32: TileConfig(64, 64, 4, 2),
+    64: TileConfig(64, 128, 8, 2),
+    128: TileConfig(64, 128, 8, 2),
+    256: TileConfig(32, 64, 4, 1),
+}
+INTERPRETER = TileConfig(32, 32)
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The power of two >= head_dim (at least 16) that the kernels' tiles are padded to."""
+    bucket = 16
+    while bucket < head_dim:
+        bucket *= 2
+    return bucket
+
+
+def forward_config(head_dim: int, causal: bool, interpret: bool) -> TileConfig:
+    if interpret:
+        return INTERPRETER
+    return FWD_CUDA[head_dim_bucket(head_dim)][int(causal)]
+
+
+def backward_config(head_dim: int, causal: bool, interpret: bool) -> TileConfig:
+    if interpret:
+        return INTERPRETER
+    return BWD_CUDA[head_dim_bucket(head_dim)]

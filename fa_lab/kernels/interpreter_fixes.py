@@ -1,0 +1,52 @@
+"""Fixes for bfloat16 in Triton's CPU interpreter, applied only when kernels run interpreted.
+
+Triton 3.6's interpreter stores bfloat16 tensors as their raw 16-bit patterns
+(numpy has no bfloat16), and two operations get them wrong:
+
+* ``tl.dot`` multiplies the integer patterns instead of the numbers, so every
+  bfloat16 product is garbage. The fix widens bfloat16 operands to float32
+  first, which is what tensor cores compute (exact products, float32 sums).
+* ``x.to(tl.bfloat16)`` from float32 truncates the mantissa, where the GPU rounds
+  to nearest even. A probability of 0.99999994 then becomes 0.99609375 instead
+  of 1.0, an error a compiled kernel never makes. The fix rounds to nearest even.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to bfloat16 (nearest even), returned as uint16 bit patterns."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = np.isnan(x)
+    return np.where(nan, 0x7FC0, rounded).astype(np.uint16)
+
+
+def patch_bfloat16(interpreter_module) -> None:
+    """Patch ``InterpreterBuilder.create_dot`` and ``cast_impl`` as described above (idempotent)."""
+    import triton.language as tl
+
+    builder = interpreter_module.InterpreterBuilder
+    if getattr(builder, "_fa_lab_bf16_fix", False):
+        return
+    original_dot, original_cast = builder.create_dot, builder.cast_impl
+    handle_type = interpreter_module.TensorHandle
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter_module._convert_float(handle.data, tl.bfloat16, tl.float32, None)
+        return handle_type(data.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return handle_type(_float32_to_bfloat16_bits(src.data), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    builder.create_dot = create_dot
+    builder.cast_impl = cast_impl
+    builder._fa_lab_bf16_fix = True
