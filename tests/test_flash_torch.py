@@ -52,3 +52,12 @@ def test_tolerance_rule_rejects_a_wrong_implementation(generator):
     truncated = lambda q, k, v, c, s: flash_attention(q, k[:, :, :-1], v[:, :, :-1], c, s)
     with pytest.raises(AssertionError, match="out: max-abs error"):
         check_attention(truncated, q, k, v, False, None, grads=False, generator=generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda(dtype, causal, generator):
+    q, k, v = make_qkv(2, 4, 300, 517, 64, dtype, "cuda", generator=generator)
+    check_attention(lambda *a: flash_attention(*a, block_q=128, block_k=128), q, k, v, causal, None,
+                    generator=generator)

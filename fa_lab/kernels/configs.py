@@ -57,3 +57,16 @@ def backward_config(head_dim: int, causal: bool, interpret: bool) -> TileConfig:
     if interpret:
         return INTERPRETER
     return BWD_CUDA[head_dim_bucket(head_dim)]
+
+
+# Candidates that ``python -m fa_lab.bench_gpu --tune`` times on the GPU, per padded head_dim.
+TUNING_CANDIDATES_FWD = {
+    64: [TileConfig(128, 64, 4, 3), TileConfig(128, 64, 4, 4), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)],
+    128: [TileConfig(128, 128, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 64, 4, 3),
+          TileConfig(128, 64, 8, 3)],
+}
+TUNING_CANDIDATES_BWD = {
+    64: [TileConfig(64, 128, 8, 2), TileConfig(64, 128, 4, 2), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 2)],
+    128: [TileConfig(64, 128, 8, 2), TileConfig(64, 128, 4, 2), TileConfig(128, 128, 8, 2),
+          TileConfig(64, 64, 4, 2)],
+}
