@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # What ran on the GPU device machine to produce the files in benchmarks/ (and the gpu tests).
 # Usage there, from the repository root:  bash benchmarks/run_device.sh STEP OUTDIR
-#   bench  - tune the Triton tiles at 8K, then the FA3-paper protocol with every peer, using
-#            the tuned tiles: h200_triton.json, h200_triton.png, tune.json
+#   tune   - time candidate tile configurations of the Triton kernels at 8K (tune.json), then
+#            the protocol with them; the winners go into fa_lab/kernels/configs.py
+#   bench  - the FA3-paper protocol with every peer and the committed tiles: h200_triton.json/.png
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles
 set -uo pipefail
 step=$1; out=$2
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/device.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a "$out/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
 case "$step" in
-  bench) python3 -m fa_lab.bench_gpu --tune "$out/tune.json" --json "$out/h200_triton.json" \
-           --plot "$out/h200_triton.png" 2>&1 | tee "$out/bench.log" | grep -v "^bench" ;;
-  tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider --maxfail=30 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+  tune)  python3 -m fa_lab.bench_gpu --tune "$out/tune.json" --json "$out/h200_triton.json" \
+           --plot "$out/h200_triton.png" 2>&1 | tee "$out/tune.log" | grep -v "^bench" ;;
+  bench) python3 -m fa_lab.bench_gpu --json "$out/h200_triton.json" --plot "$out/h200_triton.png" \
+           2>&1 | tee "$out/bench.log" | grep -v "^bench" ;;
+  tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider --maxfail=30 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
 esac

@@ -20,21 +20,24 @@ class TileConfig:
     num_stages: int = 2
 
 
-# Forward, by padded head_dim: (non-causal, causal).
+# Forward, by padded head_dim: (non-causal, causal). d=64 and d=128 are the winners of
+# `python -m fa_lab.bench_gpu --tune` on an H200 at 8K (benchmarks/h200_triton_tuning.json);
+# the other sizes follow their neighbours, with smaller tiles where shared memory runs out.
 FWD_CUDA = {
-    16: (TileConfig(128, 64, 4, 3), TileConfig(128, 64, 4, 3)),
-    32: (TileConfig(128, 64, 4, 3), TileConfig(128, 64, 4, 3)),
-    64: (TileConfig(128, 64, 4, 3), TileConfig(128, 64, 4, 3)),
+    16: (TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 3)),
+    32: (TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 3)),
+    64: (TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 3)),
     128: (TileConfig(128, 128, 8, 3), TileConfig(128, 128, 8, 3)),
     256: (TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2)),
 }
-# Backward (dK/dV kernel and dQ kernel share the tile shape), by padded head_dim.
+# Backward (the dK/dV and dQ kernels share the tile shape), by padded head_dim. Small tiles won
+# at d=64 and d=128 (the dK, dV accumulators of a larger K tile crowd out the registers).
 BWD_CUDA = {
     16: TileConfig(64, 64, 4, 2),
     32: TileConfig(64, 64, 4, 2),
-    64: TileConfig(64, 128, 8, 2),
-    128: TileConfig(64, 128, 8, 2),
-    256: TileConfig(32, 64, 4, 1),
+    64: TileConfig(64, 64, 4, 2),
+    128: TileConfig(64, 64, 4, 2),
+    256: TileConfig(32, 64, 8, 1),
 }
 INTERPRETER = TileConfig(32, 32)
 
