@@ -4,6 +4,8 @@
 #   tune   - time candidate tile configurations of the Triton kernels at 8K (tune.json), then
 #            the protocol with them; the winners go into fa_lab/kernels/configs.py
 #   bench  - the FA3-paper protocol with every peer and the committed tiles: h200_triton.json/.png
+#   hopper - the Hopper kernel's variants (ablation), FP8 errors, and its protocol with peers:
+#            h200_hopper.json, h200_hopper.png, h200_hopper_variants.json
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles
 set -uo pipefail
 step=$1; out=$2
@@ -15,5 +17,7 @@ case "$step" in
            --plot "$out/h200_triton.png" 2>&1 | tee "$out/tune.log" | grep -v "^bench" ;;
   bench) python3 -m fa_lab.bench_gpu --json "$out/h200_triton.json" --plot "$out/h200_triton.png" \
            2>&1 | tee "$out/bench.log" | grep -v "^bench" ;;
+  hopper) python3 -m fa_lab.bench_hopper --json "$out/h200_hopper.json" --plot "$out/h200_hopper.png" \
+           --log "$out/h200_hopper_variants.json" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
   tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider --maxfail=30 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
 esac

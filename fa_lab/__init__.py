@@ -12,7 +12,7 @@ use_interpreter_without_gpu()  # before anything imports triton: see fa_lab/kern
 
 __version__ = "0.1.0"
 
-IMPLS = ("naive", "torch", "triton")
+IMPLS = ("naive", "torch", "triton", "triton_hopper", "triton_hopper_fp8")
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: str = "torch",
@@ -25,7 +25,10 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
     scale: softmax scale, default head_dim ** -0.5.
     impl: "naive" (materializes S and P), "torch" (tiled online softmax in plain
         PyTorch), "triton" (Triton kernels: compiled on CUDA, interpreted on CPU;
-        float16 and bfloat16 only).
+        float16 and bfloat16 only), "triton_hopper" (the FlashAttention-3-style
+        forward for Hopper, with the "triton" backward), "triton_hopper_fp8" (FP8
+        e4m3 forward with per-tile scales and a Hadamard rotation of q and k;
+        forward only: a backward through it raises RuntimeError).
     Returns out (dtype of q) or, with return_lse, (out, lse) where lse: (batch,
     heads, seqlen_q) float32 is detached. Gradients flow to q, k, v for every impl.
     """
@@ -42,6 +45,12 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
     elif impl == "triton":
         from .kernels import triton_attention
         out, lse = triton_attention(q, k, v, causal, scale)
+    elif impl == "triton_hopper":
+        from .kernels import triton_hopper_attention
+        out, lse = triton_hopper_attention(q, k, v, causal, scale)
+    elif impl == "triton_hopper_fp8":
+        from .kernels import triton_hopper_fp8_attention
+        out, lse = triton_hopper_fp8_attention(q, k, v, causal, scale)
     else:
         raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}; got {impl!r}")
     return (out, lse.detach()) if return_lse else out

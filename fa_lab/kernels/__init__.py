@@ -64,3 +64,17 @@ def triton_attention(q, k, v, causal, scale, **configs):
     load_triton()
     from .flash_triton import triton_attention as run
     return run(q, k, v, causal, scale, **configs)
+
+
+def triton_hopper_attention(q, k, v, causal, scale, **options):
+    """The FlashAttention-3-style forward (+ portable backward). See :mod:`fa_lab.kernels.hopper`."""
+    load_triton()
+    from .hopper import triton_hopper_attention as run
+    return run(q, k, v, causal, scale, **options)
+
+
+def triton_hopper_fp8_attention(q, k, v, causal, scale, **options):
+    """The FP8 forward (inference only). See :mod:`fa_lab.kernels.hopper`."""
+    load_triton()
+    from .hopper import triton_hopper_fp8_attention as run
+    return run(q, k, v, causal, scale, **options)

@@ -7,6 +7,8 @@ head_dim, 16-byte aligned strides), picks the tile configuration and launches.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -34,15 +36,17 @@ def check_triton_inputs(q) -> None:
 
 
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:
-    """A view or copy of t: (B, H, N, d) that a tensor descriptor can describe.
+    """A view or copy of t: (B, ..., n) that a tensor descriptor can describe.
 
-    head_dim is zero-padded to a multiple of 8 (zero columns change neither QK^T nor
-    the first d columns of PV), and the tensor is made contiguous when its last
-    stride is not 1 or another stride or the base is not 16-byte aligned.
+    The last dim is zero-padded to 16 bytes (8 elements of bf16, 16 of fp8; zero
+    head_dim columns change neither QK^T nor the first d columns of PV), and the
+    tensor is made contiguous when its last stride is not 1 or another stride or
+    the base is not 16-byte aligned.
     """
-    if t.shape[-1] % 8:
-        t = F.pad(t, (0, 8 - t.shape[-1] % 8))
     item = t.element_size()
+    multiple = 16 // item
+    if t.shape[-1] % multiple:
+        t = F.pad(t, (0, multiple - t.shape[-1] % multiple))
     aligned = t.data_ptr() % 16 == 0 and all((s * item) % 16 == 0 for s in t.stride()[:-1])
     if t.stride(-1) != 1 or not aligned:
         t = t.contiguous()
@@ -120,7 +124,7 @@ class TritonAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, fwd_config, bwd_config):
         head_dim = q.shape[-1]
         qp, kp, vp = kernel_operand(q), kernel_operand(k), kernel_operand(v)
-        with torch.cuda.device(q.device) if q.is_cuda else _no_context():
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             out, lse = triton_forward(qp, kp, vp, causal, scale, fwd_config)
         ctx.save_for_backward(qp, kp, vp, out, lse)
         ctx.args = (causal, scale, bwd_config, head_dim)
@@ -132,17 +136,9 @@ class TritonAttentionFunction(torch.autograd.Function):
         qp, kp, vp, out, lse = ctx.saved_tensors
         causal, scale, bwd_config, head_dim = ctx.args
         grad_out = kernel_operand(grad_out.to(qp.dtype))
-        with torch.cuda.device(qp.device) if qp.is_cuda else _no_context():
+        with torch.cuda.device(qp.device) if qp.is_cuda else contextlib.nullcontext():
             dq, dk, dv = triton_backward(qp, kp, vp, out, lse, grad_out, causal, scale, bwd_config)
         return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None
-
-
-class _no_context:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def triton_attention(q, k, v, causal: bool, scale: float | None,

@@ -8,7 +8,8 @@ Triton 3.6's interpreter stores bfloat16 tensors as their raw 16-bit patterns
   first, which is what tensor cores compute (exact products, float32 sums).
 * ``x.to(tl.bfloat16)`` from float32 truncates the mantissa, where the GPU rounds
   to nearest even. A probability of 0.99999994 then becomes 0.99609375 instead
-  of 1.0, an error a compiled kernel never makes. The fix rounds to nearest even.
+  of 1.0, an error a compiled kernel never makes. The fix rounds to nearest even
+  (and does the same for float32 -> float8 e4m3, through torch's own conversion).
 """
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def patch_bfloat16(interpreter_module) -> None:
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             return handle_type(_float32_to_bfloat16_bits(src.data), tl.bfloat16)
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            import torch
+
+            e4m3 = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.float8_e4m3fn)
+            return handle_type(e4m3.view(torch.uint8).numpy(), tl.float8e4nv)
         return original_cast(self, src, dst_type)
 
     builder.create_dot = create_dot

@@ -1,0 +1,158 @@
+"""Launchers of the Hopper forward (impl "triton_hopper" and "triton_hopper_fp8").
+
+``triton_hopper``: the pipelined forward of :mod:`fa_lab.kernels.triton_hopper`
+with the backward of the portable kernels (``impl="triton"``): a backward tuned
+for Hopper did not pay for itself yet, so gradients come from the same
+recomputation kernels, fed with this forward's O and LSE.
+
+``triton_hopper_fp8``: forward only (inference). Q, K, V are quantized to e4m3
+with one scale per kernel tile, after an optional random Hadamard rotation of Q
+and K (incoherent processing, :mod:`fa_lab.fp8`); the output is in q's dtype.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from . import interpreting, load_triton
+from .configs import TileConfig, forward_config, head_dim_bucket
+from .flash_triton import LOG2E, check_triton_inputs, descriptor, kernel_operand, triton_backward, triton_cdiv
+
+
+@dataclass(frozen=True)
+class HopperOptions:
+    """Which FA3 ideas the kernel uses (each can be switched on or off to measure it).
+
+    The defaults are the fastest variant measured on an H200 with Triton 3.6
+    (benchmarks/h200_hopper_variants.json): at d=128, 8K, the pipelined loop ran
+    at 499 TFLOP/s with two shared-memory stages against 460 unpipelined, but it
+    needs the shared memory of the third stage, and unpipelined with three stages
+    ran at 516; Triton's warp-specialization pass changed nothing measurable.
+    """
+
+    pipeline: bool = False
+    warp_specialize: bool = False
+
+
+def hopper_launch(q, k, v, out, lse, descales, causal, scale, config, options, fp8=False):
+    """Launch the kernel on prepared operands; v is V (B, H, Nk, d) or, in FP8, V^T (B, H, d, Nk)."""
+    from .triton_hopper import attention_fwd_hopper_kernel
+
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    head_dim_pad = head_dim_bucket(head_dim)
+    if fp8:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        desc_v = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, 1, head_dim_pad, config.block_n])
+    else:
+        desc_v = descriptor(v, config.block_n)
+    grid = (triton_cdiv(seqlen_q, config.block_m), batch * heads)
+    attention_fwd_hopper_kernel[grid](
+        descriptor(q, config.block_m), descriptor(k, config.block_n), desc_v, descriptor(out, config.block_m),
+        lse, *descales, heads, seqlen_q, seqlen_k, scale * LOG2E,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_pad, CAUSAL=causal,
+        PIPELINE=options.pipeline, WARP_SPECIALIZE=options.warp_specialize, FP8=fp8,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions()):
+    """bf16/fp16 forward on prepared operands (as :func:`flash_triton.triton_forward`): (out, lse)."""
+    config = config or forward_config(q.shape[-1], causal, interpreting())
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    dummy = lse  # the descale pointers are not read outside FP8
+    hopper_launch(q, k, v, out, lse, (dummy, dummy, dummy), causal, scale, config, options)
+    return out, lse
+
+
+class TritonHopperFunction(torch.autograd.Function):
+    """The Hopper forward with the portable recomputation backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, config, options):
+        head_dim = q.shape[-1]
+        qp, kp, vp = kernel_operand(q), kernel_operand(k), kernel_operand(v)
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            out, lse = hopper_forward(qp, kp, vp, causal, scale, config, options)
+        ctx.save_for_backward(qp, kp, vp, out, lse)
+        ctx.args = (causal, scale, head_dim)
+        ctx.mark_non_differentiable(lse)
+        return out[..., :head_dim], lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        qp, kp, vp, out, lse = ctx.saved_tensors
+        causal, scale, head_dim = ctx.args
+        grad_out = kernel_operand(grad_out.to(qp.dtype))
+        with torch.cuda.device(qp.device) if qp.is_cuda else contextlib.nullcontext():
+            dq, dk, dv = triton_backward(qp, kp, vp, out, lse, grad_out, causal, scale)
+        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None
+
+
+def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions()):
+    """impl="triton_hopper": (out, lse); gradients through the portable backward."""
+    load_triton()
+    check_triton_inputs(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return TritonHopperFunction.apply(q, k, v, causal, scale, config, options)
+
+
+def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True):
+    """FP8 operands of the kernel: (q8, k8, vt8, (q_descale, k_descale, v_descale)).
+
+    q: (B, H, Nq, d), k, v: (B, H, Nk, d). With ``rotate``, Q and K are first
+    multiplied by the same random orthogonal M = diag(signs) H / sqrt(d)
+    (QK^T is unchanged; outliers are spread over all d columns). Each tensor then
+    gets one e4m3 scale per kernel tile (BLOCK_M rows of Q, BLOCK_N rows of K/V);
+    V is returned transposed, (B, H, d, Nk), because Hopper's FP8 WGMMA reads it K-major.
+    """
+    from ..fp8 import incoherent_rotation, quantize_e4m3, random_signs
+
+    if rotate:
+        signs = random_signs(q.shape[-1], torch.Generator().manual_seed(0)).to(q.device)
+        q, k = incoherent_rotation(q, k, signs)
+    q8, k8, v8 = quantize_e4m3(q, config.block_m), quantize_e4m3(k, config.block_n), quantize_e4m3(v, config.block_n)
+    vt8 = kernel_operand(v8.data.transpose(-2, -1))  # keys padded to 16: masked by seqlen_k in the kernel
+    return kernel_operand(q8.data), kernel_operand(k8.data), vt8, (q8.scales, k8.scales, v8.scales)
+
+
+def fp8_forward(q8, k8, vt8, descales, seqlen_k, causal, scale, config: TileConfig, out_dtype, head_dim):
+    """The FP8 kernel on quantized operands: (out: (B, H, Nq, d) in out_dtype, lse)."""
+    batch, heads, seqlen_q, _ = q8.shape
+    out = torch.empty((batch, heads, seqlen_q, q8.shape[-1]), dtype=out_dtype, device=q8.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q8.device)
+    hopper_launch(q8, k8, vt8, out, lse, descales, causal, scale, config, HopperOptions(), fp8=True)
+    return out[..., :head_dim], lse
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Passes the FP8 forward's output through and refuses a backward with the reason."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("impl='triton_hopper_fp8' is forward-only (FP8 attention is for inference); "
+                           "use impl='triton_hopper' or 'triton' to train")
+
+
+def triton_hopper_fp8_attention(q, k, v, causal, scale, config: TileConfig | None = None, rotate: bool = True):
+    """impl="triton_hopper_fp8": quantize (and rotate) then the FP8 kernel; forward only. (out, lse)."""
+    load_triton()
+    check_triton_inputs(q)
+    head_dim = q.shape[-1]
+    if rotate and head_dim & (head_dim - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
+    scale = head_dim ** -0.5 if scale is None else scale
+    config = config or forward_config(head_dim, causal, interpreting())
+    with torch.no_grad():
+        q8, k8, vt8, descales = quantize_for_kernel(q, k, v, config, rotate)
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            out, lse = fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, scale, config, q.dtype, head_dim)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out = _ForwardOnly.apply(out, q, k, v)
+    return out, lse
