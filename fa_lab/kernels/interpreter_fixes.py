@@ -9,7 +9,9 @@ Triton 3.6's interpreter stores bfloat16 tensors as their raw 16-bit patterns
 * ``x.to(tl.bfloat16)`` from float32 truncates the mantissa, where the GPU rounds
   to nearest even. A probability of 0.99999994 then becomes 0.99609375 instead
   of 1.0, an error a compiled kernel never makes. The fix rounds to nearest even
-  (and does the same for float32 -> float8 e4m3, through torch's own conversion).
+  (and does the same for float32 -> float8 e4m3, through torch's own conversion;
+  that cast also reaches ``create_fp_to_fp``, whose e4m3 rounding drops the carry
+  into the exponent: 1.9868 became 1.0).
 """
 from __future__ import annotations
 
@@ -53,6 +55,14 @@ def patch_bfloat16(interpreter_module) -> None:
             return handle_type(e4m3.view(torch.uint8).numpy(), tl.float8e4nv)
         return original_cast(self, src, dst_type)
 
+    original_fp_to_fp = builder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar in (tl.bfloat16, tl.float8e4nv):
+            return cast_impl(self, src, dst_type)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
     builder.create_dot = create_dot
     builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
     builder._fa_lab_bf16_fix = True
