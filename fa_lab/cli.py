@@ -1,0 +1,179 @@
+"""The ``fa-lab`` command: assign, start, grade, doctor, bench.
+
+Parsing and printing only; the work is done in :mod:`fa_lab.grading` and
+:mod:`fa_lab.bench`, imported when a subcommand needs them (the GPU machine has
+no nbformat or nbclient, and ``fa-lab doctor`` must run there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+GRADING_FAILED = 2  # exit status when a submission could not be graded at all
+
+
+def _assign(args) -> int:
+    from .grading.assign import assign
+
+    stale = assign(check=args.check)
+    if args.check:
+        for path in stale:
+            print(f"out of date: {path} (run fa-lab assign)")
+        return 1 if stale else 0
+    for path in stale:
+        print(f"{'wrote' if path.exists() else 'removed'} {path}")
+    if not stale:
+        print("labs/ is up to date")
+    return 0
+
+
+def _start(args) -> int:
+    from .grading.assign import start
+    from .grading.registry import UnknownLab
+
+    try:
+        path = start(args.lab, force=args.force)
+    except (UnknownLab, FileExistsError, FileNotFoundError) as exc:
+        print(f"fa-lab start: {exc}", file=sys.stderr)
+        return 1
+    print(f"copied {args.lab} to {path}\nopen it in JupyterLab (make lab) and run it top to bottom")
+    return 0
+
+
+def _print_report(report) -> None:
+    print(f"{report.notebook}: {report.lab}, seed {report.seed}")
+    for error in report.notebook_errors:
+        print(f"  notebook {error}")
+    for exercise in report.exercises:
+        graded = exercise.status == "graded"
+        outcome = f"{exercise.passed}/{exercise.cases} cases" if graded else exercise.status
+        print(f"  {exercise.name:<20} {exercise.points:5.2f} / {exercise.max_points:g}   {outcome}")
+        for message in exercise.messages[:3]:
+            print(f"      {message}")
+        if len(exercise.messages) > 3:
+            print(f"      ... and {len(exercise.messages) - 3} more (see --json)")
+    print(f"score {report.score:.2f} / {report.max_score:g}")
+
+
+def _grade(args) -> int:
+    from .grading.grade import GradingError, grade_folder, grade_notebook, write_csv
+
+    path = Path(args.path)
+    limits = {} if args.timeout is None else {"timeout": args.timeout}
+    if path.is_dir():
+        if args.json:
+            print("fa-lab grade: --json takes one notebook; use --csv for a folder", file=sys.stderr)
+            return GRADING_FAILED
+        results = grade_folder(path, args.seed, **limits)
+        if args.csv:
+            with open(args.csv, "w", newline="", encoding="utf-8") as stream:
+                write_csv(results, stream, base=path)
+        else:
+            write_csv(results, sys.stdout, base=path)
+        failed = [p for p, report in results if isinstance(report, str)]
+        print(f"graded {len(results) - len(failed)} of {len(results)} notebooks", file=sys.stderr)
+        return GRADING_FAILED if failed or not results else 0
+    try:
+        report = grade_notebook(path, args.seed, **limits)
+    except GradingError as exc:
+        print(f"fa-lab grade: {exc}", file=sys.stderr)
+        return GRADING_FAILED
+    _print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    if args.csv:
+        with open(args.csv, "w", newline="", encoding="utf-8") as stream:
+            write_csv([(path, report)], stream)
+    return 0
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _doctor(args) -> int:
+    import torch
+
+    from . import __version__
+    from .kernels import interpreting
+
+    cuda = torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name(0) if cuda else None
+    capability = torch.cuda.get_device_capability(0) if cuda else None
+    triton = _version("triton")
+    if triton is None:
+        mode, kernels = None, "cannot run: Triton is missing (it publishes Linux wheels only; see README.md)"
+    elif cuda and not interpreting():
+        mode, kernels = "compiled", f"compiled for {gpu}"
+    else:
+        mode, kernels = "interpreted", "interpreted (Triton's interpreter on CPU tensors: small shapes, slow)"
+    hopper = capability is not None and capability[0] == 9  # sm_90: H100, H200
+    rows = [
+        ("python", f"{platform.python_version()} ({platform.system()} {platform.machine()})"),
+        ("fa_lab", __version__),
+        ("torch", torch.__version__),
+        ("triton", triton or "missing"),
+        ("kernels", kernels),
+        ("CUDA", f"{torch.version.cuda} (GPU: {gpu}, compute capability "
+                 f"{capability[0]}.{capability[1]})" if cuda else "not available"),
+        ("chapters", "00-02 and their labs (CPU track): yes"),
+        ("", f"03 on (Triton kernels): {f'yes, {mode}' if mode else 'no, Triton is missing'}"),
+        ("", "Hopper sections (FlashAttention-3 kernels, live benchmarks): "
+             + ("yes" if hopper else "recorded H200 results only (live runs need a Hopper GPU, sm_90)")),
+    ]
+    for name, value in rows:
+        print(f"{name:<10}{value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fa-lab", description="FlashAttention Lab: labs, grading, checks.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("assign", help="write labs/ from solutions/")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if labs/ is out of date")
+    p.set_defaults(handler=_assign)
+
+    p = commands.add_parser("start", help="copy a lab into work/ (git-ignored) to work on it")
+    p.add_argument("lab", help="the lab id, e.g. lab01")
+    p.add_argument("--force", action="store_true", help="replace an existing copy in work/")
+    p.set_defaults(handler=_start)
+
+    p = commands.add_parser("grade", help="grade a submitted notebook, or a folder of them",
+                            description="Exit status 0 when grading worked (whatever the score), "
+                                        f"{GRADING_FAILED} when a notebook could not be graded.")
+    p.add_argument("path", help="a notebook, or a folder of notebooks (one CSV row each)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the hidden cases (default 0)")
+    p.add_argument("--json", metavar="FILE", help="write the report of one notebook as JSON")
+    p.add_argument("--csv", metavar="FILE",
+                   help="write one CSV row per notebook (for a folder, default: to stdout)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="time limit per cell and per exercise (default 60)")
+    p.set_defaults(handler=_grade)
+
+    p = commands.add_parser("doctor", help="what this machine can run")
+    p.set_defaults(handler=_doctor)
+
+    commands.add_parser("bench", help="benchmarks (arguments go to fa_lab.bench; try fa-lab bench --help)",
+                        add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Call a learner's function on the grader's inputs and hand back what it returned.
+
+This module runs in two places:
+
+* inside :func:`fa_lab.grading.check`, in the learner's own notebook;
+* inside the grading kernel, where the grader loads this file by its path (not
+  through ``fa_lab``, which a submission may have patched), calls :func:`serve`
+  and reads the outputs back from a file. Every comparison happens in the
+  grader's own process: nothing the kernel says about correctness is trusted.
+
+While the learner's code runs, :class:`CallGuard` watches every Python and C
+call (``sys.setprofile`` sees both) and records calls to what the exercise asks
+the learner to write: PyTorch's SDPA (all its back ends), FlexAttention,
+``fa_lab.attention`` and the course's own implementations and solutions.
+:class:`TensorProbe` records the largest floating-point tensor any operator
+creates, so a check can tell a tiled algorithm from one that builds the full
+(Nq, Nk) score matrix.
+
+Only the standard library and torch are imported here.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CALLING_CONVENTIONS = ("call", "autograd")
+# Modules whose every function counts as "calling the answer" (fa_lab.kernels' submodules hold
+# the kernels; fa_lab.kernels itself also has helpers such as load_triton, which stay allowed).
+FORBIDDEN_MODULES = ("fa_lab.flash_torch", "fa_lab.online_softmax", "fa_lab.kernels.", "fa_lab.grading.labs")
+# Single functions of modules that the learner may otherwise use (e.g. fa_lab.reference.causal_mask).
+FORBIDDEN_FUNCTIONS = frozenset({
+    ("fa_lab", "attention"),
+    ("fa_lab.kernels", "triton_attention"),
+    ("fa_lab.reference", "naive_attention"),
+    ("fa_lab.reference", "reference_attention"),
+})
+
+
+def forbidden_torch_name(name: str) -> bool:
+    """SDPA and each of its back ends, FlexAttention (checked on every call: kept cheap)."""
+    return "scaled_dot_product" in name or "flex_attention" in name
+
+
+class CallGuard:
+    """Record forbidden calls made while the context is active.
+
+    ``calls`` lists the outermost forbidden calls (not what they call in turn), in
+    order, without repeats. Switching the monitor off (``sys.setprofile`` or
+    ``threading.setprofile`` from inside the call) is itself recorded.
+    """
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self._active = False
+        self._outer = None  # the frame, or the builtin, of the forbidden call in progress
+        self._hook = self._profile  # one bound-method object, so that sys.getprofile() can be compared to it
+
+    def _record(self, what: str, outer) -> None:
+        if what not in self.calls:
+            self.calls.append(what)
+        if self._outer is None:
+            self._outer = outer
+
+    def _profile(self, frame, event, arg):
+        if not self._active:
+            return
+        if event == "call":
+            module = frame.f_globals.get("__name__") or ""
+            name = frame.f_code.co_name
+            if module == "threading" and name == "setprofile":
+                self._record("threading.setprofile (it switches the grader's call monitor off)", None)
+            elif self._outer is None:
+                what = _forbidden_frame(module, name, frame)
+                if what:
+                    self._record(what, frame)
+        elif event == "c_call":
+            if arg is sys.setprofile:
+                self._record("sys.setprofile (it switches the grader's call monitor off)", None)
+            elif self._outer is None:
+                name = getattr(arg, "__name__", "") or ""
+                if forbidden_torch_name(name):
+                    self._record(f"torch: {name}", arg)
+        elif arg is self._outer if event in ("c_return", "c_exception") else frame is self._outer:
+            self._outer = None
+
+    def __enter__(self) -> "CallGuard":
+        self._active = True
+        threading.setprofile(self._hook)
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        removed = sys.getprofile() is not self._hook
+        self._active = False
+        sys.setprofile(None)
+        threading.setprofile(None)
+        if removed:
+            self._record("the grader's call monitor was removed while your function ran", None)
+
+
+def _importing(frame) -> bool:
+    """True when the frame runs as part of an import (importing a module is not calling it)."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "importlib._bootstrap":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _forbidden_frame(module: str, name: str, frame) -> str | None:
+    """What a Python call is, when it is forbidden: "fa_lab.attention", "torch: aten.<op>", ..."""
+    if module.startswith(FORBIDDEN_MODULES) or (module, name) in FORBIDDEN_FUNCTIONS:
+        return None if _importing(frame) else f"{module}.{name}"
+    if not module.startswith("torch"):
+        return None
+    if forbidden_torch_name(name):
+        return f"torch: {name}"
+    # torch.ops.aten.<op>(...) and <op>.default(...) run through OpOverload(Packet).__call__.
+    if module == "torch._ops" and name == "__call__":
+        op = str(frame.f_locals.get("self", name))
+        return f"torch: {op}" if forbidden_torch_name(op) else None
+    return None
+
+
+class TensorProbe(TorchDispatchMode):
+    """Track ``largest``: the most elements of any floating-point tensor an operator returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.largest = max(self.largest, t.numel())
+        return result
+
+
+def encode(value, depth: int = 0):
+    """What the grader can load back safely (``torch.load(weights_only=True)``).
+
+    Tensors become plain detached CPU tensors, tuples and lists become lists,
+    numbers, strings and None stay; anything else becomes a string naming its type.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").as_subclass(torch.Tensor).clone()
+    if isinstance(value, (tuple, list)) and depth < 2:
+        return [encode(item, depth + 1) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return f"<{type(value).__module__}.{type(value).__name__} object>"
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"IndexError: ... (in flash_forward, at: acc[i] = ...)"``: the error and the learner's
+    line that raised it."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f.filename != __file__ and "site-packages" not in f.filename
+              and "/torch/" not in f.filename and f.line]
+    if frames:
+        text += f" (in {frames[-1].name}, at: {frames[-1].line.strip()})"
+    return text
+
+
+def _call(fn, calling: str, args):
+    """Run one case. ``call``: fn(*args). ``autograd``: fn is a torch.autograd.Function;
+    args = (*inputs, grad_output): apply it, backpropagate grad_output from its first
+    output, return (output, *gradients of the floating-point tensor inputs)."""
+    if calling == "call":
+        return fn(*args)
+    if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
+        raise TypeError(f"expected a subclass of torch.autograd.Function, got {fn!r}")
+    *inputs, grad_output = args
+    leaves = [a.requires_grad_() for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    result = fn.apply(*inputs)
+    out = result[0] if isinstance(result, (tuple, list)) else result
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{fn.__name__}.apply returned {type(out).__name__}, expected a tensor")
+    if out.grad_fn is None:
+        raise TypeError(f"the output of {fn.__name__}.apply has no grad_fn, so backward cannot reach "
+                        "your backward(); did forward return a tensor?")
+    out.backward(grad_output)
+    return (out, *(leaf.grad for leaf in leaves))
+
+
+def _fresh(value):
+    """A copy of a case's arguments, so that a function that writes into its inputs changes nothing else."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_fresh(item) for item in value)
+    return value
+
+
+def run_cases(fn, calling: str, cases) -> list[dict]:
+    """Call ``fn`` on each case; cases: list of (args, probe) with probe True to run TensorProbe.
+
+    Returns one dict per case: ``outputs`` (encoded, or None), ``error`` (str or None),
+    ``forbidden`` (list of forbidden calls) and ``largest`` (TensorProbe's count, or None).
+    """
+    if calling not in CALLING_CONVENTIONS:
+        raise ValueError(f"calling must be one of {CALLING_CONVENTIONS}, got {calling!r}")
+    results = []
+    for args, probe in cases:
+        result = {"outputs": None, "error": None, "forbidden": [], "largest": None}
+        args = _fresh(args)
+        tensor_probe = TensorProbe() if probe else None
+        with CallGuard() as guard:
+            try:
+                with tensor_probe if probe else contextlib.nullcontext():
+                    result["outputs"] = encode(_call(fn, calling, args))
+            except Exception as exc:  # the learner's error is a result, not the grader's failure
+                result["error"] = describe_exception(exc)
+        result["forbidden"] = guard.calls
+        result["largest"] = tensor_probe.largest if probe else None
+        results.append(result)
+    return results
+
+
+def serve(namespace: dict, request_path: str, result_path: str) -> None:
+    """In the grading kernel: run the request saved at ``request_path`` against ``namespace``.
+
+    request: {"function": name, "calling": convention, "cases": [[args, probe], ...]}.
+    Saves {"status": "ran" | "missing" | "not callable", "results": [...]} to ``result_path``.
+    """
+    request = torch.load(request_path, weights_only=True)
+    fn = namespace.get(request["function"])
+    if fn is None:
+        reply = {"status": "missing", "results": []}
+    elif not callable(fn):
+        reply = {"status": "not callable", "results": []}
+    else:
+        reply = {"status": "ran", "results": run_cases(fn, request["calling"], request["cases"])}
+    torch.save(reply, result_path)

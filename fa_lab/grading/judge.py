@@ -1,0 +1,230 @@
+"""Judging a case: the tolerance rule, then a diagnosis that teaches.
+
+A case passes when every output meets :func:`fa_lab.testing.compare` (the
+course's one tolerance rule). When it fails, the diagnosis tries, in order:
+
+1. what went wrong before any number was compared (a forbidden call, an
+   exception, a wrong type, shape or dtype);
+2. *candidates*: the outputs of known mistakes on the same inputs (computed by
+   the lab module). Matching one names the mistake ("you did not rescale l");
+3. *detectors*: invariants a lab checks itself (NaN only in rows that see no key,
+   overflow on large scores, errors only in the last partial block, ...);
+
+and always ends with where the largest error is (which tensor, which index).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from ..testing import ABS_FLOOR, Comparison, compare
+from .registry import Case, Verdict
+
+PASS = Verdict(True, "ok")
+Candidate = tuple[str, Callable[[], "dict[str, torch.Tensor] | None"]]
+Detector = Callable[[dict, dict, dict], "str | None"]
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What one output must be.
+
+    reference: the float64 ground truth. baseline: the same computation in the
+    input dtype (the rule allows twice its error). dtype: the dtype the output
+    must have (None: any). dims: a name per dimension, for messages. floor: the
+    rule's absolute floor (None: by dtype).
+    """
+
+    reference: torch.Tensor
+    baseline: torch.Tensor
+    dtype: torch.dtype | None
+    dims: tuple[str, ...]
+    floor: float | None = None
+
+
+def forbidden_message(calls: Iterable[str]) -> str:
+    return (f"your function called {', '.join(calls)}. This exercise asks you to write the "
+            "computation yourself, so it scores 0.")
+
+
+def outcome_problem(outcome: dict, error_hints: Iterable[tuple[str, str]] = ()) -> str | None:
+    """The failure before any comparison: a forbidden call or an exception (with a hint)."""
+    if outcome["forbidden"]:
+        return forbidden_message(outcome["forbidden"])
+    error = outcome["error"]
+    if error is None:
+        return None
+    if error.startswith("NotImplementedError"):
+        return "not implemented yet (the function still raises NotImplementedError)."
+    hints = [hint for text, hint in error_hints if text in error]
+    return f"your function raised {error}." + (f" {hints[0]}" if hints else "")
+
+
+def describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, list):
+        return f"a tuple of {len(value)} values"
+    if isinstance(value, str) and value.startswith("<"):
+        return value
+    return repr(value) if value is None else type(value).__name__
+
+
+def unpack(outputs, names: tuple[str, ...]) -> dict | str:
+    """The outputs as {name: value}, or a message when they are not a tuple of len(names)."""
+    if not isinstance(outputs, list) or len(outputs) != len(names):
+        return f"expected a tuple ({', '.join(names)}), got {describe(outputs)}."
+    return dict(zip(names, outputs, strict=True))
+
+
+def structure_problem(actual: dict, expected: dict) -> str | None:
+    """A message for the first output that is not a tensor of the expected shape and dtype."""
+    for name, spec in expected.items():
+        value = actual[name]
+        if not isinstance(value, torch.Tensor):
+            return f"{name} is {describe(value)}, expected a tensor."
+        if tuple(value.shape) != tuple(spec.reference.shape):
+            dims = ", ".join(spec.dims)
+            return (f"{name} has shape {tuple(value.shape)}, expected {tuple(spec.reference.shape)} "
+                    f"({dims}).")
+        if spec.dtype is not None and value.dtype != spec.dtype:
+            return f"{name} has dtype {value.dtype}, expected {spec.dtype}."
+        if spec.dtype is None and not value.is_floating_point():
+            return f"{name} has dtype {value.dtype}, expected a floating-point tensor."
+    return None
+
+
+def compare_all(actual: dict, expected: dict) -> dict[str, Comparison]:
+    """The tolerance rule applied to every output."""
+    return {name: compare(name, actual[name], spec.reference, spec.baseline,
+                          dtype=spec.dtype if spec.dtype in ABS_FLOOR else spec.baseline.dtype,
+                          floor=spec.floor)
+            for name, spec in expected.items()}
+
+
+def _error_map(actual: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """|actual - target| in float64: 0 where both hold the same infinity or both NaN, inf where
+    one of them is NaN or infinite and the other is not."""
+    a, t = actual.detach().double(), target.detach().double()
+    agree = (torch.isinf(a) & (a == t)) | (torch.isnan(a) & torch.isnan(t))
+    diff = torch.where(agree, torch.zeros_like(a), (a - t).abs())
+    return torch.nan_to_num(diff, nan=float("inf"))
+
+
+def wrong_positions(actual: torch.Tensor, target: torch.Tensor, bound: float) -> torch.Tensor:
+    """Bool mask of the elements of ``actual`` that miss ``target`` by more than ``bound``."""
+    return _error_map(actual, target) > bound
+
+
+def matches(actual: dict, candidate: dict, comparisons: dict, scaled: bool = True) -> bool:
+    """True when every output equals the candidate's (NaN where it has NaN) within the rule's
+    bound, ``scaled`` up by the candidate's magnitude: a mistake can make outputs far larger
+    than the O(1) values the bound is made for."""
+    def bound(name):
+        finite = candidate[name][torch.isfinite(candidate[name])]
+        magnitude = float(finite.abs().max()) if finite.numel() and scaled else 0.0
+        return comparisons[name].bound * max(1.0, magnitude)
+    return all(actual[n].shape == candidate[n].shape
+               and not wrong_positions(actual[n], candidate[n], bound(n)).any() for n in comparisons)
+
+
+def first_matching(candidates: Iterable[Candidate], actual: dict, expected: dict,
+                   comparisons: dict) -> str | None:
+    """The message of the first known mistake whose outputs the learner's match.
+
+    A candidate that the reference itself would match (the mistake changes nothing
+    on this case) is skipped. A candidate may return None when it does not apply.
+    """
+    references = {name: spec.reference for name, spec in expected.items()}
+    for message, make in candidates:
+        outputs = make()
+        if outputs is None or matches(references, outputs, comparisons, scaled=False):
+            continue
+        if matches(actual, outputs, comparisons):
+            return message
+    return None
+
+
+def _format_index(index: tuple[int, ...], dims: tuple[str, ...]) -> str:
+    return ", ".join(f"{dim} {i}" for dim, i in zip(dims, index, strict=True))
+
+
+def largest_error(actual: dict, expected: dict, comparisons: dict) -> str:
+    """"Largest error in lse at [batch 0, head 1, query 5]: got nan, expected 2.73." for the
+    output that misses its bound the most."""
+    def badness(name):
+        c = comparisons[name]
+        return float("inf") if c.error != c.error else c.error / c.bound
+    name = max((n for n in comparisons if not comparisons[n].ok), key=badness)
+    a, r = actual[name], expected[name].reference
+    errors = _error_map(a, r)
+    index = tuple(int(i) for i in torch.unravel_index(torch.argmax(errors), errors.shape))
+    return (f"Largest error in {name} at [{_format_index(index, expected[name].dims)}]: "
+            f"got {a[index].item():.4g}, expected {r[index].item():.4g}.")
+
+
+def diagnose(actual: dict, expected: dict, comparisons: dict,
+             candidates: Iterable[Candidate] = (), detectors: Iterable[Detector] = ()) -> str:
+    """The message for outputs that fail the rule: a named mistake or invariant, then the largest error."""
+    message = first_matching(candidates, actual, expected, comparisons)
+    for detector in detectors:
+        if message is not None:
+            break
+        message = detector(actual, expected, comparisons)
+    if message is None:
+        failing = [c for c in comparisons.values() if not c.ok]
+        message = "does not match the reference: " + "; ".join(
+            f"{c.name} max-abs error {c.error:.3g} > bound {c.bound:.3g}" for c in failing) + "."
+    return f"{message} {largest_error(actual, expected, comparisons)}"
+
+
+def judge_outputs(case: Case, outcome: dict, names: tuple[str, ...], expected: Callable[[], dict], *,
+                  view: Callable[[dict], dict] | None = None,
+                  candidates: Callable[[], Iterable[Candidate]] = tuple,
+                  detectors: Iterable[Detector] = (), error_hints: Iterable[tuple[str, str]] = (),
+                  limit_message: str = "") -> Verdict:
+    """The whole judgement of one case whose function returns the tuple ``names``.
+
+    expected() builds {name: Expected} for every returned name (and every name of
+    the view); it and candidates() (the known mistakes) are only called when needed.
+    view maps the returned outputs to what is compared (default: themselves).
+    limit_message explains a broken ``case.tensor_limit``.
+    """
+    problem = outcome_problem(outcome, error_hints)
+    if problem:
+        return Verdict(False, problem)
+    actual = unpack(outcome["outputs"], names)
+    if isinstance(actual, str):
+        return Verdict(False, actual)
+    specs = expected()
+    problem = structure_problem(actual, {name: specs[name] for name in names})
+    if problem:
+        return Verdict(False, problem)
+    if view is not None:
+        actual = view(actual)
+    specs = {name: specs[name] for name in actual}
+    comparisons = compare_all(actual, specs)
+    if all(c.ok for c in comparisons.values()):
+        return over_limit(case, outcome, limit_message) or PASS
+    return Verdict(False, diagnose(actual, specs, comparisons, candidates(), detectors))
+
+
+def over_limit(case: Case, outcome: dict, limit_message: str) -> Verdict | None:
+    """A failing verdict when the call created a larger tensor than ``case.tensor_limit`` allows."""
+    largest = outcome.get("largest")
+    if case.tensor_limit is None or largest is None or largest <= case.tensor_limit:
+        return None
+    return Verdict(False, f"the values are right, but your function created a tensor of {largest} "
+                          f"elements (this case allows {case.tensor_limit}). {limit_message}".strip())
+
+
+def only_some_fail(results: list[tuple[Case, Verdict]], has_property: Callable[[Case], bool],
+                   hint: str) -> str | None:
+    """``hint`` when every failing case has the property and at least one case without it passes."""
+    failing = [case for case, verdict in results if not verdict.passed]
+    passing = [case for case, verdict in results if verdict.passed]
+    if failing and all(has_property(c) for c in failing) and any(not has_property(c) for c in passing):
+        return hint
+    return None
