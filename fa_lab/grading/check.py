@@ -26,7 +26,9 @@ def harness_cases(cases: list[Case]) -> list[tuple]:
 
 def run_exercise(exercise: Exercise, fn, cases: list[Case]) -> list[tuple[Case, Verdict]]:
     """Run ``fn`` on ``cases`` in this process (forbidden calls watched) and judge each one."""
-    return judge_cases(exercise, cases, harness.run_cases(fn, exercise.calling, harness_cases(cases)))
+    outcomes = harness.run_cases(fn, exercise.calling, harness_cases(cases),
+                                 exercise.forbidden, exercise.allowed)
+    return judge_cases(exercise, cases, outcomes)
 
 
 def summary_hint(exercise: Exercise, results: list[tuple[Case, Verdict]]) -> str | None:

@@ -156,8 +156,8 @@ async def _grade_exercise(session: KernelSession, exercise: Exercise, seed: int,
                           number: int) -> ExerciseReport:
     cases = exercise.cases(seed)
     request_path, result_path = folder / f"request_{number}.pt", folder / f"result_{number}.pt"
-    torch.save({"function": exercise.function, "calling": exercise.calling,
-                "cases": harness_cases(cases)}, request_path)
+    torch.save({"function": exercise.function, "calling": exercise.calling, "cases": harness_cases(cases),
+                "forbidden": list(exercise.forbidden), "allowed": list(exercise.allowed)}, request_path)
     run = await session.run_snippet(_SNIPPET.format(harness=harness.__file__, request=str(request_path),
                                                     result=str(result_path)))
     return _score(exercise, cases, _load_reply(result_path, len(cases)), run)

@@ -11,7 +11,9 @@ This module runs in two places:
 While the learner's code runs, :class:`CallGuard` watches every Python and C
 call (``sys.setprofile`` sees both) and records calls to what the exercise asks
 the learner to write: PyTorch's SDPA (all its back ends), FlexAttention,
-``fa_lab.attention`` and the course's own implementations and solutions.
+``fa_lab.attention`` and the course's own implementations and solutions, plus
+what an exercise forbids itself (e.g. ``fa_lab.fp8`` in lab 04), except what it
+allows (a reference the exercise may call, together with everything that calls).
 :class:`TensorProbe` records the largest floating-point tensor any operator
 creates, so a check can tell a tiled algorithm from one that builds the full
 (Nq, Nk) score matrix.
@@ -32,6 +34,9 @@ CALLING_CONVENTIONS = ("call", "autograd")
 # Modules whose every function counts as "calling the answer" (fa_lab.kernels' submodules hold
 # the kernels; fa_lab.kernels itself also has helpers such as load_triton, which stay allowed).
 FORBIDDEN_MODULES = ("fa_lab.flash_torch", "fa_lab.online_softmax", "fa_lab.kernels.", "fa_lab.grading.labs")
+# Exceptions among them: the interpreter fixes that load_triton installs, which Triton's interpreter
+# calls from inside any kernel (the learner's too).
+ALLOWED_MODULES = ("fa_lab.kernels.interpreter_fixes",)
 # Single functions of modules that the learner may otherwise use (e.g. fa_lab.reference.causal_mask).
 FORBIDDEN_FUNCTIONS = frozenset({
     ("fa_lab", "attention"),
@@ -39,6 +44,12 @@ FORBIDDEN_FUNCTIONS = frozenset({
     ("fa_lab.reference", "naive_attention"),
     ("fa_lab.reference", "reference_attention"),
 })
+
+
+def listed(qualified: str, names) -> bool:
+    """True when ``qualified`` ("module.function") is one of ``names`` or lies in one of them
+    (a name may be a module: "fa_lab.fp8" lists every function of fa_lab.fp8)."""
+    return any(qualified == name or qualified.startswith(name + ".") for name in names)
 
 
 def forbidden_torch_name(name: str) -> bool:
@@ -52,12 +63,16 @@ class CallGuard:
     ``calls`` lists the outermost forbidden calls (not what they call in turn), in
     order, without repeats. Switching the monitor off (``sys.setprofile`` or
     ``threading.setprofile`` from inside the call) is itself recorded.
+    forbidden, allowed: dotted names of functions or modules (see :func:`listed`)
+    forbidden on top of the course-wide list, or let through with everything
+    they call.
     """
 
-    def __init__(self):
+    def __init__(self, forbidden=(), allowed=()):
         self.calls: list[str] = []
+        self.forbidden, self.allowed = tuple(forbidden), tuple(allowed)
         self._active = False
-        self._outer = None  # the frame, or the builtin, of the forbidden call in progress
+        self._outer = None  # the frame, or the builtin, of the forbidden (or allowed) call in progress
         self._hook = self._profile  # one bound-method object, so that sys.getprofile() can be compared to it
 
     def _record(self, what: str, outer) -> None:
@@ -75,7 +90,13 @@ class CallGuard:
             if module == "threading" and name == "setprofile":
                 self._record("threading.setprofile (it switches the grader's call monitor off)", None)
             elif self._outer is None:
+                qualified = f"{module}.{name}" if self.forbidden or self.allowed else ""
+                if self.allowed and listed(qualified, self.allowed):
+                    self._outer = frame  # allowed: what it calls in turn is not examined
+                    return
                 what = _forbidden_frame(module, name, frame)
+                if not what and self.forbidden and listed(qualified, self.forbidden):
+                    what = None if _importing(frame) else qualified
                 if what:
                     self._record(what, frame)
         elif event == "c_call":
@@ -114,7 +135,8 @@ def _importing(frame) -> bool:
 
 def _forbidden_frame(module: str, name: str, frame) -> str | None:
     """What a Python call is, when it is forbidden: "fa_lab.attention", "torch: aten.<op>", ..."""
-    if module.startswith(FORBIDDEN_MODULES) or (module, name) in FORBIDDEN_FUNCTIONS:
+    forbidden_module = module.startswith(FORBIDDEN_MODULES) and not module.startswith(ALLOWED_MODULES)
+    if forbidden_module or (module, name) in FORBIDDEN_FUNCTIONS:
         return None if _importing(frame) else f"{module}.{name}"
     if not module.startswith("torch"):
         return None
@@ -146,12 +168,16 @@ def encode(value, depth: int = 0):
     """What the grader can load back safely (``torch.load(weights_only=True)``).
 
     Tensors become plain detached CPU tensors, tuples and lists become lists,
-    numbers, strings and None stay; anything else becomes a string naming its type.
+    dicts keep their string keys, numbers, strings and None stay; anything else
+    becomes a string naming its type.
     """
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu").as_subclass(torch.Tensor).clone()
     if isinstance(value, (tuple, list)) and depth < 2:
         return [encode(item, depth + 1) for item in value]
+    if isinstance(value, dict) and depth < 2:
+        return {key if type(key) is str else f"<{type(key).__name__} key>": encode(item, depth + 1)
+                for key, item in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return f"<{type(value).__module__}.{type(value).__name__} object>"
@@ -159,11 +185,16 @@ def encode(value, depth: int = 0):
 
 def describe_exception(exc: BaseException) -> str:
     """``"IndexError: ... (in flash_forward, at: acc[i] = ...)"``: the error and the learner's
-    line that raised it."""
+    line that raised it, followed into the errors it was raised from (Triton's interpreter
+    re-raises an error in a kernel as an InterpreterError from it)."""
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if f.filename != __file__ and "site-packages" not in f.filename
-              and "/torch/" not in f.filename and f.line]
+    frames, cause, seen = [], exc, set()
+    while cause is not None and id(cause) not in seen:  # a chain can be made to loop
+        seen.add(id(cause))
+        frames = [f for f in traceback.extract_tb(cause.__traceback__)
+                  if f.filename != __file__ and "site-packages" not in f.filename
+                  and "/torch/" not in f.filename and f.line] or frames
+        cause = cause.__cause__
     if frames:
         text += f" (in {frames[-1].name}, at: {frames[-1].line.strip()})"
     return text
@@ -199,8 +230,9 @@ def _fresh(value):
     return value
 
 
-def run_cases(fn, calling: str, cases) -> list[dict]:
+def run_cases(fn, calling: str, cases, forbidden=(), allowed=()) -> list[dict]:
     """Call ``fn`` on each case; cases: list of (args, probe) with probe True to run TensorProbe.
+    forbidden, allowed: the exercise's own additions to the watched calls (see :class:`CallGuard`).
 
     Returns one dict per case: ``outputs`` (encoded, or None), ``error`` (str or None),
     ``forbidden`` (list of forbidden calls) and ``largest`` (TensorProbe's count, or None).
@@ -212,7 +244,7 @@ def run_cases(fn, calling: str, cases) -> list[dict]:
         result = {"outputs": None, "error": None, "forbidden": [], "largest": None}
         args = _fresh(args)
         tensor_probe = TensorProbe() if probe else None
-        with CallGuard() as guard:
+        with CallGuard(forbidden, allowed) as guard:
             try:
                 with tensor_probe if probe else contextlib.nullcontext():
                     result["outputs"] = encode(_call(fn, calling, args))
@@ -227,7 +259,8 @@ def run_cases(fn, calling: str, cases) -> list[dict]:
 def serve(namespace: dict, request_path: str, result_path: str) -> None:
     """In the grading kernel: run the request saved at ``request_path`` against ``namespace``.
 
-    request: {"function": name, "calling": convention, "cases": [[args, probe], ...]}.
+    request: {"function": name, "calling": convention, "cases": [[args, probe], ...],
+    "forbidden": [...], "allowed": [...]} (the last two optional).
     Saves {"status": "ran" | "missing" | "not callable", "results": [...]} to ``result_path``.
     """
     request = torch.load(request_path, weights_only=True)
@@ -237,5 +270,7 @@ def serve(namespace: dict, request_path: str, result_path: str) -> None:
     elif not callable(fn):
         reply = {"status": "not callable", "results": []}
     else:
-        reply = {"status": "ran", "results": run_cases(fn, request["calling"], request["cases"])}
+        results = run_cases(fn, request["calling"], request["cases"], request.get("forbidden", ()),
+                            request.get("allowed", ()))
+        reply = {"status": "ran", "results": results}
     torch.save(reply, result_path)

@@ -55,6 +55,9 @@ class Exercise:
         the reference, in the grader's process, and diagnoses a failure.
     summarize(results): optional hint drawn from all (case, verdict) pairs
         (e.g. "only the causal cases fail").
+    forbidden, allowed: dotted names of functions or modules that this exercise
+        forbids on top of the course-wide list, or lets the learner call (a
+        reference the exercise builds on); see :class:`fa_lab.grading.harness.CallGuard`.
     """
 
     name: str
@@ -65,6 +68,8 @@ class Exercise:
     judge: Callable[[Case, dict], Verdict]
     calling: str = "call"
     summarize: Callable[[list[tuple[Case, Verdict]]], str | None] | None = None
+    forbidden: tuple[str, ...] = ()
+    allowed: tuple[str, ...] = ()
 
     def cases(self, seed: int | None = None) -> list[Case]:
         """The public cases, followed by the hidden ones drawn from ``seed`` when it is given."""

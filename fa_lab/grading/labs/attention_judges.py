@@ -109,7 +109,8 @@ def nan_detector(actual, expected, comparisons):
     return None
 
 
-def _wrong_rows(actual, expected, comparisons, names_and_dims) -> set[int]:
+def wrong_rows(actual, expected, comparisons, names_and_dims) -> set[int]:
+    """The query rows where any output misses its bound; names_and_dims: (output name, its query dim)."""
     rows = set()
     for name, row_dim in names_and_dims:
         wrong = wrong_positions(actual[name], expected[name].reference, comparisons[name].bound)
@@ -129,7 +130,7 @@ def row_detectors(q, k, causal, block_q, names_and_dims):
     last_block = set(range(seqlen_q - partial_rows, seqlen_q)) if has_last_block else set()
 
     def only_empty_rows(actual, expected, comparisons):
-        rows = _wrong_rows(actual, expected, comparisons, names_and_dims)
+        rows = wrong_rows(actual, expected, comparisons, names_and_dims)
         if empty and rows and rows <= empty:
             return (f"only the queries that see no key are wrong (queries 0 to {max(empty)} here, "
                     "since Nq > Nk). Such a row has no visible score: it must give out = 0 and "
@@ -138,7 +139,7 @@ def row_detectors(q, k, causal, block_q, names_and_dims):
         return None
 
     def only_last_block(actual, expected, comparisons):
-        rows = _wrong_rows(actual, expected, comparisons, names_and_dims)
+        rows = wrong_rows(actual, expected, comparisons, names_and_dims)
         if last_block and rows and rows <= last_block:
             return (f"only the last query block is wrong (queries {min(last_block)} to "
                     f"{max(last_block)}): when Nq is not a multiple of block_q, the last block is "
@@ -186,9 +187,9 @@ def summarize(results, causal_index: int):
                               "and cast the result back to the input dtype at the end."))
 
 
-def judge_forward(case, outcome):
-    """fn(q, k, v, causal, scale[, block_q, block_k]) -> (out, lse)."""
-    q, k, v, causal, scale, *blocks = case.args
+def forward_candidates(q, k, v, causal, scale, blocks=()):
+    """The known mistakes of a forward fn(q, k, v, causal, scale[, block_q, block_k]) -> (out, lse),
+    as (message, thunk) pairs; blocks: (block_q, block_k) when the function tiles with them."""
     used = resolve_scale(q, scale)
     correct = _mask(q, k, causal)
 
@@ -200,32 +201,42 @@ def judge_forward(case, outcome):
         out, lse = mistakes.tiled_forward(q, k, v, used, correct, blocks[1], **mistake)
         return {"out": out, "lse": lse}
 
-    def candidates():
-        yield from mask_candidates(q, k, causal, exact, blocks)
-        yield from scale_candidates(q, scale, lambda score_scale, _: exact(correct, score_scale))
-        if blocks:
-            yield from _tiling_candidates(tiled)
-        reference = exact(correct)
-        row_max = mistakes.scores(q, k, used, correct).amax(dim=-1)
-        yield ("lse is in log base 2, but the course's lse is a natural log: lse = m + ln(l). If you "
-               "worked with exp2, multiply by ln 2 at the end.",
-               lambda: {**reference, "lse": reference["lse"] / math.log(2)})
-        yield "lse is only the running max m: it must be m + log(l).", lambda: {**reference, "lse": row_max}
-        yield ("lse is missing the running max: it must be m + log(l), not log(l).",
-               lambda: {**reference, "lse": torch.where(torch.isinf(row_max), reference["lse"],
-                                                        reference["lse"] - row_max)})
-        seqlen_k = k.shape[-2]
-        if blocks and seqlen_k % blocks[1] and seqlen_k > blocks[1]:
-            full = seqlen_k - seqlen_k % blocks[1]
-            kept = torch.arange(seqlen_k)[None, :] < full
-            yield (f"the last key block is ignored (keys {full} to {seqlen_k - 1}): when Nk is not a "
-                   "multiple of block_k the last block is shorter, but it still counts.",
-                   lambda: exact(kept if correct is None else correct & kept))
+    yield from mask_candidates(q, k, causal, exact, blocks)
+    yield from scale_candidates(q, scale, lambda score_scale, _: exact(correct, score_scale))
+    if blocks:
+        yield from _tiling_candidates(tiled)
+    reference = exact(correct)
+    row_max = mistakes.scores(q, k, used, correct).amax(dim=-1)
+    yield ("lse is in log base 2, but the course's lse is a natural log: lse = m + ln(l). If you "
+           "worked with exp2, multiply by ln 2 at the end.",
+           lambda: {**reference, "lse": reference["lse"] / math.log(2)})
+    yield "lse is only the running max m: it must be m + log(l).", lambda: {**reference, "lse": row_max}
+    yield ("lse is missing the running max: it must be m + log(l), not log(l).",
+           lambda: {**reference, "lse": torch.where(torch.isinf(row_max), reference["lse"],
+                                                    reference["lse"] - row_max)})
+    seqlen_k = k.shape[-2]
+    if blocks and seqlen_k % blocks[1] and seqlen_k > blocks[1]:
+        full = seqlen_k - seqlen_k % blocks[1]
+        kept = torch.arange(seqlen_k)[None, :] < full
+        yield (f"the last key block is ignored (keys {full} to {seqlen_k - 1}): when Nk is not a "
+               "multiple of block_k the last block is shorter, but it still counts.",
+               lambda: exact(kept if correct is None else correct & kept))
 
-    detectors = (overflow_detector(_largest_score(q, k, scale, causal)),
-                 *row_detectors(q, k, causal, blocks[0] if blocks else None, (("out", -2), ("lse", -1))))
+
+def forward_detectors(q, k, causal, scale, block_q=None):
+    """The detectors for a forward's (out, lse): overflow, rows that see no key, NaN, and (with
+    block_q) errors only in the last, shorter query block."""
+    return (overflow_detector(_largest_score(q, k, scale, causal)),
+            *row_detectors(q, k, causal, block_q, (("out", -2), ("lse", -1))))
+
+
+def judge_forward(case, outcome):
+    """fn(q, k, v, causal, scale[, block_q, block_k]) -> (out, lse)."""
+    q, k, v, causal, scale, *blocks = case.args
     return judge_outputs(case, outcome, ("out", "lse"), lambda: forward_expected(q, k, v, causal, scale),
-                         candidates=candidates, detectors=detectors, limit_message=TILES_ONLY)
+                         candidates=lambda: forward_candidates(q, k, v, causal, scale, blocks),
+                         detectors=forward_detectors(q, k, causal, scale, blocks[0] if blocks else None),
+                         limit_message=TILES_ONLY)
 
 
 def _tiling_candidates(tiled):

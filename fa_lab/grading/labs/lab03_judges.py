@@ -1,0 +1,204 @@
+"""Judging lab 03's Triton forward: the attention judges plus what belongs to a kernel.
+
+A case calls ``flash_forward_triton(q, k, v, causal, scale, block_m, block_n) -> (out, lse)``.
+:func:`judge_kernel` applies the tolerance rule and, on a failure, tries the shared forward
+mistakes (:func:`.attention_judges.forward_candidates`: masks, scales, rescaling, the LSE) and
+the mistakes of a kernel that tiles with ``block_m`` x ``block_n``: padding keys of a ragged
+last key tile that keep a score of 0, a causal mask applied only in a program's last key tile,
+and a grid that never computes the last, partial query tile.
+
+Block skipping is judged on cases whose V holds NaN from some key tile on
+(:func:`poisoned_rows`): see :func:`judge_skipping`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ...reference import softmax_with_lse
+from ..judge import (
+    Verdict,
+    compare_all,
+    judge_outputs,
+    largest_error,
+    only_some_fail,
+    outcome_problem,
+    structure_problem,
+    unpack,
+)
+from . import attention_judges as judges
+from . import attention_mistakes as mistakes
+
+NAMES = ("out", "lse")
+ROWS = (("out", -2), ("lse", -1))
+NOT_IMPLEMENTED = ("not implemented yet: your kernel, or a @triton.jit function it calls (causal_key_end, "
+                   "causal_visible), still raises NotImplementedError.")
+ERROR_HINTS = (
+    ("power of 2",
+     "Triton blocks have power-of-two sizes: launch with HEAD_DIM = triton.next_power_of_2(head_dim) "
+     "(at least 16) and mask the columns past head_dim."),
+    ("cannot be accessed from Triton",
+     "This machine has CUDA, so Triton compiles the kernel for the GPU, but the checks pass CPU "
+     "tensors. Run the lab's first cell, which sets TRITON_INTERPRET=1 before fa_lab imports triton, "
+     "after restarting the kernel."),
+)
+
+
+def _padding_keys(q, k, v, scale: float, count: int) -> dict:
+    """Attention with ``count`` extra keys of score 0 and value 0: what a kernel computes when it
+    loads a ragged last key tile with other=0 and leaves the padding's scores unmasked."""
+    s = mistakes.scores(q, k, scale, None)
+    p, lse = softmax_with_lse(torch.cat([s, s.new_zeros(*s.shape[:-1], count)], dim=-1))
+    return {"out": torch.matmul(p[..., :k.shape[-2]], v.double()), "lse": lse}
+
+
+def _mask_in_last_tile_only(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int) -> torch.Tensor:
+    """(Nq, Nk) bool: the keys a skipping kernel uses when it masks only the last key tile of each
+    program (every key of the earlier tiles counts, the last tile is masked right)."""
+    offset = seqlen_k - seqlen_q
+    rows = torch.arange(seqlen_q)[:, None]
+    cols = torch.arange(seqlen_k)[None, :]
+    tile_start = rows // block_m * block_m
+    key_end = torch.clamp(tile_start + block_m + offset, 0, seqlen_k)
+    last_tile = (key_end - 1) // block_n * block_n
+    return (cols < last_tile) | (cols <= rows + offset)
+
+
+def kernel_candidates(q, k, v, causal, scale, block_m, block_n):
+    """The mistakes of a tiled kernel, as (message, thunk) pairs; thunks return {out, lse} in float64."""
+    used = judges.resolve_scale(q, scale)
+    seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
+    padding = -seqlen_k % block_n
+    if not causal and padding:  # with causal=True the diagonal hides the padding keys anyway
+        yield (f"the last key tile is ragged (Nk = {seqlen_k} is not a multiple of BLOCK_N = {block_n}), and "
+               f"its {padding} padding keys count, with a score of 0: loading them with other=0 gives "
+               "q . k = 0, not -inf. Set the scores of keys past seqlen_k to -inf "
+               "(tl.where(offs_n < seqlen_k, s, float('-inf'))).",
+               lambda: _padding_keys(q, k, v, used, padding))
+        if padding > 1:
+            yield (f"key {seqlen_k}, one past the last, counts with a score of 0: the real keys are "
+                   "offs_n < seqlen_k, not offs_n <= seqlen_k.", lambda: _padding_keys(q, k, v, used, 1))
+    if causal:
+        mask = _mask_in_last_tile_only(seqlen_q, seqlen_k, block_m, block_n)
+        yield ("the causal mask is applied only in the last key tile of each program, but the diagonal "
+               "can run through more than one tile (when BLOCK_M > BLOCK_N, or when Nk - Nq is not a "
+               "multiple of BLOCK_N): mask every tile a program visits, or at least every tile that "
+               "holds a key past some row's diagonal.",
+               lambda: dict(zip(NAMES, mistakes.attention(q, k, v, used, mask), strict=True)))
+
+
+def partial_tile_detector(seqlen_q: int, block_m: int):
+    """Errors only in the rows of the last query tile, when it is partial (a grid too small)."""
+    first = seqlen_q // block_m * block_m
+
+    def only_partial_tile(actual, expected, comparisons):
+        rows = judges.wrong_rows(actual, expected, comparisons, ROWS)
+        if first == seqlen_q or not rows or min(rows) < first:
+            return None
+        which = f"query {first} is" if first == seqlen_q - 1 else f"queries {first} to {seqlen_q - 1} are"
+        return (f"only {which} wrong: the rows of the last query tile, which "
+                f"is partial (Nq = {seqlen_q} is not a multiple of BLOCK_M = {block_m}). Launch "
+                "triton.cdiv(seqlen_q, BLOCK_M) programs along the grid's first axis (seqlen_q // BLOCK_M "
+                "drops this tile), and mask its loads and stores with offs_m < seqlen_q.")
+    return only_partial_tile
+
+
+def first_nan_key(v) -> int | None:
+    """The first key whose value vector holds NaN in any batch or head (v: (B, H, Nk, d)), or None."""
+    nan_keys = torch.nonzero(torch.isnan(v).flatten(0, 1).any(dim=0).any(dim=-1)).flatten()
+    return int(nan_keys[0]) if nan_keys.numel() else None
+
+
+def poisoned_rows(case) -> tuple[int, int] | None:
+    """For a case whose V holds NaN from some key on: (rows, keys), the first ``rows`` queries, whose
+    programs never need a key tile with NaN, and the ``keys`` keys those rows see. None without NaN."""
+    q, k, v, causal, scale, block_m, block_n = case.args
+    first = first_nan_key(v)
+    if first is None:
+        return None
+    offset = k.shape[-2] - q.shape[-2]
+    tile_start = first // block_n * block_n
+    rows = min(max(tile_start - offset, 0) // block_m * block_m, q.shape[-2])
+    return rows, rows + offset
+
+
+def judge_skipping(case, outcome) -> Verdict:
+    """A causal case whose V holds NaN in the key tiles that the first ``rows`` queries' programs skip.
+
+    A program that loads such a tile anyway multiplies the NaN by P = 0 (0 x NaN = NaN), so those
+    rows come out NaN although their lse (which does not involve V) is right: that is the sign of
+    missing block skipping. Otherwise the rows are judged as the same problem cut down to them
+    (q[:rows], k[:keys], v[:keys] keeps Nk - Nq, so the causal mask is unchanged); the later
+    rows see NaN values and are not judged.
+    """
+    q, k, v, causal, scale, block_m, block_n = case.args
+    rows, keys = poisoned_rows(case)
+    problem = outcome_problem(outcome, ERROR_HINTS)
+    if problem:
+        return Verdict(False, problem)
+    actual = unpack(outcome["outputs"], NAMES)
+    if isinstance(actual, str):
+        return Verdict(False, actual)
+    problem = structure_problem(actual, judges.forward_expected(q, k, v.nan_to_num(), causal, scale))
+    if problem:
+        return Verdict(False, problem)
+    cut = (q[..., :rows, :], k[..., :keys, :], v[..., :keys, :])
+    seen = {"out": actual["out"][..., :rows, :], "lse": actual["lse"][..., :rows]}
+    cut_case = replace(case, args=(*cut, causal, scale, block_m, block_n))
+    cut_outcome = {**outcome, "outputs": [seen["out"], seen["lse"]]}
+    verdict = _judge(cut_case, cut_outcome)
+    expected = judges.forward_expected(*cut, causal, scale)
+    comparisons = compare_all(seen, expected)
+    if verdict.passed or not torch.isnan(seen["out"]).any():
+        return verdict
+    if not comparisons["lse"].ok:  # NaN from keys these rows should not see: the lse names the mistake
+        message = _judge(cut_case, cut_outcome, lse_only=True).message
+        return Verdict(False, f"{message} (This case's V holds NaN from key {first_nan_key(v)} on, on "
+                              f"purpose: NaN in queries 0 to {rows - 1} means their programs read it.)")
+    return Verdict(False, (
+        f"queries 0 to {rows - 1} get NaN in out, though their lse is right and none of them sees a key "
+        f"from {first_nan_key(v)} on, where this case's V holds NaN. Their programs loaded V tiles past the "
+        "diagonal and multiplied the NaN by P = 0 (0 x NaN = NaN): a program must skip the key tiles "
+        "from causal_key_end on (no row of its tile sees them), not load them and mask them. "
+        + largest_error(seen, expected, comparisons)))
+
+
+def _judge(case, outcome, lse_only: bool = False) -> Verdict:
+    """The tolerance rule and the diagnosis; lse_only: compare and diagnose the lse alone."""
+    q, k, v, causal, scale, block_m, block_n = case.args
+
+    def candidates():
+        yield from judges.forward_candidates(q, k, v, causal, scale, (block_m, block_n))
+        yield from kernel_candidates(q, k, v, causal, scale, block_m, block_n)
+
+    detectors = () if lse_only else (partial_tile_detector(q.shape[-2], block_m),
+                                     *judges.forward_detectors(q, k, causal, scale))
+    return judge_outputs(case, outcome, NAMES, lambda: judges.forward_expected(q, k, v, causal, scale),
+                         view=(lambda outputs: {"lse": outputs["lse"]}) if lse_only else None,
+                         candidates=candidates, detectors=detectors, error_hints=ERROR_HINTS)
+
+
+def judge_kernel(case, outcome) -> Verdict:
+    """flash_forward_triton(q, k, v, causal, scale, block_m, block_n) -> (out, lse)."""
+    error = outcome["error"] or ""
+    if not outcome["forbidden"] and "InterpreterError" in error and "NotImplementedError" in error:
+        return Verdict(False, NOT_IMPLEMENTED)  # raised in a @triton.jit function, wrapped by the interpreter
+    return judge_skipping(case, outcome) if poisoned_rows(case) else _judge(case, outcome)
+
+
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
+
+
+def summarize(results) -> str | None:
+    """A hint when only the non-contiguous cases, or only those with an odd head_dim, fail."""
+    return (only_some_fail(
+                results, lambda c: not all(t.is_contiguous() for t in c.args[:3]),
+                "Only the non-contiguous cases fail: pointer arithmetic with seqlen * head_dim assumes "
+                "contiguous tensors, so call .contiguous() on q, k and v in the launcher (or pass their "
+                "strides to the kernel).")
+            or only_some_fail(
+                results, lambda c: not _power_of_two(c.args[0].shape[-1]),
+                "Only the cases whose head_dim is not a power of two fail: HEAD_DIM must be the next power "
+                "of two, and every load and store must mask the columns offs_d >= head_dim."))

@@ -1,0 +1,137 @@
+"""Lab 03's checks accept the solution's Triton kernel and reject typical wrong kernels with the right
+diagnosis.
+
+Every mutant is the solution notebook's own code with one edit a learner might make (the test fails
+if the edit no longer applies), run in-process, in Triton's interpreter, through the same judges the
+grader uses, on the public cases and (marked slow) on the hidden cases of one seed.
+"""
+from __future__ import annotations
+
+import itertools
+import linecache
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from fa_lab.grading.check import run_exercise, summary_hint
+from fa_lab.grading.registry import get_lab
+
+SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "lab03_triton_forward.ipynb"
+LAB = get_lab("lab03")
+EXERCISES = {e.name: e for e in LAB.exercises}
+PRELUDE = ("import torch\nfrom fa_lab.kernels import load_triton\n"
+           "triton = load_triton()\nimport triton.language as tl\n")
+_sources = itertools.count()
+
+
+def solution_namespace(edits=()):
+    """Run the solution's exercise cells (those with a solution region) and return the namespace.
+
+    edits: (name, old, new) triples applied to the cell that defines ``name``; each must apply once.
+    The code is registered with linecache, since @triton.jit reads a function's source.
+    """
+    sources = [c.source for c in nbformat.read(SOLUTION, as_version=4).cells
+               if c.cell_type == "code" and "# BEGIN SOLUTION" in c.source]
+    for name, old, new in edits:
+        [index] = [i for i, source in enumerate(sources) if f"def {name}(" in source]
+        assert sources[index].count(old) == 1, f"edit does not apply once: {old!r}"
+        sources[index] = sources[index].replace(old, new)
+    source = PRELUDE + "\n\n".join(sources)
+    filename = f"<lab03 solution {next(_sources)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    namespace = {}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace
+
+
+def results_for(exercise_name, namespace, seeds=(), public=True):
+    exercise = EXERCISES[exercise_name]
+    cases = exercise.cases() if public else []
+    for seed in seeds:
+        cases += [c for c in exercise.cases(seed) if c.hidden]
+    return run_exercise(exercise, namespace[exercise.function], cases)
+
+
+@pytest.mark.parametrize("exercise", list(EXERCISES))
+def test_solution_passes_public_and_hidden_cases(exercise):
+    results = results_for(exercise, solution_namespace(), seeds=(3, 4))
+    failures = [f"{case.name}: {verdict.message}" for case, verdict in results if not verdict.passed]
+    assert not failures, "\n".join(failures)
+
+
+KERNEL, LAUNCHER = "flash_forward_kernel", "flash_forward_triton"
+# (exercise, what the learner got wrong, edits of the solution, words the diagnosis must contain)
+MUTANTS = [
+    ("forward_kernel", "padding keys keep a score of 0",
+     [(KERNEL, 's = tl.where(visible, s, float("-inf"))', "")], "padding keys count"),
+    ("forward_kernel", "key seqlen_k counts",
+     [(KERNEL, "visible = offs_n[None, :] < seqlen_k", "visible = offs_n[None, :] <= seqlen_k")],
+     "one past the last"),
+    ("forward_kernel", "grid misses the partial query tile",
+     [(LAUNCHER, "grid = (triton.cdiv(seqlen_q, block_m), batch * heads)",
+       "grid = (seqlen_q // block_m, batch * heads)")], "triton.cdiv(seqlen_q, BLOCK_M)"),
+    ("forward_kernel", "q, k, v not made contiguous",
+     [(LAUNCHER, "q, k, v = q.contiguous(), k.contiguous(), v.contiguous()", "")], "non-contiguous"),
+    ("forward_kernel", "lse in log2",
+     [(KERNEL, "(m_i + tl.math.log2(l_safe)) * 0.6931471805599453", "(m_i + tl.math.log2(l_safe))")],
+     "log base 2"),
+    ("forward_kernel", "lse without the max",
+     [(KERNEL, "(m_i + tl.math.log2(l_safe)) * 0.6931471805599453",
+       "tl.math.log2(l_safe) * 0.6931471805599453")], "missing the running max"),
+    ("forward_kernel", "accumulator not rescaled",
+     [(KERNEL, "acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot(")],
+     "accumulator is not rescaled"),
+    ("forward_kernel", "l not rescaled",
+     [(KERNEL, "l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)")], "l is not rescaled"),
+    ("forward_kernel", "scale applied twice",
+     [(KERNEL, "s = tl.dot(q, tl.trans(k)) * qk_scale", "s = tl.dot(q, tl.trans(k)) * qk_scale * scale")],
+     "scale is applied twice"),
+    ("forward_kernel", "a typo inside the kernel",
+     [(KERNEL, "l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_j * alpha + tl.sum(p, 1)")],
+     "NameError(\"name 'l_j' is not defined\") (in flash_forward_kernel, at: l_i = l_j * alpha"),
+    ("causal_kernel", "causal mask misses the diagonal",
+     [("causal_visible", "offs_n[None, :] <= offs_m[:, None]", "offs_n[None, :] < offs_m[:, None]")],
+     "off by one"),
+    ("causal_kernel", "causal mask one key too far",
+     [("causal_visible", "offs_m[:, None] + (seqlen_k - seqlen_q)",
+       "offs_m[:, None] + (seqlen_k - seqlen_q) + 1"),
+      ("causal_key_end", "start_m + BLOCK_M + seqlen_k - seqlen_q",
+       "start_m + BLOCK_M + seqlen_k - seqlen_q + 1")],
+     "off by one"),
+    ("causal_kernel", "causal mask aligned top-left",
+     [("causal_visible", "offs_m[:, None] + (seqlen_k - seqlen_q)", "offs_m[:, None]"),
+      ("causal_key_end", "start_m + BLOCK_M + seqlen_k - seqlen_q", "start_m + BLOCK_M")], "top-left"),
+    ("causal_kernel", "causal mask only in the last tile of a program",
+     [(KERNEL, "if CAUSAL:  # Part 2: nor do",
+       "if CAUSAL and start_n + BLOCK_N >= key_end:  # Part 2: nor do")],
+     "only in the last key tile"),
+    ("causal_kernel", "no block skipping",
+     [("causal_key_end", "return tl.minimum(seqlen_k, start_m + BLOCK_M + seqlen_k - seqlen_q)",
+       "return seqlen_k")], "must skip the key tiles"),
+    ("causal_kernel", "no guard for a running max of -inf",
+     [(KERNEL, 'm_safe = tl.where(m_new == float("-inf"), 0.0, m_new)', "m_safe = m_new")], "see no key"),
+    ("causal_kernel", "no guard for l = 0",
+     [(KERNEL, "out = acc / l_safe[:, None]", "out = acc / l_i[:, None]")], "see no key"),
+    ("causal_kernel", "Part 2 not written yet",
+     [("causal_visible", "return offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q)",
+       "raise NotImplementedError")], "still raises NotImplementedError"),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's, in the interpreter, for NaN and 0 / 0
+@pytest.mark.parametrize("cases", ["public", pytest.param("hidden", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("exercise, mistake, edits, words", MUTANTS, ids=[m[1] for m in MUTANTS])
+def test_mutant_fails_with_its_diagnosis(exercise, mistake, edits, words, cases):
+    """On the public cases, and (slow) on the hidden cases of one seed."""
+    hidden = cases == "hidden"
+    namespace = solution_namespace(edits)
+    results = results_for(exercise, namespace, seeds=(11,) if hidden else (), public=not hidden)
+    failing = [(case, verdict) for case, verdict in results if not verdict.passed]
+    assert failing, f"every case passes with the mistake: {mistake}"
+    hint = summary_hint(EXERCISES[exercise], results)
+    named = [v.message for _, v in failing if words in v.message] + ([hint] if hint and words in hint else [])
+    report = "\n".join(f"{c.name}: {v.message}" for c, v in failing) + f"\nhint: {hint}"
+    assert named, f"no diagnosis says {words!r}:\n{report}"
+    # The diagnosis names this mistake for most of the failing cases, not by luck on one.
+    assert len(named) >= len(failing) / 2, report
