@@ -56,7 +56,7 @@ lint: setup
 	$(PY) -m ruff check fa_lab tests
 
 bench: setup
-	$(VENV)/bin/fa-lab bench --device cpu
+	$(VENV)/bin/fa-lab bench --device cpu --json benchmarks/cpu_2core.json --plot benchmarks/cpu_2core.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -76,6 +76,7 @@ def parse_args(argv):
     parser.add_argument("--json", metavar="FILE", help="write the results here")
     parser.add_argument("--plot", metavar="FILE", help="save a PNG of time and memory vs seqlen")
     args = parser.parse_args(argv)
+    args.seqlens_given = args.seqlens
     defaults = QUICK if args.quick else FULL
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -86,10 +87,8 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark that ``argv`` asks for, print its table; 0 on success, 2 on a usage error."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.device != "cpu":
-        print("fa-lab bench: GPU benchmark not available yet (it comes with the Triton kernels); "
-              "run `fa-lab bench --device cpu`", file=sys.stderr)
-        return 2
+    if args.device == "cuda":
+        return run_cuda(args)
     warn_if_busy()
     results = run_cpu(args)
     print(describe(results))
@@ -110,6 +109,18 @@ def warn_if_busy() -> None:
         print(f"fa-lab bench: warning: load average {load:.1f} on {cores} cores before starting; other "
               "processes compete for the CPU, so times will be slower and noisier than on an idle machine",
               file=sys.stderr)
+
+
+def run_cuda(args) -> int:
+    """The GPU protocol (:mod:`fa_lab.bench_gpu`): FA3-paper shapes with every peer; 2 without CUDA."""
+    if not torch.cuda.is_available():
+        print("fa-lab bench: --device cuda needs a CUDA GPU; run `fa-lab bench --device cpu`", file=sys.stderr)
+        return 2
+    from .bench_gpu import SEQLENS
+    from .bench_gpu import main as gpu_main
+
+    gpu_argv = ["--json", args.json or "bench_gpu.json", "--seqlens", *map(str, args.seqlens_given or SEQLENS)]
+    return gpu_main(gpu_argv + (["--plot", args.plot] if args.plot else []))
 
 
 def median_ms(fn, *args, repeats: int = 3, warmup: int = 1) -> float:
@@ -253,7 +264,8 @@ def plot_results(results: dict, metrics=("fwd_tflops", "bwd_tflops"), impls=None
     """``metrics`` vs seqlen, one line per impl, one panel per (head_dim, causal, metric).
 
     Panels whose metric is null everywhere (e.g. backward on a CPU run) are left
-    out; a peak taken from the model is drawn as a hollow marker. Returns a Figure.
+    out; a peak taken from the model is drawn as a hollow marker. Panels wrap into
+    rows of at most four. Returns a Figure.
     """
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -265,9 +277,13 @@ def plot_results(results: dict, metrics=("fwd_tflops", "bwd_tflops"), impls=None
               if any(r[metric] is not None for r in rows if (r["head_dim"], r["causal"]) == (d, causal))]
     if not panels:
         raise ValueError(f"no row has any of the metrics {list(metrics)}")
-    fig = Figure(figsize=(panel_size[0] * len(panels), panel_size[1] + 0.5), dpi=dpi)
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (head_dim, causal, metric) in zip(axes, panels, strict=True):
+    columns = min(4, len(panels))
+    grid_rows = -(-len(panels) // columns)
+    fig = Figure(figsize=(panel_size[0] * columns, panel_size[1] * grid_rows + 0.5), dpi=dpi)
+    axes = fig.subplots(grid_rows, columns, squeeze=False).ravel()
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    for ax, (head_dim, causal, metric) in zip(axes, panels):
         for index, impl in enumerate(impls):
             mine = sorted((r for r in rows if r[metric] is not None
                            and (r["impl"], r["head_dim"], r["causal"]) == (impl, head_dim, causal)),

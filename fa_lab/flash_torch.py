@@ -22,8 +22,9 @@ import torch
 from .online_softmax import SoftmaxState, online_softmax_update
 from .reference import causal_mask
 
-# Measured on a 2-core CPU (B=1, H=8, N=8K, d=64, fp32): tiles of 512 x 256 keep S
-# in cache and run within 1.3x of SDPA; larger tiles spill and get slower.
+# Measured on a 2-core CPU (B=1, H=8, N=8K, d=64, fp32): tiles of 512 x 256 keep S in
+# cache and ran at 1.3-1.45x of SDPA's time on an idle machine (benchmarks/cpu_2core.json);
+# larger tiles spill out of cache and get slower.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 256
 
