@@ -26,8 +26,13 @@ from .bench import empty_row, environment, format_table, plot_results, save_resu
 from .bench_gpu import flex_impl, measure, protocol_shapes, sdpa_impl, time_fwd_bwd, triton_impl
 from .iomodel import AttentionShape, attention_flops
 from .kernels.configs import TileConfig
-from .kernels.hopper import (HopperOptions, fp8_forward, quantize_for_kernel, triton_hopper_attention,
-                             triton_hopper_fp8_attention)
+from .kernels.hopper import (
+    HopperOptions,
+    fp8_forward,
+    quantize_for_kernel,
+    triton_hopper_attention,
+    triton_hopper_fp8_attention,
+)
 from .testing import check_attention, make_qkv
 
 BF16_CONFIGS = [TileConfig(128, 128, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 3),
@@ -88,7 +93,7 @@ def explore(log: list) -> dict:
         try:
             if kind == "bf16":
                 q, k, v = make_qkv(2, 4, 1000, 1100, 128, torch.bfloat16, "cuda", generator=generator)
-                check_attention(lambda *a: triton_hopper_attention(*a, config=config, options=options),
+                check_attention(lambda *a, c=config, o=options: triton_hopper_attention(*a, config=c, options=o),
                                 q, k, v, causal, None, grads=False, generator=generator)
                 fn = hopper_fn(config, options)
             else:

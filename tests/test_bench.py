@@ -6,6 +6,7 @@ import datetime
 import json
 
 import pytest
+import torch
 
 from fa_lab import bench
 from fa_lab.iomodel import AttentionShape
@@ -96,9 +97,20 @@ def test_plot_results_draws_one_panel_per_metric_with_data(quick_run):
         bench.plot_results(results, metrics=("bwd_tflops",))
 
 
-def test_gpu_mode_says_it_is_not_available_yet(capsys):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_mode_without_cuda_says_what_it_needs(capsys):
     assert bench.main(["--device", "cuda"]) == 2
-    assert "GPU benchmark not available yet" in capsys.readouterr().err
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_mode_forwards_to_the_gpu_protocol(monkeypatch, tmp_path):
+    import fa_lab.bench_gpu as bench_gpu
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_gpu, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert bench.main(["--device", "cuda", "--seqlens", "1024", "2048", "--json", str(tmp_path / "r.json")]) == 0
+    assert seen["argv"] == ["--json", str(tmp_path / "r.json"), "--seqlens", "1024", "2048"]
 
 
 def test_median_ms_runs_warmup_then_repeats():

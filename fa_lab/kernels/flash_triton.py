@@ -8,6 +8,7 @@ head_dim, 16-byte aligned strides), picks the tile configuration and launches.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -117,15 +118,25 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def on_device(t: torch.Tensor):
+    """The CUDA device context of t (Triton launches on the current device); a no-op on CPU."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 class TritonAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves the prepared q, k, v, O and the LSE for the backward."""
+    """Autograd wrapper: saves the prepared q, k, v, O and the LSE for the backward.
+
+    ``forward_fn(qp, kp, vp, causal, scale) -> (out, lse)`` runs on prepared operands
+    (:func:`triton_forward` with a tile config, or the Hopper forward); the backward is
+    always :func:`triton_backward`.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, fwd_config, bwd_config):
+    def forward(ctx, q, k, v, causal, scale, forward_fn, bwd_config):
         head_dim = q.shape[-1]
         qp, kp, vp = kernel_operand(q), kernel_operand(k), kernel_operand(v)
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            out, lse = triton_forward(qp, kp, vp, causal, scale, fwd_config)
+        with on_device(q):
+            out, lse = forward_fn(qp, kp, vp, causal, scale)
         ctx.save_for_backward(qp, kp, vp, out, lse)
         ctx.args = (causal, scale, bwd_config, head_dim)
         ctx.mark_non_differentiable(lse)
@@ -136,7 +147,7 @@ class TritonAttentionFunction(torch.autograd.Function):
         qp, kp, vp, out, lse = ctx.saved_tensors
         causal, scale, bwd_config, head_dim = ctx.args
         grad_out = kernel_operand(grad_out.to(qp.dtype))
-        with torch.cuda.device(qp.device) if qp.is_cuda else contextlib.nullcontext():
+        with on_device(qp):
             dq, dk, dv = triton_backward(qp, kp, vp, out, lse, grad_out, causal, scale, bwd_config)
         return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None
 
@@ -147,4 +158,5 @@ def triton_attention(q, k, v, causal: bool, scale: float | None,
     load_triton()
     check_triton_inputs(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return TritonAttentionFunction.apply(q, k, v, causal, scale, fwd_config, bwd_config)
+    forward_fn = functools.partial(triton_forward, config=fwd_config)
+    return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, bwd_config)

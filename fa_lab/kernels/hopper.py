@@ -11,14 +11,22 @@ and K (incoherent processing, :mod:`fa_lab.fp8`); the output is in q's dtype.
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from . import interpreting, load_triton
 from .configs import TileConfig, forward_config, head_dim_bucket
-from .flash_triton import LOG2E, check_triton_inputs, descriptor, kernel_operand, triton_backward, triton_cdiv
+from .flash_triton import (
+    LOG2E,
+    TritonAttentionFunction,
+    check_triton_inputs,
+    descriptor,
+    kernel_operand,
+    on_device,
+    triton_cdiv,
+)
 
 
 @dataclass(frozen=True)
@@ -67,36 +75,13 @@ def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, opt
     return out, lse
 
 
-class TritonHopperFunction(torch.autograd.Function):
-    """The Hopper forward with the portable recomputation backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, config, options):
-        head_dim = q.shape[-1]
-        qp, kp, vp = kernel_operand(q), kernel_operand(k), kernel_operand(v)
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            out, lse = hopper_forward(qp, kp, vp, causal, scale, config, options)
-        ctx.save_for_backward(qp, kp, vp, out, lse)
-        ctx.args = (causal, scale, head_dim)
-        ctx.mark_non_differentiable(lse)
-        return out[..., :head_dim], lse
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        qp, kp, vp, out, lse = ctx.saved_tensors
-        causal, scale, head_dim = ctx.args
-        grad_out = kernel_operand(grad_out.to(qp.dtype))
-        with torch.cuda.device(qp.device) if qp.is_cuda else contextlib.nullcontext():
-            dq, dk, dv = triton_backward(qp, kp, vp, out, lse, grad_out, causal, scale)
-        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None
-
-
 def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions()):
-    """impl="triton_hopper": (out, lse); gradients through the portable backward."""
+    """impl="triton_hopper": (out, lse); gradients through the portable recomputation backward."""
     load_triton()
     check_triton_inputs(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return TritonHopperFunction.apply(q, k, v, causal, scale, config, options)
+    forward_fn = functools.partial(hopper_forward, config=config, options=options)
+    return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, None)
 
 
 def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True):
@@ -151,7 +136,7 @@ def triton_hopper_fp8_attention(q, k, v, causal, scale, config: TileConfig | Non
     config = config or forward_config(head_dim, causal, interpreting())
     with torch.no_grad():
         q8, k8, vt8, descales = quantize_for_kernel(q, k, v, config, rotate)
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        with on_device(q):
             out, lse = fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, scale, config, q.dtype, head_dim)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out = _ForwardOnly.apply(out, q, k, v)

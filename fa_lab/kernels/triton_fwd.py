@@ -39,13 +39,14 @@ def key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n, qk_scale, offs_m,
-                  seqlen_k, causal_offset,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """Fold the K/V tile starting at key ``start_n`` into (acc, l_i, m_i)."""
-    k = desc_k.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-    qk = tl.dot(q, tl.trans(k))
+def online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k, causal_offset,
+                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """The online-softmax update for one tile of raw scores qk = Q K^T: (BLOCK_M, BLOCK_N).
+
+    Returns (p, alpha, l_i, m_new): the unnormalized probabilities exp2(qk * qk_scale - m_new),
+    the factor exp2(m_old - m_new) that rescales everything accumulated so far, and the
+    new running sum and max (in log2 units, since qk_scale = scale * log2(e)).
+    """
     if MASKED:
         # Only the tiles on the causal diagonal or at the ragged end pay for a mask.
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -64,7 +65,19 @@ def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n, qk_sca
         m_sub = m_new
         p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n, qk_scale, offs_m,
+                  seqlen_k, causal_offset,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Fold the K/V tile starting at key ``start_n`` into (acc, l_i, m_i)."""
+    k = desc_k.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    qk = tl.dot(q, tl.trans(k))
+    p, alpha, l_i, m_new = online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k,
+                                               causal_offset, BLOCK_N, MASKED, CAUSAL)
     v = desc_v.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import key_range
+from .triton_fwd import key_range, online_softmax_tile
 
 # P in [0, 1] times 256 stays below e4m3's maximum (448) and keeps small probabilities representable.
 P_SCALE = tl.constexpr(256.0)
@@ -49,21 +49,8 @@ def _fold_tile(acc, l_i, m_i, s, desc_v, v_descale_ptr, kv_tile_base, batch, hea
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, FP8: tl.constexpr):
     """Online-softmax update with the score tile ``s`` of keys [start_n, start_n + BLOCK_N)."""
-    if MASKED:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: exp2(-inf) = 0
-        p = tl.math.exp2(s - m_sub[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_sub = m_new
-        p = tl.math.exp2(s * qk_scale - m_sub[:, None])
-    alpha = tl.math.exp2(m_i - m_sub)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, l_i, m_new = online_softmax_tile(s, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k, causal_offset,
+                                               BLOCK_N, MASKED, CAUSAL)
     if FP8:
         v_t = desc_v.load([batch, head, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
         pv = tl.dot((p * P_SCALE).to(v_t.dtype), tl.trans(v_t))
