@@ -69,6 +69,20 @@ def online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k, causa
 
 
 @triton.jit
+def write_output(acc, l_i, m_i, desc_o, lse_ptr, batch, head, pid_bh, start_m, offs_m, seqlen_q,
+                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The epilogue: O = acc / l, normalized once (FA2's deferred rescale), and lse = ln 2 (m + log2 l).
+
+    A row that saw no key (l = 0) gets O = 0 and lse = -inf. lse_ptr: (B, H, seqlen_q) float32.
+    """
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
+    tl.store(lse_ptr + pid_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    desc_o.store([batch, head, start_m, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+
+
+@triton.jit
 def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n, qk_scale, offs_m,
                   seqlen_k, causal_offset,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -120,9 +134,5 @@ def attention_fwd_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
                                       qk_scale, offs_m, seqlen_k, causal_offset,
                                       BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL)
 
-    # Epilogue: normalize once (FA2's deferred rescale); a row that saw no key gets O = 0, lse = -inf.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
-    tl.store(lse_ptr + pid_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-    desc_o.store([batch, head, start_m, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+    write_output(acc, l_i, m_i, desc_o, lse_ptr, batch, head, pid_bh, start_m, offs_m, seqlen_q,
+                 BLOCK_M, HEAD_DIM)

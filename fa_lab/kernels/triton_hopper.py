@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import key_range, online_softmax_tile
+from .triton_fwd import key_range, online_softmax_tile, write_output
 
 # P in [0, 1] times 256 stays below e4m3's maximum (448) and keeps small probabilities representable.
 P_SCALE = tl.constexpr(256.0)
@@ -116,8 +116,5 @@ def attention_fwd_hopper_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
                                    start_n, qk_scale, offs_m, seqlen_k, causal_offset,
                                    BLOCK_N, HEAD_DIM, True, CAUSAL, FP8)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
-    tl.store(lse_ptr + pid_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-    desc_o.store([batch, head, start_m, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+    write_output(acc, l_i, m_i, desc_o, lse_ptr, batch, head, pid_bh, start_m, offs_m, seqlen_q,
+                 BLOCK_M, HEAD_DIM)
