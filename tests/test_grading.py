@@ -1,6 +1,6 @@
 """The grader: what it detects in-process, its command line, and whole gradings in real kernels.
 
-The kernel tests (marked slow) grade the solution (full marks), the lab as handed out
+The kernel tests (marked slow) grade the solution (full marks), every lab as handed out
 (0), a folder of renamed and broken submissions (one CSV), and one hostile notebook
 that loops forever ignoring interrupts, calls SDPA, monkeypatches the checks and
 deletes a function. Every one of them checks that the submission is left unchanged.
@@ -8,8 +8,6 @@ deletes a function. Every one of them checks that the submission is left unchang
 from __future__ import annotations
 
 import csv
-import hashlib
-import json
 import subprocess
 import sys
 import types
@@ -18,20 +16,16 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from labkit import ROOT, digest, grade_json
 
 import fa_lab
 from fa_lab import cli
 from fa_lab.grading.check import run_exercise
 from fa_lab.grading.registry import get_lab
 
-ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab01_flash_attention_cpu.ipynb"
 LAB_NOTEBOOK = ROOT / "labs" / "lab01_flash_attention_cpu.ipynb"
 FORWARD = {e.name: e for e in get_lab("lab01").exercises}["flash_forward"]
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def forward_results(fn):
@@ -178,16 +172,10 @@ def test_bench_forwards_its_arguments(monkeypatch):
 
 # ---- whole gradings in real kernels ----------------------------------------------------------
 
-def _grade_json(path: Path, tmp_path: Path, *extra) -> tuple[int, dict]:
-    out = tmp_path / f"{path.stem}.json"
-    status = cli.main(["grade", str(path), "--seed", "7", "--json", str(out), *extra])
-    return status, json.loads(out.read_text())
-
-
 @pytest.mark.slow
 def test_the_solution_gets_full_marks(tmp_path):
     before = digest(SOLUTION)
-    status, report = _grade_json(SOLUTION, tmp_path)
+    status, report = grade_json(SOLUTION, tmp_path)
     assert status == 0
     assert report["lab"] == "lab01" and report["seed"] == 7
     assert report["score"] == report["max_score"] == 10
@@ -218,8 +206,9 @@ def test_a_folder_gives_one_csv_row_per_submission(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_lab_as_handed_out_scores_zero(tmp_path):
-    status, report = _grade_json(LAB_NOTEBOOK, tmp_path)
+@pytest.mark.parametrize("lab", ["lab01", "lab03", "lab04"])
+def test_the_lab_as_handed_out_scores_zero(lab, tmp_path):
+    status, report = grade_json(ROOT / "labs" / get_lab(lab).notebook, tmp_path)
     assert status == 0 and report["score"] == 0 and report["max_score"] == 10
     for exercise in report["exercises"]:
         assert exercise["status"] == "graded" and exercise["passed"] == 0
@@ -280,7 +269,7 @@ def test_a_hostile_submission_is_graded_without_hanging(tmp_path):
     path = tmp_path / "hostile.ipynb"
     hostile_notebook(path)
     before = digest(path)
-    status, report = _grade_json(path, tmp_path, "--timeout", "15")
+    status, report = grade_json(path, tmp_path, "--timeout", "15")
     assert status == 0
     exercises = {e["name"]: e for e in report["exercises"]}
     assert report["score"] == 0

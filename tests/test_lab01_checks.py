@@ -6,54 +6,29 @@ same judges the grader uses, on the public cases and the hidden cases of two see
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-import nbformat
 import pytest
+from labkit import ROOT, assert_diagnosed, assert_no_failures, exercise_results, run_sources, solution_cells
 
-from fa_lab.grading.check import run_exercise, summary_hint
 from fa_lab.grading.registry import get_lab
 
-SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "lab01_flash_attention_cpu.ipynb"
+SOLUTION = ROOT / "solutions" / "lab01_flash_attention_cpu.ipynb"
 LAB = get_lab("lab01")
 EXERCISES = {e.name: e for e in LAB.exercises}
 SEEDS = (11, 12)
 
 
 def solution_namespace(edits=(), function=None):
-    """Run the solution's exercise cells (those with a solution region) and return the namespace.
-
-    edits: (old, new) pairs applied to the cell that defines ``function``, or
-    (name, old, new) triples applied to the cell that defines ``name``; each must apply once.
-    """
-    sources = [c.source for c in nbformat.read(SOLUTION, as_version=4).cells
-               if c.cell_type == "code" and "# BEGIN SOLUTION" in c.source]
-    for edit in edits:
-        name, old, new = edit if len(edit) == 3 else (function, *edit)
-        [index] = [i for i, source in enumerate(sources)
-                   if f"def {name}(" in source or f"class {name}(" in source]
-        assert sources[index].count(old) == 1, f"edit does not apply once: {old!r}"
-        sources[index] = sources[index].replace(old, new)
-    namespace = {}
-    exec("import torch", namespace)
-    for source in sources:
-        exec(compile(source, str(SOLUTION), "exec"), namespace)
-    return namespace
+    """Run the solution's exercise cells (edited, for a mutant) and return the namespace."""
+    return run_sources(solution_cells(SOLUTION), edits, function, prelude="import torch\n")
 
 
 def results_for(exercise_name, namespace, seeds=SEEDS):
-    exercise = EXERCISES[exercise_name]
-    cases = exercise.cases()
-    for seed in seeds:
-        cases += [c for c in exercise.cases(seed) if c.hidden]
-    return run_exercise(exercise, namespace[exercise.function], cases)
+    return exercise_results(EXERCISES[exercise_name], namespace, seeds)
 
 
 @pytest.mark.parametrize("exercise", [e.name for e in LAB.exercises])
 def test_solution_passes_public_and_hidden_cases(exercise):
-    results = results_for(exercise, solution_namespace(), seeds=(3, 4, 5))
-    failures = [f"{case.name}: {verdict.message}" for case, verdict in results if not verdict.passed]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results_for(exercise, solution_namespace(), seeds=(3, 4, 5)))
 
 
 # (exercise, what the learner got wrong, edits of the solution, words the diagnosis must contain)
@@ -143,10 +118,4 @@ MUTANTS = [
 @pytest.mark.parametrize("exercise, mistake, edits, words", MUTANTS, ids=[m[1] for m in MUTANTS])
 def test_mutant_fails_with_its_diagnosis(exercise, mistake, edits, words):
     results = results_for(exercise, solution_namespace(edits, EXERCISES[exercise].function))
-    failing = [(case, verdict) for case, verdict in results if not verdict.passed]
-    assert failing, f"every case passes with the mistake: {mistake}"
-    hint = summary_hint(EXERCISES[exercise], results)
-    named = [v.message for _, v in failing if words in v.message] + ([hint] if hint and words in hint else [])
-    assert named, f"no diagnosis says {words!r}:\n" + "\n".join(f"{c.name}: {v.message}" for c, v in failing)
-    # The diagnosis names this mistake for most of the failing cases, not by luck on one.
-    assert len(named) >= len(failing) / 2, "\n".join(f"{c.name}: {v.message}" for c, v in failing)
+    assert_diagnosed(EXERCISES[exercise], results, mistake, words)

@@ -7,57 +7,30 @@ grader uses, on the public cases and (marked slow) on the hidden cases of one se
 """
 from __future__ import annotations
 
-import itertools
-import linecache
-from pathlib import Path
-
-import nbformat
 import pytest
+from labkit import ROOT, assert_diagnosed, assert_no_failures, exercise_results, run_sources, solution_cells
 
-from fa_lab.grading.check import run_exercise, summary_hint
 from fa_lab.grading.registry import get_lab
 
-SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "lab03_triton_forward.ipynb"
+SOLUTION = ROOT / "solutions" / "lab03_triton_forward.ipynb"
 LAB = get_lab("lab03")
 EXERCISES = {e.name: e for e in LAB.exercises}
 PRELUDE = ("import torch\nfrom fa_lab.kernels import load_triton\n"
            "triton = load_triton()\nimport triton.language as tl\n")
-_sources = itertools.count()
 
 
 def solution_namespace(edits=()):
-    """Run the solution's exercise cells (those with a solution region) and return the namespace.
-
-    edits: (name, old, new) triples applied to the cell that defines ``name``; each must apply once.
-    The code is registered with linecache, since @triton.jit reads a function's source.
-    """
-    sources = [c.source for c in nbformat.read(SOLUTION, as_version=4).cells
-               if c.cell_type == "code" and "# BEGIN SOLUTION" in c.source]
-    for name, old, new in edits:
-        [index] = [i for i, source in enumerate(sources) if f"def {name}(" in source]
-        assert sources[index].count(old) == 1, f"edit does not apply once: {old!r}"
-        sources[index] = sources[index].replace(old, new)
-    source = PRELUDE + "\n\n".join(sources)
-    filename = f"<lab03 solution {next(_sources)}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    namespace = {}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace
+    """Run the solution's exercise cells (edited by (name, old, new) triples) and return the namespace."""
+    return run_sources(solution_cells(SOLUTION), edits, prelude=PRELUDE)
 
 
 def results_for(exercise_name, namespace, seeds=(), public=True):
-    exercise = EXERCISES[exercise_name]
-    cases = exercise.cases() if public else []
-    for seed in seeds:
-        cases += [c for c in exercise.cases(seed) if c.hidden]
-    return run_exercise(exercise, namespace[exercise.function], cases)
+    return exercise_results(EXERCISES[exercise_name], namespace, seeds, public)
 
 
 @pytest.mark.parametrize("exercise", list(EXERCISES))
 def test_solution_passes_public_and_hidden_cases(exercise):
-    results = results_for(exercise, solution_namespace(), seeds=(3, 4))
-    failures = [f"{case.name}: {verdict.message}" for case, verdict in results if not verdict.passed]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results_for(exercise, solution_namespace(), seeds=(3, 4)))
 
 
 KERNEL, LAUNCHER = "flash_forward_kernel", "flash_forward_triton"
@@ -127,11 +100,4 @@ def test_mutant_fails_with_its_diagnosis(exercise, mistake, edits, words, cases)
     hidden = cases == "hidden"
     namespace = solution_namespace(edits)
     results = results_for(exercise, namespace, seeds=(11,) if hidden else (), public=not hidden)
-    failing = [(case, verdict) for case, verdict in results if not verdict.passed]
-    assert failing, f"every case passes with the mistake: {mistake}"
-    hint = summary_hint(EXERCISES[exercise], results)
-    named = [v.message for _, v in failing if words in v.message] + ([hint] if hint and words in hint else [])
-    report = "\n".join(f"{c.name}: {v.message}" for c, v in failing) + f"\nhint: {hint}"
-    assert named, f"no diagnosis says {words!r}:\n{report}"
-    # The diagnosis names this mistake for most of the failing cases, not by luck on one.
-    assert len(named) >= len(failing) / 2, report
+    assert_diagnosed(EXERCISES[exercise], results, mistake, words)

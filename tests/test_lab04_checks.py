@@ -7,18 +7,16 @@ same judges the grader uses, on the public cases and the hidden cases of two see
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-import nbformat
 import pytest
 import torch
+from labkit import ROOT, assert_diagnosed, assert_no_failures, code_cells, exercise_results, run_sources
 
 from fa_lab.grading import harness
-from fa_lab.grading.check import run_exercise, summary_hint
+from fa_lab.grading.check import run_exercise
 from fa_lab.grading.labs.lab04_table import TABLE_SHAPE
 from fa_lab.grading.registry import get_lab
 
-SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "lab04_fp8_incoherent_processing.ipynb"
+SOLUTION = ROOT / "solutions" / "lab04_fp8_incoherent_processing.ipynb"
 LAB = get_lab("lab04")
 EXERCISES = {e.name: e for e in LAB.exercises}
 SEEDS = {"fp8_error_table": ()}
@@ -28,43 +26,24 @@ DEFAULT_SEEDS = (11, 12)
 def _definition_cells() -> list[str]:
     """The imports and every cell that starts by defining something (functions, TABLE_SHAPE), without
     the demonstrations and checks."""
-    sources = [c.source for c in nbformat.read(SOLUTION, as_version=4).cells if c.cell_type == "code"]
-    return [s for s in sources if s.startswith(("import", "def ", "TABLE_SHAPE"))
+    return [s for s in code_cells(SOLUTION) if s.startswith(("import", "def ", "TABLE_SHAPE"))
             and "print(" not in s and "check(" not in s]
 
 
 def solution_namespace(edits=(), function=None):
-    """Run the solution's definitions and return the namespace.
-
-    edits: (old, new) pairs applied to the cell that defines ``function``, or
-    (name, old, new) triples applied to the cell that defines ``name``; each must apply once.
-    """
-    sources = _definition_cells()
-    for edit in edits:
-        name, old, new = edit if len(edit) == 3 else (function, *edit)
-        [index] = [i for i, source in enumerate(sources) if f"def {name}(" in source]
-        assert sources[index].count(old) == 1, f"edit does not apply once: {old!r}"
-        sources[index] = sources[index].replace(old, new)
-    namespace = {}
-    for source in sources:
-        exec(compile(source, "<lab04 solution>", "exec"), namespace)
-    return namespace
+    """Run the solution's definitions (edited, for a mutant) and return the namespace."""
+    return run_sources(_definition_cells(), edits, function)
 
 
 def results_for(exercise_name, namespace, seeds=None):
-    exercise = EXERCISES[exercise_name]
-    cases = exercise.cases()
-    for seed in SEEDS.get(exercise_name, DEFAULT_SEEDS) if seeds is None else seeds:
-        cases += [c for c in exercise.cases(seed) if c.hidden]
-    return run_exercise(exercise, namespace[exercise.function], cases)
+    seeds = SEEDS.get(exercise_name, DEFAULT_SEEDS) if seeds is None else seeds
+    return exercise_results(EXERCISES[exercise_name], namespace, seeds)
 
 
 @pytest.mark.parametrize("exercise", [e.name for e in LAB.exercises])
 def test_solution_passes_public_and_hidden_cases(exercise):
     seeds = (3,) if exercise == "fp8_error_table" else (3, 4, 5)
-    results = results_for(exercise, solution_namespace(), seeds)
-    failures = [f"{case.name}: {verdict.message}" for case, verdict in results if not verdict.passed]
-    assert not failures, "\n".join(failures)
+    assert_no_failures(results_for(exercise, solution_namespace(), seeds))
 
 
 def test_the_notebook_uses_the_graders_table_shape():
@@ -165,14 +144,8 @@ MUTANTS = [
 @pytest.mark.parametrize("exercise, mistake, edits, words", MUTANTS, ids=[m[1] for m in MUTANTS])
 def test_mutant_fails_with_its_diagnosis(exercise, mistake, edits, words):
     results = results_for(exercise, solution_namespace(edits, EXERCISES[exercise].function))
-    failing = [(case, verdict) for case, verdict in results if not verdict.passed]
-    assert failing, f"every case passes with the mistake: {mistake}"
-    hint = summary_hint(EXERCISES[exercise], results)
     # A summary hint speaks for every failing case (it is only given when they all share its cause).
-    named = [v.message for _, v in failing if words in v.message or (hint and words in hint)]
-    assert named, f"no diagnosis says {words!r}:\n" + "\n".join(f"{c.name}: {v.message}" for c, v in failing)
-    # The diagnosis names this mistake for most of the failing cases, not by luck on one.
-    assert len(named) >= len(failing) / 2, "\n".join(f"{c.name}: {v.message}" for c, v in failing)
+    failing = assert_diagnosed(EXERCISES[exercise], results, mistake, words, hint_speaks_for_each_case=True)
     if words.startswith("fa_lab.fp8."):
         assert all(FORBIDDEN in v.message for _, v in failing)
 
