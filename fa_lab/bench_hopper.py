@@ -84,7 +84,7 @@ def explore(log: list) -> dict:
     """Check and time every variant at d=128, 8K; return the fastest correct one per (kind, causal)."""
     best = {}
     generator = torch.Generator().manual_seed(0)
-    variants = [("bf16", cfg, HopperOptions(p, w)) for cfg in BF16_CONFIGS
+    variants = [("bf16", cfg, HopperOptions(kernel="triton", pipeline=p, warp_specialize=w)) for cfg in BF16_CONFIGS
                 for p, w in itertools.product((True, False), (False, True))]
     variants += [("fp8", cfg, None) for cfg in FP8_CONFIGS]
     for (kind, config, options), causal in itertools.product(variants, (False, True)):

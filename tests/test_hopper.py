@@ -22,7 +22,7 @@ def test_interpreter_hopper_variants(pipeline, seqlen_q, seqlen_k, causal, gener
     from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
 
     q, k, v = make_qkv(1, 2, seqlen_q, seqlen_k, 40, torch.bfloat16, generator=generator)
-    fn = lambda *a: triton_hopper_attention(*a, config=TileConfig(32, 32), options=HopperOptions(pipeline))
+    fn = lambda *a: triton_hopper_attention(*a, config=TileConfig(32, 32), options=HopperOptions(kernel="triton", pipeline=pipeline))
     check_attention(fn, q, k, v, causal, None, generator=generator)
 
 

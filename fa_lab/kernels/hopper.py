@@ -31,17 +31,61 @@ from .flash_triton import (
 
 @dataclass(frozen=True)
 class HopperOptions:
-    """Which FA3 ideas the kernel uses (each can be switched on or off to measure it).
+    """Which kernel and which FA3 ideas the forward uses (each can be switched to measure it).
 
-    The defaults are the fastest variant measured on an H200 with Triton 3.6
-    (benchmarks/h200_hopper_variants.json): at d=128, 8K, the pipelined loop ran
-    at 499 TFLOP/s with two shared-memory stages against 460 unpipelined, but it
-    needs the shared memory of the third stage, and unpipelined with three stages
-    ran at 516; Triton's warp-specialization pass changed nothing measurable.
+    ``kernel="gluon"``: the warp-specialized FA3 kernel of :mod:`fa_lab.kernels.gluon_fa3`
+    (producer warp + two consumer warpgroups, ``stages`` K/V slots, ``pingpong`` to
+    alternate the consumers' WGMMAs explicitly). It runs on sm_90 for head_dim <= 128
+    (padded to 64 or 128); other shapes and the CPU interpreter use ``kernel="triton"``.
+
+    ``kernel="triton"``: the plain-Triton kernel of :mod:`fa_lab.kernels.triton_hopper`,
+    with ``pipeline`` (QK^T of tile j+1 issued before the softmax of tile j) and
+    ``warp_specialize`` (Triton's own pass). On an H200 with Triton 3.6 the pipelined
+    loop ran at 499 TFLOP/s with two shared-memory stages against 460 unpipelined, but it
+    needs the shared memory of the third stage, and unpipelined with three stages ran at
+    516; Triton's warp-specialization pass changed nothing measurable
+    (benchmarks/h200_hopper_variants.json).
     """
 
+    kernel: str = "gluon"
     pipeline: bool = False
     warp_specialize: bool = False
+    stages: int = 2
+    pingpong: bool = False
+
+
+def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
+    """True when the Gluon FA3 kernel runs this input: asked for, on sm_90, head_dim bucket 64 or 128."""
+    return (options.kernel == "gluon" and q.is_cuda and not interpreting()
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and head_dim_bucket(q.shape[-1]) in (64, 128))
+
+
+def gluon_descriptor(t: torch.Tensor, block_rows: int):
+    """A Gluon TMA descriptor over t: (B, H, N, d8), block (1, 1, block_rows, padded head_dim)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, 1, block_rows, head_dim_bucket(t.shape[-1])]
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, element)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions()):
+    """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse)."""
+    from .gluon_fa3 import BLOCK_M, ROWS_PER_CONSUMER, attention_fwd_fa3_kernel
+
+    batch, heads, seqlen_q, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    block_n = 128
+    grid = (triton_cdiv(seqlen_q, BLOCK_M.value), batch * heads)
+    attention_fwd_fa3_kernel[grid](
+        gluon_descriptor(q, ROWS_PER_CONSUMER.value), gluon_descriptor(k, block_n), gluon_descriptor(v, block_n),
+        gluon_descriptor(out, ROWS_PER_CONSUMER.value), lse, heads, seqlen_q, k.shape[2], scale * LOG2E,
+        STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, num_warps=4, maxnreg=168)
+    return out, lse
 
 
 def hopper_launch(q, k, v, out, lse, descales, causal, scale, config, options, fp8=False):
@@ -67,6 +111,8 @@ def hopper_launch(q, k, v, out, lse, descales, causal, scale, config, options, f
 
 def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions()):
     """bf16/fp16 forward on prepared operands (as :func:`flash_triton.triton_forward`): (out, lse)."""
+    if uses_gluon(q, options):
+        return gluon_forward(q, k, v, causal, scale, options)
     config = config or forward_config(q.shape[-1], causal, interpreting())
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)

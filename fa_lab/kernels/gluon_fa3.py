@@ -1,0 +1,251 @@
+"""A FlashAttention-3 forward for Hopper (sm_90) written in Gluon.
+
+Gluon (``triton.experimental.gluon``, shipped with Triton 3.6) is Triton's
+lower-level language: the kernel author chooses the layouts, allocates shared
+memory, issues TMA copies and WGMMAs and synchronizes with mbarriers. That is
+what FlashAttention-3 needs and what plain Triton decides on its own. The
+kernel below is organised the way the FA3 paper describes it:
+
+* **Warp specialization.** One CTA computes ``BLOCK_M = 128`` query rows of one
+  (batch, head) with three partitions: a *producer* warp that only issues TMA
+  copies of Q, K and V into shared memory, and two *consumer* warpgroups
+  (4 warps each) that own 64 query rows each and only compute. The producer
+  gets 24 registers per thread, the consumers 240 (``setmaxnreg``).
+* **A circular buffer of K/V tiles** (``STAGES`` slots). Each slot has a
+  ``ready`` mbarrier (the TMA completes it, counting bytes) and an ``empty``
+  mbarrier that both consumers arrive on once they no longer read the slot, so
+  the producer runs up to ``STAGES`` tiles ahead. K and V have separate
+  barriers: a consumer frees K as soon as its scores are computed.
+* **Intra-warpgroup pipelining.** In iteration j a consumer issues
+  ``S_j = Q K_j^T`` *and* ``O += P_{j-1} V_{j-1}`` as asynchronous WGMMAs, then
+  waits for S_j only and runs the softmax of tile j while the tensor cores are
+  still busy with the P V product of tile j-1.
+* **Inter-warpgroup overlap.** The two consumers run the same loop on different
+  rows; the warp schedulers interleave one's softmax with the other's WGMMAs.
+  (FA3's explicit ping-pong orders this with named barriers; ``PINGPONG``
+  enforces the same alternation with a pair of mbarriers.)
+* **Epilogue through shared memory.** A consumer's Q tile is dead after its last
+  ``Q K^T``, so O is written into that buffer and stored with one TMA copy,
+  which also drops the rows past ``seqlen_q``.
+
+Tiles are addressed with 4-D TMA descriptors over (batch, heads, seqlen,
+head_dim), block (1, 1, rows, head_dim): keys past ``seqlen_k`` arrive as zeros
+and are masked to -inf in the scores. The kernel needs a Hopper GPU: it cannot
+run in Triton's CPU interpreter, but it compiles on any machine
+(:func:`compile_for_sm90`), which the CPU tests use.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+ROWS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's WGMMA covers 64 rows (4 warps x 16)
+CONSUMERS = gl.constexpr(2)
+BLOCK_M = gl.constexpr(128)  # ROWS_PER_CONSUMER * CONSUMERS
+PRODUCER_REGS = gl.constexpr(24)  # the minimum setmaxnreg allows: the producer holds only scalars
+CONSUMER_REGS = gl.constexpr(240)
+
+
+@gluon.jit
+def _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n_iter, first_masked): K/V tiles this CTA visits, and the first one that needs a mask.
+
+    Bottom-right causal alignment: query row i sees keys j <= i + (seqlen_k - seqlen_q).
+    A CTA whose rows see no key at all still visits one (fully masked) tile, so every
+    row leaves with l = 0 and gets O = 0, lse = -inf.
+    """
+    if CAUSAL:
+        offset = seqlen_k - seqlen_q
+        end = gl.minimum(seqlen_k, gl.maximum(start_m + BLOCK_M + offset, 0))
+        end_full = gl.minimum(gl.maximum(start_m + offset + 1, 0), end)
+    else:
+        end = seqlen_k
+        end_full = seqlen_k
+    n_tiles = gl.cdiv(end, BLOCK_N)
+    return gl.maximum(n_tiles, 1), gl.minimum(end_full // BLOCK_N, n_tiles)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter,
+              STAGES: gl.constexpr):
+    """TMA copies only: both Q halves once, then K_j and V_j into slot j % STAGES."""
+    q_ready, k_ready, v_ready, k_empty, v_empty, turn = bars
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS_PER_CONSUMER, 0], q_ready,
+                                        q_bufs.index(c))
+    for j in range(n_iter):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        # A fresh mbarrier counts as having completed the phase before phase 0,
+        # so the first STAGES waits on "empty" pass at once.
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, head, j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, head, j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_bufs.index(slot))
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, qk_scale, offs_m, j, first_masked, seqlen_q, seqlen_k,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+    """Online-softmax update with raw scores s = Q K_j^T: (64, BLOCK_N) fp32.
+
+    Returns (p, alpha, m_new, l_new), m in log2 units (qk_scale = scale * log2 e).
+    Only tiles from ``first_masked`` on pay for the mask (causal diagonal, ragged end).
+    """
+    if j >= first_masked:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = offs_n[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    # A row that has seen no visible key keeps m = -inf: subtract 0 there so exp2 gives 0, not NaN.
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
+    alpha = gl.exp2(m_i - m_sub)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _consumer(o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh, start_m, n_iter,
+              first_masked, seqlen_q, seqlen_k, qk_scale,
+              CONSUMER: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup: rows [start_m + 64 * CONSUMER, +64) through every K/V tile, then the epilogue."""
+    q_ready, k_ready, v_ready, k_empty, v_empty, turn = bars
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
+    HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
+    dtype: gl.constexpr = k_bufs.dtype
+    # WGMMA accumulator layouts: 4 warps stacked along the 64 rows, N = the full tile width.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    # P feeds the second WGMMA from registers; for 16-bit types the accumulator layout of S
+    # already is this operand layout, so the conversion moves no data (FA2/FA3's trick).
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q_smem = q_bufs.index(CONSUMER).reshape([ROWS_PER_CONSUMER, HEAD_DIM])
+    row0 = start_m + CONSUMER * ROWS_PER_CONSUMER
+    offs_m = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_layout)
+    m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, row_layout)
+    l_i = gl.full([ROWS_PER_CONSUMER], 0.0, gl.float32, row_layout)
+    s = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout)
+    o = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, o_layout)
+
+    # Prologue: scores and probabilities of tile 0.
+    mbarrier.wait(q_ready, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), 0)
+    s = warpgroup_mma(q_smem, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s,
+                      use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - CONSUMER))
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0))
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, offs_m, 0, first_masked, seqlen_q, seqlen_k,
+                                       BLOCK_N, CAUSAL, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_iter):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(CONSUMER), j & 1)
+        # Issue both GEMMs of this step: scores of tile j, and P V of tile j-1.
+        s = warpgroup_mma(q_smem, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s,
+                          use_acc=False, is_async=True)
+        o = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - CONSUMER))
+        # Wait for the scores only (one group, P V, may stay in flight) and free K_j.
+        s = warpgroup_mma_wait(1, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot))
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, offs_m, j, first_masked, seqlen_q,
+                                           seqlen_k, BLOCK_N, CAUSAL, s_layout)
+        # The softmax above ran while the tensor cores computed P_{j-1} V_{j-1}.
+        o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+        mbarrier.arrive(v_empty.index(prev))
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    last = (n_iter - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_iter - 1) // STAGES) & 1)
+    o = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
+    o = warpgroup_mma_wait(0, deps=(o,))
+    mbarrier.arrive(v_empty.index(last))
+
+    # Epilogue (FA2's deferred normalization): O / l once; lse = ln 2 * (m + log2 l).
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    gl.store(lse_ptr + pid_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    q_smem.store(o.to(dtype))  # the Q tile is dead: reuse its shared memory for O
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], q_bufs.index(CONSUMER))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, heads, seqlen_q, seqlen_k, qk_scale,
+                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """O and lse for 128 query rows of one (batch, head). Launch with num_warps=4.
+
+    q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k/v_desc over
+    (B, H, Nk, d), block (1, 1, BLOCK_N, d); lse_ptr: (B, H, Nq) float32; grid
+    (cdiv(Nq, 128), B * H); qk_scale = scale * log2(e).
+    """
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # the longest rows first, so the short ones fill the tail
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // heads
+    head = pid_bh % heads
+    start_m = pid_m * BLOCK_M
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    n_iter, first_masked = _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
+
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(turn.index(c), count=1)
+    if PINGPONG:  # consumer 0 issues first: give it its first turn
+        mbarrier.arrive(turn.index(0))
+    bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turn)
+
+    gl.warp_specialize([
+        (_consumer, (o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh, start_m, n_iter,
+                     first_masked, seqlen_q, seqlen_k, qk_scale, 0, STAGES, CAUSAL, PINGPONG)),
+        (_consumer, (o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh, start_m, n_iter,
+                     first_masked, seqlen_q, seqlen_k, qk_scale, 1, STAGES, CAUSAL, PINGPONG)),
+        (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
