@@ -2,14 +2,15 @@
 
 ``python -m fa_lab.bench_hopper --json FILE --plot FILE --log FILE`` runs, in one call:
 
-1. the variants of the Hopper kernel (GEMM-softmax pipelining and warp specialization
-   on/off, tile shapes), each checked for correctness first and then timed at d=128,
-   8K, causal and not: the ablation of the FA3 ideas, as measured (``--log``);
+1. the variants of the Hopper kernels (the Gluon FA3 kernel with 2 or 3 K/V stages and
+   with or without ping-pong; the plain-Triton kernel with and without its pipelined
+   loop), each checked for correctness first and then timed at d=128, 8K, causal and
+   not: the ablation of the FA3 ideas, as measured (``--log``);
 2. the FP8 kernel's RMSE on the FA3 paper's synthetic outlier data
    (:func:`fa_lab.fp8.outlier_qkv`) next to :func:`fa_lab.fp8.reproduce_error_table`'s
    ``flash_fp8`` row;
-3. the protocol at d=128, seqlen 1K-16K, causal and not, with the fastest variants, the
-   portable ``triton`` kernel, SDPA's FA2 and cuDNN back ends and FlexAttention, in the
+3. the protocol at d=128, seqlen 1K-16K, causal and not, with what ``impl="triton_hopper"``
+   and ``"triton_hopper_fp8"`` run by default, the portable ``triton`` kernel, SDPA's FA2 and cuDNN back ends and FlexAttention, in the
    results schema. FP8 rows time the kernel alone; the quantization and rotation are
    timed separately as impl ``triton_hopper_fp8_quant``.
 """
@@ -27,6 +28,8 @@ from .bench_gpu import flex_impl, measure, protocol_shapes, sdpa_impl, time_fwd_
 from .iomodel import AttentionShape, attention_flops
 from .kernels.configs import TileConfig
 from .kernels.hopper import (
+    FP8_OPTIONS,
+    GLUON_TILES,
     HopperOptions,
     fp8_forward,
     quantize_for_kernel,
@@ -35,10 +38,21 @@ from .kernels.hopper import (
 )
 from .testing import check_attention, make_qkv
 
-BF16_CONFIGS = [TileConfig(128, 128, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 3),
-                TileConfig(128, 128, 4, 2)]
-FP8_CONFIGS = [TileConfig(128, 128, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 3),
-               TileConfig(128, 64, 4, 3)]
+# The variants of the ablation, (label, tiles, options): the Gluon FA3 kernel with its switches,
+# and the plain-Triton kernel (tiles matter there only) with and without its pipelined loop.
+BF16_VARIANTS = [
+    ("gluon", None, HopperOptions(stages=2)),
+    ("gluon 3 stages", None, HopperOptions(stages=3)),
+    ("gluon ping-pong", None, HopperOptions(stages=2, pingpong=True)),
+    ("triton", TileConfig(128, 128, 8, 3), HopperOptions(kernel="triton")),
+    ("triton pipelined", TileConfig(128, 128, 8, 2), HopperOptions(kernel="triton", pipeline=True)),
+]
+FP8_VARIANTS = [
+    ("gluon", None, HopperOptions(stages=2)),
+    ("gluon 3 stages", None, HopperOptions(stages=3)),
+    ("gluon ping-pong", None, HopperOptions(stages=2, pingpong=True)),
+    ("triton", TileConfig(128, 128, 8, 3), HopperOptions(kernel="triton")),
+]
 
 
 def hopper_fn(config, options):
@@ -46,27 +60,35 @@ def hopper_fn(config, options):
                                                            options=options)[0]
 
 
-def fp8_kernel_fn(config, rotate=True):
+def fp8_tiles(config, options) -> TileConfig:
+    """The quantization blocks: the Gluon kernel's own tiles, or the Triton kernel's ``config``."""
+    return GLUON_TILES if options.kernel == "gluon" else config
+
+
+def fp8_kernel_fn(config, options=FP8_OPTIONS, rotate=True):
     """fn(q, k, v, causal) running only the FP8 kernel; the quantization happens once per input set."""
     cache = {}
+    tiles = fp8_tiles(config, options)
 
     def run(q, k, v, causal):
-        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        # (a freed tensor's address is reused by the next shape's: the key needs the shapes too)
+        key = tuple((t.data_ptr(), t.shape) for t in (q, k, v))
         if key not in cache:
             cache.clear()
             with torch.no_grad():
-                cache[key] = quantize_for_kernel(q, k, v, config, rotate)
+                cache[key] = quantize_for_kernel(q, k, v, tiles, rotate)
         q8, k8, vt8, descales = cache[key]
-        return fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, q.shape[-1] ** -0.5, config,
-                           q.dtype, q.shape[-1])[0]
+        return fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, q.shape[-1] ** -0.5, tiles,
+                           q.dtype, q.shape[-1], options)[0]
     return run
 
 
-def fp8_quant_fn(config, rotate=True):
-    return lambda q, k, v, causal: quantize_for_kernel(q, k, v, config, rotate)
+def fp8_quant_fn(config, options=FP8_OPTIONS, rotate=True):
+    tiles = fp8_tiles(config, options)
+    return lambda q, k, v, causal: quantize_for_kernel(q, k, v, tiles, rotate)
 
 
-def fp8_rmse(config, rotate=True, seed=0) -> float:
+def fp8_rmse(config, options=FP8_OPTIONS, rotate=True, seed=0) -> float:
     """RMSE of the FP8 kernel on the paper's outlier data, in ERROR_TABLE_SHAPE (fp16 inputs)."""
     from .fp8 import ERROR_TABLE_SHAPE, outlier_qkv, rmse
     from .reference import reference_attention
@@ -76,20 +98,17 @@ def fp8_rmse(config, rotate=True, seed=0) -> float:
                                 shape["head_dim"], torch.Generator().manual_seed(seed))
     reference = reference_attention(q64, k64, v64)[0]
     q, k, v = (t.to("cuda", torch.float16) for t in (q64, k64, v64))
-    out = triton_hopper_fp8_attention(q, k, v, False, None, config=config, rotate=rotate)[0]
+    out = triton_hopper_fp8_attention(q, k, v, False, None, config=config, rotate=rotate, options=options)[0]
     return rmse(out.cpu(), reference)
 
 
-def explore(log: list) -> dict:
-    """Check and time every variant at d=128, 8K; return the fastest correct one per (kind, causal)."""
-    best = {}
+def explore(log: list) -> None:
+    """Check, then time every variant at d=128, 8K, causal and not (the ablation); entries go to ``log``."""
     generator = torch.Generator().manual_seed(0)
-    variants = [("bf16", cfg, HopperOptions(kernel="triton", pipeline=p, warp_specialize=w)) for cfg in BF16_CONFIGS
-                for p, w in itertools.product((True, False), (False, True))]
-    variants += [("fp8", cfg, None) for cfg in FP8_CONFIGS]
-    for (kind, config, options), causal in itertools.product(variants, (False, True)):
-        entry = {"kind": kind, "causal": causal, "config": vars(config),
-                 "options": vars(options) if options else None}
+    variants = [("bf16", *v) for v in BF16_VARIANTS] + [("fp8", *v) for v in FP8_VARIANTS]
+    for (kind, label, config, options), causal in itertools.product(variants, (False, True)):
+        entry = {"kind": kind, "variant": label, "causal": causal, "config": vars(config) if config else None,
+                 "options": vars(options)}
         try:
             if kind == "bf16":
                 q, k, v = make_qkv(2, 4, 1000, 1100, 128, torch.bfloat16, "cuda", generator=generator)
@@ -97,21 +116,19 @@ def explore(log: list) -> dict:
                                 q, k, v, causal, None, grads=False, generator=generator)
                 fn = hopper_fn(config, options)
             else:
-                entry["rmse_outliers"] = fp8_rmse(config)
-                fn = fp8_kernel_fn(config)
+                if not causal:  # the paper's outlier data is non-causal
+                    entry["rmse_outliers"] = fp8_rmse(config, options)
+                fn = fp8_kernel_fn(config, options)
             shape = AttentionShape(2, 16, 8192, 128, causal=causal, dtype="bf16")
             ms = time_fwd_bwd(fn, shape, backward=False)[0]
         except Exception as exc:  # a variant that does not compile, fit or pass is reported, not fatal
             entry["error"] = repr(exc)[:300]
-            print(f"{kind} {config} {options} causal={causal}: {entry['error']}", file=sys.stderr)
+            print(f"{kind} {label} causal={causal}: {entry['error']}", file=sys.stderr)
             log.append(entry)
             continue
         entry.update(ms=ms, tflops=attention_flops(shape) / (ms * 1e-3) / 1e12)
-        print(f"{kind} {config} {options} causal={causal}: {entry['tflops']:.0f} TFLOP/s", file=sys.stderr)
+        print(f"{kind} {label} causal={causal}: {entry['tflops']:.0f} TFLOP/s", file=sys.stderr)
         log.append(entry)
-        if (kind, causal) not in best or ms < best[kind, causal][0]:
-            best[kind, causal] = (ms, config, options)
-    return best
 
 
 def quant_row(shape: AttentionShape, fn) -> dict:
@@ -133,29 +150,24 @@ def main(argv=None) -> int:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     args = parser.parse_args(argv)
     log = []
-    best = explore(log)
+    explore(log)
     from .fp8 import reproduce_error_table
     summary = {"variants": log, "fp8_error_table_cpu": reproduce_error_table(),
-               "best": {f"{kind},{causal}": {"config": vars(cfg), "options": vars(opt) if opt else None,
-                                             "ms": ms} for (kind, causal), (ms, cfg, opt) in best.items()}}
+               "defaults": {"bf16": vars(HopperOptions()), "fp8": vars(FP8_OPTIONS)}}
     with open(args.log, "w") as out:
         json.dump(summary, out, indent=1)
     results = {**environment("cuda"), "rows": []}
-    peers = {"triton": triton_impl(), "sdpa_flash": sdpa_impl("FLASH_ATTENTION"),
-             "sdpa_cudnn": sdpa_impl("CUDNN_ATTENTION"), "flex": flex_impl()}
+    # What impl="triton_hopper" / "triton_hopper_fp8" run by default, next to the peers.
+    impls = {"triton": triton_impl(), "sdpa_flash": sdpa_impl("FLASH_ATTENTION"),
+             "sdpa_cudnn": sdpa_impl("CUDNN_ATTENTION"), "flex": flex_impl(),
+             "triton_hopper": hopper_fn(None, HopperOptions())}
     for shape in protocol_shapes(tuple(args.seqlens), (128,)):
-        impls = dict(peers)
-        if ("bf16", shape.causal) in best:
-            _, cfg, opt = best["bf16", shape.causal]
-            impls["triton_hopper"] = hopper_fn(cfg, opt)
         for name, fn in impls.items():
             results["rows"].append(measure(name, fn, shape))
-        if ("fp8", shape.causal) in best:
-            _, cfg, _ = best["fp8", shape.causal]
-            row = empty_row("triton_hopper_fp8", shape)
-            ms = time_fwd_bwd(fp8_kernel_fn(cfg), shape, backward=False)[0]
-            row.update(fwd_ms=ms, fwd_tflops=attention_flops(shape) / (ms * 1e-3) / 1e12)
-            results["rows"] += [row, quant_row(shape, fp8_quant_fn(cfg))]
+        row = empty_row("triton_hopper_fp8", shape)
+        ms = time_fwd_bwd(fp8_kernel_fn(None, FP8_OPTIONS), shape, backward=False)[0]
+        row.update(fwd_ms=ms, fwd_tflops=attention_flops(shape) / (ms * 1e-3) / 1e12)
+        results["rows"] += [row, quant_row(shape, fp8_quant_fn(None, FP8_OPTIONS))]
         save_results(results, args.json)
         print(f"done d={shape.head_dim} N={shape.seqlen_q} causal={shape.causal}", file=sys.stderr)
     print(format_table(results["rows"]))

@@ -92,12 +92,14 @@ class Fp8Tensor:
         return self.scales[:, :, start // self.block, None, None]
 
 
-def quantize_e4m3(x: torch.Tensor, block: int | None = None) -> Fp8Tensor:
+def quantize_e4m3(x: torch.Tensor, block: int | None = None, floor_ratio: float = 0.0) -> Fp8Tensor:
     """Quantize x: (B, H, N, d) to e4m3 with scale = amax / 448.
 
     block=None: one scale for the whole tensor (per-tensor scaling). Otherwise
     one scale per (batch, head, block of ``block`` rows), the rows of one
-    kernel tile. An all-zero block gets scale 1.
+    kernel tile. An all-zero block gets scale 1. ``floor_ratio``: no block's
+    scale falls below that fraction of its head's largest (a kernel that divides
+    by the ratio of two scales needs it bounded).
     """
     if x.ndim != 4:
         raise ValueError(f"x must be (batch, heads, seqlen, head_dim), got shape {tuple(x.shape)}")
@@ -111,6 +113,7 @@ def quantize_e4m3(x: torch.Tensor, block: int | None = None) -> Fp8Tensor:
         num_blocks = -(-seqlen // block)
         padded = torch.nn.functional.pad(x, (0, 0, 0, num_blocks * block - seqlen))
         amax = padded.abs().view(batch, heads, num_blocks, block * head_dim).amax(dim=-1)
+        amax = torch.maximum(amax, floor_ratio * amax.amax(dim=-1, keepdim=True))
     scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     data = (x / _expand_to_rows(scales, block, seqlen)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return Fp8Tensor(data, scales.contiguous(), block)

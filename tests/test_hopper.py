@@ -22,7 +22,8 @@ def test_interpreter_hopper_variants(pipeline, seqlen_q, seqlen_k, causal, gener
     from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
 
     q, k, v = make_qkv(1, 2, seqlen_q, seqlen_k, 40, torch.bfloat16, generator=generator)
-    fn = lambda *a: triton_hopper_attention(*a, config=TileConfig(32, 32), options=HopperOptions(kernel="triton", pipeline=pipeline))
+    options = HopperOptions(kernel="triton", pipeline=pipeline)
+    fn = lambda *a: triton_hopper_attention(*a, config=TileConfig(32, 32), options=options)
     check_attention(fn, q, k, v, causal, None, generator=generator)
 
 
@@ -60,7 +61,70 @@ def test_fp8_is_forward_only(generator):
         out.sum().backward()
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("causal, stages, pingpong", [(False, 2, False), (True, 3, True)])
+def test_gluon_kernel_compiles_for_sm90_within_its_resources(head_dim, fp8, causal, stages, pingpong):
+    """Every Gluon variant builds for sm_90 on this machine: no register spills, shared memory within 227 KiB,
+    and the FA3 structure visible in the PTX (consumer warpgroups raised to 240 registers, async WGMMAs)."""
+    from fa_lab.kernels.sm90_offline import SM90_SHARED_LIMIT, compile_fa3_for_sm90
+
+    build = compile_fa3_for_sm90(head_dim, causal, stages, pingpong, fp8)
+    assert build.stack_bytes == 0 and build.local_bytes == 0, "ptxas spilled registers"
+    assert build.shared_bytes <= SM90_SHARED_LIMIT
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240" in build.ptx
+    operand = "e4m3.e4m3" if fp8 else "bf16.bf16"
+    assert f"wgmma.mma_async.sync.aligned.m64n128k{32 if fp8 else 16}.f32.{operand}" in build.ptx
+
+
 # ---------------------------------------------------------------- GPU (device machine)
+
+@pytest.mark.gpu
+def test_gpu_triton_hopper_runs_the_gluon_kernel_where_it_applies():
+    from fa_lab.kernels.hopper import HopperOptions, uses_gluon
+
+    assert uses_gluon(torch.empty(1, 1, 8, 128, device="cuda"), HopperOptions())
+    assert uses_gluon(torch.empty(1, 1, 8, 80, device="cuda"), HopperOptions())
+    assert not uses_gluon(torch.empty(1, 1, 8, 256, device="cuda"), HopperOptions())
+    assert not uses_gluon(torch.empty(1, 1, 8, 128, device="cuda"), HopperOptions(kernel="triton"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", ["stages=3", "pingpong=True", "stages=3, pingpong=True", "kernel='triton'"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1100), (1100, 1000), (239, 1), (128, 4096)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_hopper_switches(options, dtype, seqlen_q, seqlen_k, causal, generator):
+    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+
+    options = eval(f"HopperOptions({options})")
+    q, k, v = make_qkv(2, 3, seqlen_q, seqlen_k, 128, dtype, "cuda", generator=generator)
+    check_attention(lambda *a: triton_hopper_attention(*a, options=options), q, k, v, causal, None, grads=False,
+                    generator=generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1100), (1100, 1000), (4096, 4096)])
+def test_gpu_fp8_gluon_matches_the_triton_fp8_kernel(causal, seqlen_q, seqlen_k, generator):
+    """Same quantization blocks, so the same error as the Triton FP8 kernel; V tiles whose scales differ by
+    1e15 (the Gluon kernel folds their ratio into P's exponent) stay finite and accurate."""
+    from fa_lab.fp8 import rmse
+    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_fp8_attention
+    from fa_lab.reference import reference_attention
+
+    q, k, v = (torch.randn(2, 3, n, 128, generator=generator).bfloat16() for n in (seqlen_q, seqlen_k, seqlen_k))
+    v[:, :, 128:256] *= 1e-12
+    v[:, :, 256:384] *= 1e3
+    reference = reference_attention(q.double(), k.double(), v.double(), causal)[0]
+    errors = {}
+    for kernel in ("gluon", "triton"):
+        out = triton_hopper_fp8_attention(q.cuda(), k.cuda(), v.cuda(), causal, None,
+                                          options=HopperOptions(kernel=kernel))[0]
+        assert torch.isfinite(out).all()
+        errors[kernel] = rmse(out.cpu().double(), reference)
+    assert abs(errors["gluon"] - errors["triton"]) <= 0.15 * errors["triton"], errors
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])

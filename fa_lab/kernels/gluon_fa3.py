@@ -47,14 +47,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's WGMMA covers 64 rows (4 warps x 16)
-CONSUMERS = gl.constexpr(2)
-BLOCK_M = gl.constexpr(128)  # ROWS_PER_CONSUMER * CONSUMERS
+CONSUMERS = gl.constexpr(2)  # the default; the kernel takes 2 or 3 (BLOCK_M = 64 * CONSUMERS query rows per CTA)
+Q_QUANT_ROWS = gl.constexpr(128)  # FP8: rows of Q per quantization block (descale)
+KV_BLOCK = gl.constexpr(128)  # keys per K/V tile (the launcher's choice; the kernel reads it off k_desc)
 PRODUCER_REGS = gl.constexpr(24)  # the minimum setmaxnreg allows: the producer holds only scalars
-CONSUMER_REGS = gl.constexpr(240)
+CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread: 2 x 240 + 24 (x 128 threads) fills the 64K registers
+# FP8: P in [0, 1] is stored times 256 (exp2(x + 8)), below e4m3's maximum 448, so small
+# probabilities keep their bits (the same P_SCALE as fa_lab.fp8 and the Triton kernel).
+P_SCALE = gl.constexpr(256.0)
+LOG2_P_SCALE = gl.constexpr(8.0)
 
 
 @gluon.jit
-def _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(n_iter, first_masked): K/V tiles this CTA visits, and the first one that needs a mask.
 
     Bottom-right causal alignment: query row i sees keys j <= i + (seqlen_k - seqlen_q).
@@ -74,10 +79,11 @@ def _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.co
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter,
-              STAGES: gl.constexpr):
-    """TMA copies only: both Q halves once, then K_j and V_j into slot j % STAGES."""
+              STAGES: gl.constexpr, FP8: gl.constexpr):
+    """TMA copies only: every consumer's Q rows once, then K_j and V_j (V_j^T in FP8) into slot j % STAGES."""
     q_ready, k_ready, v_ready, k_empty, v_empty, turn = bars
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    CONSUMERS: gl.constexpr = q_bufs.type.shape[0]
     mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
     for c in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS_PER_CONSUMER, 0], q_ready,
@@ -93,17 +99,23 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head,
                                         k_bufs.index(slot))
         mbarrier.wait(v_empty.index(slot), phase ^ 1)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, head, j * BLOCK_N, 0], v_ready.index(slot),
-                                        v_bufs.index(slot))
+        if FP8:
+            tma.async_copy_global_to_shared(v_desc, [batch, head, 0, j * BLOCK_N], v_ready.index(slot),
+                                            v_bufs.index(slot))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [batch, head, j * BLOCK_N, 0], v_ready.index(slot),
+                                            v_bufs.index(slot))
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, qk_scale, offs_m, j, first_masked, seqlen_q, seqlen_k,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+def _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, offs_m, j, first_masked, seqlen_q, seqlen_k,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, s_layout: gl.constexpr):
     """Online-softmax update with raw scores s = Q K_j^T: (64, BLOCK_N) fp32.
 
-    Returns (p, alpha, m_new, l_new), m in log2 units (qk_scale = scale * log2 e).
-    Only tiles from ``first_masked`` on pay for the mask (causal diagonal, ragged end).
+    Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
+    the Q and K descales in FP8). Only tiles from ``first_masked`` on pay for a mask
+    (causal diagonal, ragged end). In FP8, p comes out multiplied by 2**log2_p_scale
+    (folded into the exponent, so it costs nothing per score) while l sums the true p.
     """
     if j >= first_masked:
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -111,31 +123,43 @@ def _softmax_tile(s, m_i, l_i, qk_scale, offs_m, j, first_masked, seqlen_q, seql
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * tile_scale)
     # A row that has seen no visible key keeps m = -inf: subtract 0 there so exp2 gives 0, not NaN.
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
     alpha = gl.exp2(m_i - m_sub)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+    if FP8:
+        p = gl.exp2(s * tile_scale - (m_sub - log2_p_scale)[:, None])
+        l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-log2_p_scale)
+    else:
+        p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh, start_m, n_iter,
-              first_masked, seqlen_q, seqlen_k, qk_scale,
-              CONSUMER: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer(o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
+              n_iter, first_masked, seqlen_q, seqlen_k, qk_scale,
+              CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr, FP8: gl.constexpr):
     """One warpgroup: rows [start_m + 64 * CONSUMER, +64) through every K/V tile, then the epilogue."""
     q_ready, k_ready, v_ready, k_empty, v_empty, turn = bars
+    q_descale_ptr, k_descale_ptr, v_descale_ptr, v_descale_max_ptr = scales
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
     dtype: gl.constexpr = k_bufs.dtype
-    # WGMMA accumulator layouts: 4 warps stacked along the 64 rows, N = the full tile width.
+    out_dtype: gl.constexpr = o_bufs.dtype
+    # WGMMA accumulator layouts: 4 warps stacked along the 64 rows, N = the full tile width,
+    # K = 32 bytes of the operand type per instruction (16 bf16 values, 32 e4m3 values).
+    k_instr: gl.constexpr = 256 // dtype.primitive_bitwidth
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, k_instr])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    # P feeds the second WGMMA from registers; for 16-bit types the accumulator layout of S
-    # already is this operand layout, so the conversion moves no data (FA2/FA3's trick).
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM, k_instr])
+    # P feeds the second WGMMA from registers. For 16-bit types the accumulator layout of S
+    # already is this operand layout, so the conversion moves no data (FA2/FA3's trick);
+    # e4m3 packs 4 values per register, which needs a shuffle between threads.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // dtype.primitive_bitwidth)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     q_smem = q_bufs.index(CONSUMER).reshape([ROWS_PER_CONSUMER, HEAD_DIM])
@@ -145,6 +169,14 @@ def _consumer(o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh
     l_i = gl.full([ROWS_PER_CONSUMER], 0.0, gl.float32, row_layout)
     s = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout)
     o = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, o_layout)
+    tile_scale = qk_scale
+    log2_p_scale = 0.0
+    if FP8:
+        kv_tiles = gl.cdiv(seqlen_k, BLOCK_N)
+        # Q is quantized in Q_QUANT_ROWS-row blocks; a consumer's 64 rows lie in one of them.
+        q_tile = pid_bh * gl.cdiv(seqlen_q, Q_QUANT_ROWS) + row0 // Q_QUANT_ROWS
+        qk_scale = qk_scale * gl.load(q_descale_ptr + q_tile)
+        v_descale_max = gl.load(v_descale_max_ptr + pid_bh)
 
     # Prologue: scores and probabilities of tile 0.
     mbarrier.wait(q_ready, 0)
@@ -154,11 +186,14 @@ def _consumer(o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh
     s = warpgroup_mma(q_smem, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s,
                       use_acc=False, is_async=True)
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - CONSUMER))
+        mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
+    if FP8:
+        tile_scale, log2_p_scale = _fp8_tile_scales(qk_scale, k_descale_ptr, v_descale_ptr, v_descale_max,
+                                                    pid_bh * kv_tiles)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(0))
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, offs_m, 0, first_masked, seqlen_q, seqlen_k,
-                                       BLOCK_N, CAUSAL, s_layout)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, offs_m, 0, first_masked, seqlen_q,
+                                       seqlen_k, BLOCK_N, CAUSAL, FP8, s_layout)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_iter):
@@ -168,26 +203,34 @@ def _consumer(o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn.index(CONSUMER), j & 1)
-        # Issue both GEMMs of this step: scores of tile j, and P V of tile j-1.
+        # Issue both GEMMs of this step: scores of tile j, and P V of tile j-1. O is rescaled
+        # to tile j-1's running max in between, while the tensor cores work on S_j.
         s = warpgroup_mma(q_smem, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s,
                           use_acc=False, is_async=True)
-        o = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        o = warpgroup_mma(p_op, _v_operand(v_bufs.index(prev), FP8), o, is_async=True)
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - CONSUMER))
+            mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
+        if FP8:
+            tile_scale, log2_p_scale = _fp8_tile_scales(qk_scale, k_descale_ptr, v_descale_ptr, v_descale_max,
+                                                        pid_bh * kv_tiles + j)
         # Wait for the scores only (one group, P V, may stay in flight) and free K_j.
         s = warpgroup_mma_wait(1, deps=(s,))
         mbarrier.arrive(k_empty.index(slot))
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, qk_scale, offs_m, j, first_masked, seqlen_q,
-                                           seqlen_k, BLOCK_N, CAUSAL, s_layout)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, offs_m, j, first_masked,
+                                           seqlen_q, seqlen_k, BLOCK_N, CAUSAL, FP8, s_layout)
         # The softmax above ran while the tensor cores computed P_{j-1} V_{j-1}.
-        o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+        if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
+            o = warpgroup_mma_wait(0, deps=(o,))
+        else:  # P's registers must stay untouched until the WGMMA reading them is done
+            o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
         mbarrier.arrive(v_empty.index(prev))
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     last = (n_iter - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_iter - 1) // STAGES) & 1)
-    o = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    o = warpgroup_mma(p_op, _v_operand(v_bufs.index(last), FP8), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=(o,))
     mbarrier.arrive(v_empty.index(last))
 
@@ -195,22 +238,52 @@ def _consumer(o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     gl.store(lse_ptr + pid_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    if FP8:  # P was scaled by P_SCALE * v_descale_j / v_descale_max: undo the constant part
+        l_safe = l_safe * (P_SCALE / v_descale_max)
     o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    q_smem.store(o.to(dtype))  # the Q tile is dead: reuse its shared memory for O
+    o_smem = o_bufs.index(CONSUMER)
+    o_smem.reshape([ROWS_PER_CONSUMER, HEAD_DIM]).store(o.to(out_dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], q_bufs.index(CONSUMER))
+    tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], o_smem)
     tma.store_wait(0)
 
 
 @gluon.jit
-def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, heads, seqlen_q, seqlen_k, qk_scale,
-                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-    """O and lse for 128 query rows of one (batch, head). Launch with num_warps=4.
+def _v_operand(v_tile, FP8: gl.constexpr):
+    """The B operand (BLOCK_N, d) of P V. FP8 WGMMA reads B K-major, so V arrives as V^T tiles (d, BLOCK_N)."""
+    if FP8:
+        return v_tile.reshape([v_tile.type.shape[2], v_tile.type.shape[3]]).permute((1, 0))
+    else:
+        return v_tile.reshape([v_tile.type.shape[2], v_tile.type.shape[3]])
 
-    q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k/v_desc over
-    (B, H, Nk, d), block (1, 1, BLOCK_N, d); lse_ptr: (B, H, Nq) float32; grid
-    (cdiv(Nq, 128), B * H); qk_scale = scale * log2(e).
+
+@gluon.jit
+def _fp8_tile_scales(qk_scale, k_descale_ptr, v_descale_ptr, v_descale_max, tile):
+    """(tile_scale, log2_p_scale) of K/V tile ``tile`` (index into the flat per-tile descales).
+
+    S is descaled through the softmax scale; P is stored as P * P_SCALE * v_descale_j / v_descale_max,
+    which keeps it below e4m3's 448 and folds V's per-tile descale into P (one constant is left for
+    the epilogue), so P V accumulates in one register tile across all tiles.
     """
+    v_descale = gl.load(v_descale_ptr + tile)
+    return qk_scale * gl.load(k_descale_ptr + tile), LOG2_P_SCALE + gl.log2(v_descale / v_descale_max)
+
+
+@gluon.jit
+def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_ptr, k_descale_ptr, v_descale_ptr,
+                             v_descale_max_ptr, heads, seqlen_q, seqlen_k, qk_scale,
+                             CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                             PINGPONG: gl.constexpr, FP8: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """O and lse for 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
+
+    q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
+    (B, H, Nk, d), block (1, 1, BLOCK_N, d); v_desc the same, or in FP8 over V^T
+    (B, H, d, Nk), block (1, 1, d, BLOCK_N). lse_ptr: (B, H, Nq) float32; grid
+    (cdiv(Nq, 64 * CONSUMERS), B * H); qk_scale = scale * log2(e). FP8 only: q/k/v_descale_ptr
+    (B, H, tiles) float32 per-tile descales (128-row tiles), v_descale_max_ptr (B, H).
+    CONSUMER_REGS: registers per thread of a worker consumer warpgroup (setmaxnreg).
+    """
+    BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     pid_m = gl.program_id(0)
     if CAUSAL:  # the longest rows first, so the short ones fill the tail
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -219,11 +292,15 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, heads, seq
     head = pid_bh % heads
     start_m = pid_m * BLOCK_M
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    n_iter, first_masked = _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
+    n_iter, first_masked = _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if FP8:  # O (16-bit) does not fit in the e4m3 Q buffers
+        o_bufs = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+    else:  # a consumer's Q tile is dead after its last Q K^T: O reuses its shared memory
+        o_bufs = q_bufs
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -241,11 +318,31 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, heads, seq
     if PINGPONG:  # consumer 0 issues first: give it its first turn
         mbarrier.arrive(turn.index(0))
     bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turn)
+    scales = (q_descale_ptr, k_descale_ptr, v_descale_ptr, v_descale_max_ptr)
 
-    gl.warp_specialize([
-        (_consumer, (o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh, start_m, n_iter,
-                     first_masked, seqlen_q, seqlen_k, qk_scale, 0, STAGES, CAUSAL, PINGPONG)),
-        (_consumer, (o_desc, lse_ptr, q_bufs, k_bufs, v_bufs, bars, batch, head, pid_bh, start_m, n_iter,
-                     first_masked, seqlen_q, seqlen_k, qk_scale, 1, STAGES, CAUSAL, PINGPONG)),
-        (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # (Gluon takes the partitions' arguments as literal tuples, so they are spelled out per partition.)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
+                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG,
+                         FP8)),
+            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
+                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG,
+                         FP8)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter, STAGES,
+                         FP8)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
+                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG,
+                         FP8)),
+            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
+                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG,
+                         FP8)),
+            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
+                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 2, CONSUMERS, STAGES, CAUSAL, PINGPONG,
+                         FP8)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter, STAGES,
+                         FP8)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -52,6 +52,12 @@ class HopperOptions:
     warp_specialize: bool = False
     stages: int = 2
     pingpong: bool = False
+    consumers: int = 2
+
+
+# The FP8 forward's default: ping-pong helped FP8 at 8K causal (600 against 565 TFLOP/s) and
+# was neutral otherwise, while it cost bf16 a few percent (benchmarks/h200_hopper_variants.json).
+FP8_OPTIONS = HopperOptions(pingpong=True)
 
 
 def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
@@ -61,30 +67,48 @@ def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
             and head_dim_bucket(q.shape[-1]) in (64, 128))
 
 
-def gluon_descriptor(t: torch.Tensor, block_rows: int):
-    """A Gluon TMA descriptor over t: (B, H, N, d8), block (1, 1, block_rows, padded head_dim)."""
+def gluon_descriptor(t: torch.Tensor, block_rows: int, transposed: bool = False):
+    """A Gluon TMA descriptor over t: (B, H, N, d8), block (1, 1, block_rows, padded head_dim).
+
+    transposed: t is V^T, (B, H, d, N8), and the block is (1, 1, padded head_dim, block_rows).
+    """
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [1, 1, block_rows, head_dim_bucket(t.shape[-1])]
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    if transposed:
+        block = [1, 1, head_dim_bucket(t.shape[-2]), block_rows]
+    else:
+        block = [1, 1, block_rows, head_dim_bucket(t.shape[-1])]
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
     layout = gl.NVMMASharedLayout.get_default_for(block, element)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions()):
-    """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse)."""
-    from .gluon_fa3 import BLOCK_M, ROWS_PER_CONSUMER, attention_fwd_fa3_kernel
+def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions(), fp8_scales=None,
+                  out_dtype=None):
+    """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse).
+
+    fp8_scales: None for bf16/fp16 operands; for e4m3 operands (v given as V^T, (B, H, d, Nk))
+    the tuple (q_descale, k_descale, v_descale, v_descale_max) of :func:`quantize_for_kernel`,
+    and ``out_dtype`` the output's dtype.
+    """
+    from .gluon_fa3 import CONSUMER_REGS, KV_BLOCK, ROWS_PER_CONSUMER, attention_fwd_fa3_kernel
 
     batch, heads, seqlen_q, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    fp8 = fp8_scales is not None
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    block_n = 128
-    grid = (triton_cdiv(seqlen_q, BLOCK_M.value), batch * heads)
+    rows, block_n = ROWS_PER_CONSUMER.value, KV_BLOCK.value
+    v_desc = gluon_descriptor(v, block_n, transposed=fp8)
+    grid = (triton_cdiv(seqlen_q, rows * options.consumers), batch * heads)
+    # maxnreg: the registers per thread at launch, 64K over all warpgroups (the producer's warp
+    # counts as one warpgroup); setmaxnreg then moves them from the producer to the consumers.
     attention_fwd_fa3_kernel[grid](
-        gluon_descriptor(q, ROWS_PER_CONSUMER.value), gluon_descriptor(k, block_n), gluon_descriptor(v, block_n),
-        gluon_descriptor(out, ROWS_PER_CONSUMER.value), lse, heads, seqlen_q, k.shape[2], scale * LOG2E,
-        STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, num_warps=4, maxnreg=168)
+        gluon_descriptor(q, rows), gluon_descriptor(k, block_n), v_desc, gluon_descriptor(out, rows), lse,
+        *(fp8_scales or (lse,) * 4), heads, seqlen_q, k.shape[2], scale * LOG2E,
+        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
+        CONSUMER_REGS=CONSUMER_REGS[options.consumers], num_warps=4,
+        maxnreg=65536 // (128 * (options.consumers + 1)) // 8 * 8)
     return out, lse
 
 
@@ -130,31 +154,47 @@ def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = 
     return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, None)
 
 
+# No V tile's scale is below 2^-24 of its head's largest: the Gluon kernel folds the ratio of the
+# two into P's exponent (see gluon_fa3._fp8_tile_scales), which must stay in float32's range.
+V_SCALE_FLOOR = 2.0 ** -24
+GLUON_TILES = TileConfig(128, 128)  # the Gluon kernel's Q and K/V tiles (the quantization blocks follow them)
+
+
 def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True):
-    """FP8 operands of the kernel: (q8, k8, vt8, (q_descale, k_descale, v_descale)).
+    """FP8 operands of the kernel: (q8, k8, vt8, (q_descale, k_descale, v_descale, v_descale_max)).
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d). With ``rotate``, Q and K are first
     multiplied by the same random orthogonal M = diag(signs) H / sqrt(d)
     (QK^T is unchanged; outliers are spread over all d columns). Each tensor then
     gets one e4m3 scale per kernel tile (BLOCK_M rows of Q, BLOCK_N rows of K/V);
     V is returned transposed, (B, H, d, Nk), because Hopper's FP8 WGMMA reads it K-major.
+    The descales are (B, H, tiles) float32; v_descale_max, (B, H), is the largest V descale per head.
     """
     from ..fp8 import incoherent_rotation, quantize_e4m3, random_signs
 
     if rotate:
         signs = random_signs(q.shape[-1], torch.Generator().manual_seed(0)).to(q.device)
         q, k = incoherent_rotation(q, k, signs)
-    q8, k8, v8 = quantize_e4m3(q, config.block_m), quantize_e4m3(k, config.block_n), quantize_e4m3(v, config.block_n)
+    q8, k8 = quantize_e4m3(q, config.block_m), quantize_e4m3(k, config.block_n)
+    v8 = quantize_e4m3(v, config.block_n, floor_ratio=V_SCALE_FLOOR)
     vt8 = kernel_operand(v8.data.transpose(-2, -1))  # keys padded to 16: masked by seqlen_k in the kernel
-    return kernel_operand(q8.data), kernel_operand(k8.data), vt8, (q8.scales, k8.scales, v8.scales)
+    descales = (q8.scales, k8.scales, v8.scales, v8.scales.amax(dim=-1).contiguous())
+    return kernel_operand(q8.data), kernel_operand(k8.data), vt8, descales
 
 
-def fp8_forward(q8, k8, vt8, descales, seqlen_k, causal, scale, config: TileConfig, out_dtype, head_dim):
-    """The FP8 kernel on quantized operands: (out: (B, H, Nq, d) in out_dtype, lse)."""
+def fp8_forward(q8, k8, vt8, descales, seqlen_k, causal, scale, config: TileConfig, out_dtype, head_dim,
+                options: HopperOptions = FP8_OPTIONS):
+    """The FP8 kernel on quantized operands: (out: (B, H, Nq, d) in out_dtype, lse).
+
+    The Gluon kernel when :func:`uses_gluon` (its operands quantized with GLUON_TILES), else the Triton one.
+    """
+    if uses_gluon(q8, options):
+        out, lse = gluon_forward(q8, k8, vt8, causal, scale, options, fp8_scales=descales, out_dtype=out_dtype)
+        return out[..., :head_dim], lse
     batch, heads, seqlen_q, _ = q8.shape
     out = torch.empty((batch, heads, seqlen_q, q8.shape[-1]), dtype=out_dtype, device=q8.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q8.device)
-    hopper_launch(q8, k8, vt8, out, lse, descales, causal, scale, config, HopperOptions(), fp8=True)
+    hopper_launch(q8, k8, vt8, out, lse, descales[:3], causal, scale, config, options, fp8=True)
     return out[..., :head_dim], lse
 
 
@@ -171,19 +211,27 @@ class _ForwardOnly(torch.autograd.Function):
                            "use impl='triton_hopper' or 'triton' to train")
 
 
-def triton_hopper_fp8_attention(q, k, v, causal, scale, config: TileConfig | None = None, rotate: bool = True):
-    """impl="triton_hopper_fp8": quantize (and rotate) then the FP8 kernel; forward only. (out, lse)."""
+def triton_hopper_fp8_attention(q, k, v, causal, scale, config: TileConfig | None = None, rotate: bool = True,
+                                options: HopperOptions = FP8_OPTIONS):
+    """impl="triton_hopper_fp8": quantize (and rotate) then the FP8 kernel; forward only. (out, lse).
+
+    ``config`` (tiles, and so quantization blocks) applies to the Triton kernel; the Gluon kernel
+    has its own tiles (GLUON_TILES).
+    """
     load_triton()
     check_triton_inputs(q)
     head_dim = q.shape[-1]
     if rotate and head_dim & (head_dim - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
     scale = head_dim ** -0.5 if scale is None else scale
+    if uses_gluon(q, options):
+        config = GLUON_TILES
     config = config or forward_config(head_dim, causal, interpreting())
     with torch.no_grad():
         q8, k8, vt8, descales = quantize_for_kernel(q, k, v, config, rotate)
         with on_device(q):
-            out, lse = fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, scale, config, q.dtype, head_dim)
+            out, lse = fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, scale, config, q.dtype, head_dim,
+                                   options)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out = _ForwardOnly.apply(out, q, k, v)
     return out, lse

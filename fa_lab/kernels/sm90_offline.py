@@ -1,0 +1,110 @@
+"""Compile the Gluon FA3 kernel for sm_90 on a machine without a GPU, and read what it needs.
+
+Triton's wheel ships ``ptxas`` and ``cuobjdump``, so the whole pipeline (Gluon ->
+TTGIR -> LLVM IR -> PTX -> cubin) runs on a laptop. The CPU tests use it to check
+that every variant of :mod:`fa_lab.kernels.gluon_fa3` compiles, fits in shared
+memory and does not spill registers; notebook 04 uses it to show the PTX the FA3
+ideas turn into (``setmaxnreg``, ``wgmma.mma_async``, ``mbarrier``).
+
+Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, which ``import fa_lab`` sets on a
+machine without a GPU) triton's own helper functions are replaced by interpreted ones
+that the compiler cannot use, so the compilation then runs in a fresh Python process
+with the interpreter off (``python -m fa_lab.kernels.sm90_offline``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+SM90_SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on an H100/H200 (227 KiB)
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8e4nv": "float8e4nv"}
+
+
+@dataclass
+class Sm90Build:
+    """A compiled kernel: its PTX and TTGIR text, shared memory (bytes), and ptxas's resource report."""
+
+    ptx: str
+    ttgir: str
+    shared_bytes: int
+    registers: int  # per thread at launch (setmaxnreg moves them between warpgroups afterwards)
+    stack_bytes: int  # per thread; > 0 means ptxas spilled registers
+    local_bytes: int
+
+
+def _descriptor_type(dtype: str, block: list[int]) -> str:
+    """The signature string Triton gives a Gluon TMA descriptor argument."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _DTYPES[dtype]))
+    return f"tensordesc<{dtype}{block},{layout!r}>"
+
+
+def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
+                         fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2) -> Sm90Build:
+    """Compile :func:`gluon_fa3.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU."""
+    from . import interpreting
+
+    args = dict(head_dim=head_dim, causal=causal, stages=stages, pingpong=pingpong, fp8=fp8, out_dtype=out_dtype,
+                consumers=consumers)
+    if interpreting():
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        done = subprocess.run([sys.executable, "-m", __name__, json.dumps(args)], capture_output=True, text=True,
+                              env=env)
+        if done.returncode:
+            raise RuntimeError(f"compiling the Gluon kernel failed:\n{done.stderr[-3000:]}")
+        return Sm90Build(**json.loads(done.stdout))
+    return _compile(**args)
+
+
+def _compile(head_dim, causal, stages, pingpong, fp8, out_dtype, consumers) -> Sm90Build:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .gluon_fa3 import CONSUMER_REGS, KV_BLOCK, ROWS_PER_CONSUMER, attention_fwd_fa3_kernel
+
+    operand = "fp8e4nv" if fp8 else out_dtype
+    rows, block_n = ROWS_PER_CONSUMER.value, KV_BLOCK.value
+    v_block = [1, 1, head_dim, block_n] if fp8 else [1, 1, block_n, head_dim]
+    signature = {
+        "q_desc": _descriptor_type(operand, [1, 1, rows, head_dim]),
+        "k_desc": _descriptor_type(operand, [1, 1, block_n, head_dim]),
+        "v_desc": _descriptor_type(operand, v_block),
+        "o_desc": _descriptor_type(out_dtype, [1, 1, rows, head_dim]),
+        **{name: "*fp32" for name in ("lse_ptr", "q_descale_ptr", "k_descale_ptr", "v_descale_ptr",
+                                      "v_descale_max_ptr")},
+        "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32",
+    }
+    constants = {"CONSUMERS": consumers, "STAGES": stages, "CAUSAL": causal, "PINGPONG": pingpong, "FP8": fp8,
+                 "CONSUMER_REGS": CONSUMER_REGS[consumers]}
+    signature.update({name: "constexpr" for name in constants})
+    source = GluonASTSource(attention_fwd_fa3_kernel, signature, constants)
+    maxnreg = 65536 // (128 * (consumers + 1)) // 8 * 8
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
+    usage = _resource_usage(compiled.asm["cubin"])
+    return Sm90Build(compiled.asm["ptx"], compiled.asm["ttgir"], compiled.metadata.shared, usage["REG"],
+                     usage["STACK"], usage["LOCAL"])
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """REG, STACK, LOCAL, ... of the cubin's kernel, as ``cuobjdump --dump-resource-usage`` prints them."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as file:
+            file.write(cubin)
+        report = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True,
+                                check=True).stdout
+    return {key: int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", report)}
+
+
+if __name__ == "__main__":  # python -m fa_lab.kernels.sm90_offline '{"head_dim": 128, ...}' -> the build as JSON
+    print(json.dumps(asdict(_compile(**json.loads(sys.argv[1])))))
