@@ -10,7 +10,8 @@
    (:func:`fa_lab.fp8.outlier_qkv`) next to :func:`fa_lab.fp8.reproduce_error_table`'s
    ``flash_fp8`` row;
 3. the protocol at d=128, seqlen 1K-16K, causal and not, with what ``impl="triton_hopper"``
-   and ``"triton_hopper_fp8"`` run by default, the portable ``triton`` kernel, SDPA's FA2 and cuDNN back ends and FlexAttention, in the
+   and ``"triton_hopper_fp8"`` run by default, the portable ``triton`` kernel, SDPA's FA2 and
+   cuDNN back ends and FlexAttention, in the
    results schema. FP8 rows time the kernel alone; the quantization and rotation are
    timed separately as impl ``triton_hopper_fp8_quant``.
 """

@@ -1,6 +1,7 @@
 """Grading lab 04 in real kernels: the solution gets full marks (the lab as handed out, 0, is
-graded with the other labs in test_grading.py), and a submission that calls fa_lab.fp8's answers loses exactly those exercises (what each exercise may
-call travels to the grading kernel with its cases). Each grading runs the notebook (about 10 s)."""
+graded with the other labs in test_grading.py), and a submission that calls fa_lab.fp8's answers
+loses exactly those exercises (what each exercise may call travels to the grading kernel with its
+cases). Each grading runs the notebook (about 10 s)."""
 from __future__ import annotations
 
 from pathlib import Path

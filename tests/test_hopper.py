@@ -90,14 +90,15 @@ def test_gpu_triton_hopper_runs_the_gluon_kernel_where_it_applies():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", ["stages=3", "pingpong=True", "stages=3, pingpong=True", "kernel='triton'"])
+@pytest.mark.parametrize("switches", [dict(stages=3), dict(pingpong=True), dict(stages=3, pingpong=True),
+                                      dict(kernel="triton")], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1100), (1100, 1000), (239, 1), (128, 4096)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_hopper_switches(options, dtype, seqlen_q, seqlen_k, causal, generator):
+def test_gpu_hopper_switches(switches, dtype, seqlen_q, seqlen_k, causal, generator):
     from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
 
-    options = eval(f"HopperOptions({options})")
+    options = HopperOptions(**switches)
     q, k, v = make_qkv(2, 3, seqlen_q, seqlen_k, 128, dtype, "cuda", generator=generator)
     check_attention(lambda *a: triton_hopper_attention(*a, options=options), q, k, v, causal, None, grads=False,
                     generator=generator)

@@ -34,17 +34,18 @@ class HopperOptions:
     """Which kernel and which FA3 ideas the forward uses (each can be switched to measure it).
 
     ``kernel="gluon"``: the warp-specialized FA3 kernel of :mod:`fa_lab.kernels.gluon_fa3`
-    (producer warp + two consumer warpgroups, ``stages`` K/V slots, ``pingpong`` to
+    (producer warp + ``consumers`` consumer warpgroups, ``stages`` K/V slots, ``pingpong`` to
     alternate the consumers' WGMMAs explicitly). It runs on sm_90 for head_dim <= 128
     (padded to 64 or 128); other shapes and the CPU interpreter use ``kernel="triton"``.
 
     ``kernel="triton"``: the plain-Triton kernel of :mod:`fa_lab.kernels.triton_hopper`,
     with ``pipeline`` (QK^T of tile j+1 issued before the softmax of tile j) and
-    ``warp_specialize`` (Triton's own pass). On an H200 with Triton 3.6 the pipelined
-    loop ran at 499 TFLOP/s with two shared-memory stages against 460 unpipelined, but it
-    needs the shared memory of the third stage, and unpipelined with three stages ran at
-    516; Triton's warp-specialization pass changed nothing measurable
-    (benchmarks/h200_hopper_variants.json).
+    ``warp_specialize`` (Triton's own pass).
+
+    Measured on an H200 at d=128, 8K (benchmarks/h200_hopper_variants.json), forward TFLOP/s
+    not causal / causal: gluon 650 / 569, with 3 stages 617 / 589, with ping-pong 612 / 562;
+    plain Triton 503 / 471 (pipelined, 2 stages: 498 / 457). Three consumers (192-row tiles)
+    spill registers and ran at about 350.
     """
 
     kernel: str = "gluon"
