@@ -45,7 +45,7 @@ class HopperOptions:
     Measured on an H200 at d=128, 8K (benchmarks/h200_hopper_variants.json), forward TFLOP/s
     not causal / causal: gluon 650 / 569, with 3 stages 617 / 589, with ping-pong 612 / 562;
     plain Triton 503 / 471 (pipelined, 2 stages: 498 / 457). Three consumers (192-row tiles)
-    spill registers and ran at about 350.
+    leave each 160 registers, and ptxas spills (see :mod:`fa_lab.kernels.sm90_offline`).
     """
 
     kernel: str = "gluon"
