@@ -36,6 +36,7 @@ from .kernels.hopper import (
     quantize_for_kernel,
     triton_hopper_attention,
     triton_hopper_fp8_attention,
+    uses_gluon,
 )
 from .testing import check_attention, make_qkv
 
@@ -77,7 +78,7 @@ def fp8_kernel_fn(config, options=FP8_OPTIONS, rotate=True):
         if key not in cache:
             cache.clear()
             with torch.no_grad():
-                cache[key] = quantize_for_kernel(q, k, v, tiles, rotate)
+                cache[key] = quantize_for_kernel(q, k, v, tiles, rotate, gluon=uses_gluon(q, options))
         q8, k8, vt8, descales = cache[key]
         return fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, q.shape[-1] ** -0.5, tiles,
                            q.dtype, q.shape[-1], options)[0]
@@ -86,7 +87,7 @@ def fp8_kernel_fn(config, options=FP8_OPTIONS, rotate=True):
 
 def fp8_quant_fn(config, options=FP8_OPTIONS, rotate=True):
     tiles = fp8_tiles(config, options)
-    return lambda q, k, v, causal: quantize_for_kernel(q, k, v, tiles, rotate)
+    return lambda q, k, v, causal: quantize_for_kernel(q, k, v, tiles, rotate, gluon=uses_gluon(q, options))
 
 
 def fp8_rmse(config, options=FP8_OPTIONS, rotate=True, seed=0) -> float:

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import fa_lab
+from fa_lab.kernels.configs import TileConfig
 from fa_lab.testing import check_attention, make_qkv
 
 pytest.importorskip("triton")
@@ -75,6 +76,27 @@ def test_gluon_kernel_compiles_for_sm90_within_its_resources(head_dim, fp8, caus
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in build.ptx
     operand = "e4m3.e4m3" if fp8 else "bf16.bf16"
     assert f"wgmma.mma_async.sync.aligned.m64n128k{32 if fp8 else 16}.f32.{operand}" in build.ptx
+
+
+def test_gluon_fp8_key_order_matches_the_kernels_reordering_of_p(generator):
+    """The host order of V^T's keys and the kernel's reordering of P's columns (_p_operand's reshape and
+    permute, replayed here in torch) pair every key's probability with that key's value row."""
+    from fa_lab.kernels.hopper import gluon_fp8_key_order, quantize_for_kernel
+
+    p = torch.rand(64, 128, generator=generator, dtype=torch.float64)
+    v = torch.randn(128, 16, generator=generator, dtype=torch.float64)
+    reordered_p = p.reshape(64, 4, 2, 2, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(64, 128)
+    order = gluon_fp8_key_order(128)
+    assert sorted(order.tolist()) == list(range(128))
+    torch.testing.assert_close(reordered_p @ v[order], p @ v)
+
+    q, k, v = (torch.randn(1, 2, n, 64, generator=generator) for n in (40, 70, 70))
+    config = TileConfig(128, 128)
+    natural = quantize_for_kernel(q, k, v, config, gluon=False)[2]
+    ordered = quantize_for_kernel(q, k, v, config, gluon=True)[2]
+    assert ordered.shape[-1] == 96  # 70 keys padded to 32
+    padded = torch.nn.functional.pad(natural.view(torch.uint8), (0, 96 - natural.shape[-1]))
+    assert torch.equal(ordered.view(torch.uint8), padded[..., gluon_fp8_key_order(70)])
 
 
 # ---------------------------------------------------------------- GPU (device machine)

@@ -194,7 +194,7 @@ def _consumer(o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, bat
     mbarrier.arrive(k_empty.index(0))
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, offs_m, 0, first_masked, seqlen_q,
                                        seqlen_k, BLOCK_N, CAUSAL, FP8, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op = _p_operand(p, dtype, p_layout, FP8)
 
     for j in range(1, n_iter):
         slot = j % STAGES
@@ -225,7 +225,7 @@ def _consumer(o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, bat
         else:  # P's registers must stay untouched until the WGMMA reading them is done
             o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
         mbarrier.arrive(v_empty.index(prev))
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = _p_operand(p, dtype, p_layout, FP8)
 
     last = (n_iter - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_iter - 1) // STAGES) & 1)
@@ -246,6 +246,24 @@ def _consumer(o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, bat
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], o_smem)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """P (64, BLOCK_N) fp32 in the accumulator layout -> the A operand of the P V WGMMA.
+
+    FP8: the columns are reordered within each 32-key block (key 16h + 8a + 2c + b goes to
+    position 16h + 4c + 2a + b), which is the order in which a thread already holds them, so the
+    operand needs no data exchange between threads; V^T's keys are stored in the same order.
+    """
+    if FP8:
+        rows: gl.constexpr = p.shape[0]
+        keys: gl.constexpr = p.shape[1]
+        q = p.to(dtype).reshape([rows, keys // 32, 2, 2, 4, 2])  # (row, block, h, a, c, b)
+        q = q.permute((0, 1, 2, 4, 3, 5)).reshape([rows, keys])  # (row, block, h, c, a, b)
+        return gl.convert_layout(q, p_layout)
+    else:
+        return gl.convert_layout(p.to(dtype), p_layout)
 
 
 @gluon.jit

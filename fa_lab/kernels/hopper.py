@@ -43,8 +43,8 @@ class HopperOptions:
     ``warp_specialize`` (Triton's own pass).
 
     Measured on an H200 at d=128, 8K (benchmarks/h200_hopper_variants.json), forward TFLOP/s
-    not causal / causal: gluon 650 / 569, with 3 stages 617 / 589, with ping-pong 612 / 562;
-    plain Triton 503 / 471 (pipelined, 2 stages: 498 / 457). Three consumers (192-row tiles)
+    not causal / causal: gluon 660 / 585, with 3 stages 622 / 576, with ping-pong 612 / 570;
+    plain Triton 506 / 472 (pipelined, 2 stages: 498 / 454). Three consumers (192-row tiles)
     leave each 160 registers, and ptxas spills (see :mod:`fa_lab.kernels.sm90_offline`).
     """
 
@@ -56,8 +56,8 @@ class HopperOptions:
     consumers: int = 2
 
 
-# The FP8 forward's default: ping-pong helped FP8 at 8K causal (600 against 565 TFLOP/s) and
-# was neutral otherwise, while it cost bf16 a few percent (benchmarks/h200_hopper_variants.json).
+# The FP8 forward's default: ping-pong helped FP8 at 8K (684 against 651 TFLOP/s, causal 637
+# against 593) while it cost bf16 (612 against 660; benchmarks/h200_hopper_variants.json).
 FP8_OPTIONS = HopperOptions(pingpong=True)
 
 
@@ -161,7 +161,20 @@ V_SCALE_FLOOR = 2.0 ** -24
 GLUON_TILES = TileConfig(128, 128)  # the Gluon kernel's Q and K/V tiles (the quantization blocks follow them)
 
 
-def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True):
+def gluon_fp8_key_order(seqlen_k: int, device=None) -> torch.Tensor:
+    """Where the Gluon FP8 kernel expects each key of V^T: index (N32,) into the keys, N32 = seqlen_k up to 32.
+
+    Inside each 32-key block, position 16h + 4c + 2a + b holds key 16h + 8a + 2c + b: the order
+    in which a thread of the WGMMA accumulator holds P, so P becomes an FP8 operand without
+    moving data between threads (see gluon_fa3._p_operand, which reorders P the same way).
+    """
+    position = torch.arange(-(-seqlen_k // 32) * 32, device=device)
+    r = position % 32
+    h, c, a, b = r // 16, r % 16 // 4, r % 4 // 2, r % 2
+    return position - r + 16 * h + 8 * a + 2 * c + b
+
+
+def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon: bool = False):
     """FP8 operands of the kernel: (q8, k8, vt8, (q_descale, k_descale, v_descale, v_descale_max)).
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d). With ``rotate``, Q and K are first
@@ -170,6 +183,7 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True):
     gets one e4m3 scale per kernel tile (BLOCK_M rows of Q, BLOCK_N rows of K/V);
     V is returned transposed, (B, H, d, Nk), because Hopper's FP8 WGMMA reads it K-major.
     The descales are (B, H, tiles) float32; v_descale_max, (B, H), is the largest V descale per head.
+    ``gluon``: V^T's keys in the order of :func:`gluon_fp8_key_order` (for the Gluon kernel only).
     """
     from ..fp8 import incoherent_rotation, quantize_e4m3, random_signs
 
@@ -178,7 +192,12 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True):
         q, k = incoherent_rotation(q, k, signs)
     q8, k8 = quantize_e4m3(q, config.block_m), quantize_e4m3(k, config.block_n)
     v8 = quantize_e4m3(v, config.block_n, floor_ratio=V_SCALE_FLOOR)
-    vt8 = kernel_operand(v8.data.transpose(-2, -1))  # keys padded to 16: masked by seqlen_k in the kernel
+    vt8 = v8.data.transpose(-2, -1)
+    if gluon:  # keys padded to 32 (masked by seqlen_k in the kernel) and reordered
+        order = gluon_fp8_key_order(vt8.shape[-1], vt8.device)
+        vt8 = torch.nn.functional.pad(vt8.view(torch.uint8), (0, len(order) - vt8.shape[-1]))
+        vt8 = vt8[..., order].view(torch.float8_e4m3fn)
+    vt8 = kernel_operand(vt8)  # keys padded to 16: masked by seqlen_k in the kernel
     descales = (q8.scales, k8.scales, v8.scales, v8.scales.amax(dim=-1).contiguous())
     return kernel_operand(q8.data), kernel_operand(k8.data), vt8, descales
 
@@ -187,7 +206,8 @@ def fp8_forward(q8, k8, vt8, descales, seqlen_k, causal, scale, config: TileConf
                 options: HopperOptions = FP8_OPTIONS):
     """The FP8 kernel on quantized operands: (out: (B, H, Nq, d) in out_dtype, lse).
 
-    The Gluon kernel when :func:`uses_gluon` (its operands quantized with GLUON_TILES), else the Triton one.
+    The Gluon kernel when :func:`uses_gluon` (its operands quantized with GLUON_TILES and ``gluon=True``),
+    else the Triton one.
     """
     if uses_gluon(q8, options):
         out, lse = gluon_forward(q8, k8, vt8, causal, scale, options, fp8_scales=descales, out_dtype=out_dtype)
@@ -229,7 +249,7 @@ def triton_hopper_fp8_attention(q, k, v, causal, scale, config: TileConfig | Non
         config = GLUON_TILES
     config = config or forward_config(head_dim, causal, interpreting())
     with torch.no_grad():
-        q8, k8, vt8, descales = quantize_for_kernel(q, k, v, config, rotate)
+        q8, k8, vt8, descales = quantize_for_kernel(q, k, v, config, rotate, gluon=uses_gluon(q, options))
         with on_device(q):
             out, lse = fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, scale, config, q.dtype, head_dim,
                                    options)
