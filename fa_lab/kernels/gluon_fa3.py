@@ -6,11 +6,12 @@ memory, issues TMA copies and WGMMAs and synchronizes with mbarriers. That is
 what FlashAttention-3 needs and what plain Triton decides on its own. The
 kernel below is organised the way the FA3 paper describes it:
 
-* **Warp specialization.** One CTA computes ``BLOCK_M = 128`` query rows of one
-  (batch, head) with three partitions: a *producer* warp that only issues TMA
-  copies of Q, K and V into shared memory, and two *consumer* warpgroups
-  (4 warps each) that own 64 query rows each and only compute. The producer
-  gets 24 registers per thread, the consumers 240 (``setmaxnreg``).
+* **Warp specialization.** One CTA computes ``BLOCK_M = 64 * CONSUMERS`` query
+  rows (128 by default) of one (batch, head) with a *producer* warp that only
+  issues TMA copies of Q, K and V into shared memory, and ``CONSUMERS``
+  *consumer* warpgroups (4 warps each) that own 64 query rows each and only
+  compute. The producer gets 24 registers per thread, two consumers 240 each
+  (``setmaxnreg``).
 * **A circular buffer of K/V tiles** (``STAGES`` slots). Each slot has a
   ``ready`` mbarrier (the TMA completes it, counting bytes) and an ``empty``
   mbarrier that both consumers arrive on once they no longer read the slot, so
@@ -20,10 +21,14 @@ kernel below is organised the way the FA3 paper describes it:
   ``S_j = Q K_j^T`` *and* ``O += P_{j-1} V_{j-1}`` as asynchronous WGMMAs, then
   waits for S_j only and runs the softmax of tile j while the tensor cores are
   still busy with the P V product of tile j-1.
-* **Inter-warpgroup overlap.** The two consumers run the same loop on different
-  rows; the warp schedulers interleave one's softmax with the other's WGMMAs.
-  (FA3's explicit ping-pong orders this with named barriers; ``PINGPONG``
-  enforces the same alternation with a pair of mbarriers.)
+* **Inter-warpgroup overlap.** The consumers run the same loop on different
+  rows, each waiting on its own barriers, so one's softmax can run during the
+  other's WGMMAs. (FA3's explicit ping-pong orders this with named barriers;
+  ``PINGPONG`` enforces the same alternation with one mbarrier per consumer.)
+* **FP8** (``FP8``): e4m3 WGMMAs on per-tile quantized Q, K and V^T; V's per-tile
+  descale is folded into P's exponent, and P's keys are renumbered in the order
+  a thread holds them (V^T is stored in that order) so that P becomes an FP8
+  operand without moving data between threads.
 * **Epilogue through shared memory.** A consumer's Q tile is dead after its last
   ``Q K^T``, so O is written into that buffer and stored with one TMA copy,
   which also drops the rows past ``seqlen_q``.
@@ -32,7 +37,7 @@ Tiles are addressed with 4-D TMA descriptors over (batch, heads, seqlen,
 head_dim), block (1, 1, rows, head_dim): keys past ``seqlen_k`` arrive as zeros
 and are masked to -inf in the scores. The kernel needs a Hopper GPU: it cannot
 run in Triton's CPU interpreter, but it compiles on any machine
-(:func:`compile_for_sm90`), which the CPU tests use.
+(:func:`fa_lab.kernels.sm90_offline.compile_fa3_for_sm90`), which the CPU tests use.
 """
 from __future__ import annotations
 
@@ -47,7 +52,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # one warpgroup's WGMMA covers 64 rows (4 warps x 16)
-CONSUMERS = gl.constexpr(2)  # the default; the kernel takes 2 or 3 (BLOCK_M = 64 * CONSUMERS query rows per CTA)
 Q_QUANT_ROWS = gl.constexpr(128)  # FP8: rows of Q per quantization block (descale)
 KV_BLOCK = gl.constexpr(128)  # keys per K/V tile (the launcher's choice; the kernel reads it off k_desc)
 PRODUCER_REGS = gl.constexpr(24)  # the minimum setmaxnreg allows: the producer holds only scalars
