@@ -192,6 +192,23 @@ def judge_outputs(case: Case, outcome: dict, names: tuple[str, ...], expected: C
     view maps the returned outputs to what is compared (default: themselves).
     limit_message explains a broken ``case.tensor_limit``.
     """
+    checked = checked_outputs(outcome, names, expected, error_hints)
+    if isinstance(checked, Verdict):
+        return checked
+    actual, specs = checked
+    if view is not None:
+        actual = view(actual)
+    specs = {name: specs[name] for name in actual}
+    comparisons = compare_all(actual, specs)
+    if all(c.ok for c in comparisons.values()):
+        return over_limit(case, outcome, limit_message) or PASS
+    return Verdict(False, diagnose(actual, specs, comparisons, candidates(), detectors))
+
+
+def checked_outputs(outcome: dict, names: tuple[str, ...], expected: Callable[[], dict],
+                    error_hints: Iterable[tuple[str, str]] = ()) -> tuple[dict, dict] | Verdict:
+    """(actual, specs): the returned outputs as {name: value} and expected()'s {name: Expected}; or a
+    failing Verdict when the call raised or returned the wrong count, shapes or dtypes."""
     problem = outcome_problem(outcome, error_hints)
     if problem:
         return Verdict(False, problem)
@@ -202,13 +219,7 @@ def judge_outputs(case: Case, outcome: dict, names: tuple[str, ...], expected: C
     problem = structure_problem(actual, {name: specs[name] for name in names})
     if problem:
         return Verdict(False, problem)
-    if view is not None:
-        actual = view(actual)
-    specs = {name: specs[name] for name in actual}
-    comparisons = compare_all(actual, specs)
-    if all(c.ok for c in comparisons.values()):
-        return over_limit(case, outcome, limit_message) or PASS
-    return Verdict(False, diagnose(actual, specs, comparisons, candidates(), detectors))
+    return actual, specs
 
 
 def over_limit(case: Case, outcome: dict, limit_message: str) -> Verdict | None:

@@ -56,6 +56,20 @@ Q_QUANT_ROWS = gl.constexpr(128)  # FP8: rows of Q per quantization block (desca
 KV_BLOCK = gl.constexpr(128)  # keys per K/V tile (the launcher's choice; the kernel reads it off k_desc)
 PRODUCER_REGS = gl.constexpr(24)  # the minimum setmaxnreg allows: the producer holds only scalars
 CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread: 2 x 240 + 24 (x 128 threads) fills the 64K registers
+
+
+def descriptor_blocks(head_dim: int, fp8: bool) -> dict[str, list[int]]:
+    """TMA block shapes of the q, k, v and o descriptors for a padded head_dim (v's is V^T's in FP8)."""
+    rows, keys = ROWS_PER_CONSUMER.value, KV_BLOCK.value
+    v_block = [1, 1, head_dim, keys] if fp8 else [1, 1, keys, head_dim]
+    return {"q": [1, 1, rows, head_dim], "k": [1, 1, keys, head_dim], "v": v_block, "o": [1, 1, rows, head_dim]}
+
+
+def launch_maxnreg(consumers: int) -> int:
+    """Registers per thread at launch: the 64K of an SM over every warpgroup (the producer's single warp
+    counts as one), in steps of 8. ``setmaxnreg`` then moves them from the producer to the consumers."""
+    return 65536 // (128 * (consumers + 1)) // 8 * 8
+
 # FP8: P in [0, 1] is stored times 256 (exp2(x + 8)), below e4m3's maximum 448, so small
 # probabilities keep their bits (the same P_SCALE as fa_lab.fp8 and the Triton kernel).
 P_SCALE = gl.constexpr(256.0)
@@ -141,11 +155,14 @@ def _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, offs_m, j, first_masked
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
-              n_iter, first_masked, seqlen_q, seqlen_k, qk_scale,
-              CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+def _consumer(state, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, FP8: gl.constexpr):
-    """One warpgroup: rows [start_m + 64 * CONSUMER, +64) through every K/V tile, then the epilogue."""
+    """One warpgroup: rows [start_m + 64 * CONSUMER, +64) through every K/V tile, then the epilogue.
+
+    state: what every consumer shares, built once by the kernel entry.
+    """
+    (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m, n_iter,
+     first_masked, seqlen_q, seqlen_k, qk_scale) = state
     q_ready, k_ready, v_ready, k_empty, v_empty, turn = bars
     q_descale_ptr, k_descale_ptr, v_descale_ptr, v_descale_max_ptr = scales
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
@@ -342,29 +359,20 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_
     bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turn)
     scales = (q_descale_ptr, k_descale_ptr, v_descale_ptr, v_descale_max_ptr)
 
-    # (Gluon takes the partitions' arguments as literal tuples, so they are spelled out per partition.)
+    state = (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m, n_iter,
+             first_masked, seqlen_q, seqlen_k, qk_scale)
+    producer_args = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter, STAGES, FP8)
+    # (warp_specialize takes a literal list of partitions, so the two consumer counts are spelled out.)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
-                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG,
-                         FP8)),
-            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
-                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG,
-                         FP8)),
-            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter, STAGES,
-                         FP8)),
+            (_consumer, (state, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
+            (_consumer, (state, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
+            (_producer, producer_args),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
-                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG,
-                         FP8)),
-            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
-                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG,
-                         FP8)),
-            (_consumer, (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m,
-                         n_iter, first_masked, seqlen_q, seqlen_k, qk_scale, 2, CONSUMERS, STAGES, CAUSAL, PINGPONG,
-                         FP8)),
-            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter, STAGES,
-                         FP8)),
+            (_consumer, (state, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
+            (_consumer, (state, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
+            (_consumer, (state, 2, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
+            (_producer, producer_args),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

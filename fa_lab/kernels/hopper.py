@@ -68,18 +68,11 @@ def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
             and head_dim_bucket(q.shape[-1]) in (64, 128))
 
 
-def gluon_descriptor(t: torch.Tensor, block_rows: int, transposed: bool = False):
-    """A Gluon TMA descriptor over t: (B, H, N, d8), block (1, 1, block_rows, padded head_dim).
-
-    transposed: t is V^T, (B, H, d, N8), and the block is (1, 1, padded head_dim, block_rows).
-    """
+def gluon_descriptor(t: torch.Tensor, block: list[int]):
+    """A Gluon TMA descriptor over t: (B, H, N, d8), or V^T (B, H, d, N8), with tiles of shape ``block``."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if transposed:
-        block = [1, 1, head_dim_bucket(t.shape[-2]), block_rows]
-    else:
-        block = [1, 1, block_rows, head_dim_bucket(t.shape[-1])]
     element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
     layout = gl.NVMMASharedLayout.get_default_for(block, element)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
@@ -93,23 +86,26 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     the tuple (q_descale, k_descale, v_descale, v_descale_max) of :func:`quantize_for_kernel`,
     and ``out_dtype`` the output's dtype.
     """
-    from .gluon_fa3 import CONSUMER_REGS, KV_BLOCK, ROWS_PER_CONSUMER, attention_fwd_fa3_kernel
+    from .gluon_fa3 import (
+        CONSUMER_REGS,
+        ROWS_PER_CONSUMER,
+        attention_fwd_fa3_kernel,
+        descriptor_blocks,
+        launch_maxnreg,
+    )
 
     batch, heads, seqlen_q, _ = q.shape
     fp8 = fp8_scales is not None
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    rows, block_n = ROWS_PER_CONSUMER.value, KV_BLOCK.value
-    v_desc = gluon_descriptor(v, block_n, transposed=fp8)
-    grid = (triton_cdiv(seqlen_q, rows * options.consumers), batch * heads)
-    # maxnreg: the registers per thread at launch, 64K over all warpgroups (the producer's warp
-    # counts as one warpgroup); setmaxnreg then moves them from the producer to the consumers.
+    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8)
+    descriptors = [gluon_descriptor(t, blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
+    grid = (triton_cdiv(seqlen_q, ROWS_PER_CONSUMER.value * options.consumers), batch * heads)
     attention_fwd_fa3_kernel[grid](
-        gluon_descriptor(q, rows), gluon_descriptor(k, block_n), v_desc, gluon_descriptor(out, rows), lse,
+        *descriptors, lse,
         *(fp8_scales or (lse,) * 4), heads, seqlen_q, k.shape[2], scale * LOG2E,
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
-        CONSUMER_REGS=CONSUMER_REGS[options.consumers], num_warps=4,
-        maxnreg=65536 // (128 * (options.consumers + 1)) // 8 * 8)
+        CONSUMER_REGS=CONSUMER_REGS[options.consumers], num_warps=4, maxnreg=launch_maxnreg(options.consumers))
     return out, lse
 
 
@@ -245,11 +241,10 @@ def triton_hopper_fp8_attention(q, k, v, causal, scale, config: TileConfig | Non
     if rotate and head_dim & (head_dim - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
     scale = head_dim ** -0.5 if scale is None else scale
-    if uses_gluon(q, options):
-        config = GLUON_TILES
-    config = config or forward_config(head_dim, causal, interpreting())
+    gluon = uses_gluon(q, options)
+    config = GLUON_TILES if gluon else config or forward_config(head_dim, causal, interpreting())
     with torch.no_grad():
-        q8, k8, vt8, descales = quantize_for_kernel(q, k, v, config, rotate, gluon=uses_gluon(q, options))
+        q8, k8, vt8, descales = quantize_for_kernel(q, k, v, config, rotate, gluon=gluon)
         with on_device(q):
             out, lse = fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, scale, config, q.dtype, head_dim,
                                    options)

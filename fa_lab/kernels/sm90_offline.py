@@ -67,16 +67,13 @@ def _compile(head_dim, causal, stages, pingpong, fp8, out_dtype, consumers) -> S
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .gluon_fa3 import CONSUMER_REGS, KV_BLOCK, ROWS_PER_CONSUMER, attention_fwd_fa3_kernel
+    from .gluon_fa3 import CONSUMER_REGS, attention_fwd_fa3_kernel, descriptor_blocks, launch_maxnreg
 
     operand = "fp8e4nv" if fp8 else out_dtype
-    rows, block_n = ROWS_PER_CONSUMER.value, KV_BLOCK.value
-    v_block = [1, 1, head_dim, block_n] if fp8 else [1, 1, block_n, head_dim]
+    blocks = descriptor_blocks(head_dim, fp8)
     signature = {
-        "q_desc": _descriptor_type(operand, [1, 1, rows, head_dim]),
-        "k_desc": _descriptor_type(operand, [1, 1, block_n, head_dim]),
-        "v_desc": _descriptor_type(operand, v_block),
-        "o_desc": _descriptor_type(out_dtype, [1, 1, rows, head_dim]),
+        **{f"{name}_desc": _descriptor_type(operand, blocks[name]) for name in "qkv"},
+        "o_desc": _descriptor_type(out_dtype, blocks["o"]),
         **{name: "*fp32" for name in ("lse_ptr", "q_descale_ptr", "k_descale_ptr", "v_descale_ptr",
                                       "v_descale_max_ptr")},
         "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32",
@@ -85,8 +82,8 @@ def _compile(head_dim, causal, stages, pingpong, fp8, out_dtype, consumers) -> S
                  "CONSUMER_REGS": CONSUMER_REGS[consumers]}
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(attention_fwd_fa3_kernel, signature, constants)
-    maxnreg = 65536 // (128 * (consumers + 1)) // 8 * 8
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "maxnreg": launch_maxnreg(consumers)})
     usage = _resource_usage(compiled.asm["cubin"])
     return Sm90Build(compiled.asm["ptx"], compiled.asm["ttgir"], compiled.metadata.shared, usage["REG"],
                      usage["STACK"], usage["LOCAL"])

@@ -124,22 +124,33 @@ def draw_choice(generator, options):
     return options[draw_int(generator, 0, len(options) - 1)]
 
 
+def draw_seqlens(generator, relation: str, longest: int, step: int) -> tuple[int, int]:
+    """(seqlen_q, seqlen_k). relation: "square" and "any" draw up to ``longest``; "fewer queries" and
+    "more queries" draw the shorter one up to ``step`` and add 1 to ``step`` for the longer."""
+    if relation == "square":
+        seqlen_q = seqlen_k = draw_int(generator, 1, longest)
+    elif relation == "fewer queries":
+        seqlen_q = draw_int(generator, 1, step)
+        seqlen_k = seqlen_q + draw_int(generator, 1, step)
+    elif relation == "more queries":
+        seqlen_k = draw_int(generator, 1, step)
+        seqlen_q = seqlen_k + draw_int(generator, 1, step)
+    else:
+        seqlen_q, seqlen_k = draw_int(generator, 1, longest), draw_int(generator, 1, longest)
+    return seqlen_q, seqlen_k
+
+
+def draw_scale(generator, head_dim: int) -> float | None:
+    """None (the default scale) or an explicit one within 0.5x to 1.5x of it, as a softmax temperature gives."""
+    factor = 0.5 + float(torch.rand(1, generator=generator))
+    return draw_choice(generator, (None, round(factor * head_dim ** -0.5, 3)))
+
+
 def draw_shape(generator, causal: bool, relation: str, **options) -> Shape:
     """A random shape. relation: "square", "fewer queries", "more queries" or "any" (Nq vs Nk)."""
-    if relation == "square":
-        seqlen_q = seqlen_k = draw_int(generator, 1, 70)
-    elif relation == "fewer queries":
-        seqlen_q = draw_int(generator, 1, 40)
-        seqlen_k = seqlen_q + draw_int(generator, 1, 40)
-    elif relation == "more queries":
-        seqlen_k = draw_int(generator, 1, 40)
-        seqlen_q = seqlen_k + draw_int(generator, 1, 40)
-    else:
-        seqlen_q, seqlen_k = draw_int(generator, 1, 70), draw_int(generator, 1, 70)
+    seqlen_q, seqlen_k = draw_seqlens(generator, relation, longest=70, step=40)
     head_dim = draw_choice(generator, (8, 16, 24, 32, 64))
-    # An explicit scale within 0.5x to 1.5x of the default, as a softmax temperature would give.
-    factor = 0.5 + float(torch.rand(1, generator=generator))
-    scale = draw_choice(generator, (None, round(factor * head_dim ** -0.5, 3)))
+    scale = draw_scale(generator, head_dim)
     return Shape(draw_int(generator, 1, 2), draw_int(generator, 1, 3), seqlen_q, seqlen_k, head_dim, causal,
                  draw_choice(generator, (5, 8, 16, 32)), draw_choice(generator, (4, 8, 12, 32)), scale,
                  **options)

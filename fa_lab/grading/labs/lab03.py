@@ -82,21 +82,11 @@ def public_causal_cases() -> list[Case]:
 
 def draw_shape(generator, causal: bool, relation: str, **options) -> Shape:
     """A random small shape. relation: "square", "fewer queries", "more queries" or "any" (Nq vs Nk)."""
-    if relation == "square":
-        seqlen_q = seqlen_k = draw_int(generator, 1, 64)
-    elif relation == "fewer queries":
-        seqlen_q = draw_int(generator, 1, 32)
-        seqlen_k = seqlen_q + draw_int(generator, 1, 32)
-    elif relation == "more queries":
-        seqlen_k = draw_int(generator, 1, 32)
-        seqlen_q = seqlen_k + draw_int(generator, 1, 32)
-    else:
-        seqlen_q, seqlen_k = draw_int(generator, 1, 64), draw_int(generator, 1, 64)
+    seqlen_q, seqlen_k = cases.draw_seqlens(generator, relation, longest=64, step=32)
     # Two heads when strided: a (B, N, 1, d) tensor viewed as (B, 1, N, d) is contiguous after all.
     batch, heads = (1, 2) if options.get("strided") else draw_choice(generator, ((1, 1), (1, 2), (2, 1)))
     head_dim = draw_choice(generator, (16, 32, 64))
-    factor = 0.5 + float(torch.rand(1, generator=generator))
-    scale = draw_choice(generator, (None, round(factor * head_dim ** -0.5, 3)))
+    scale = cases.draw_scale(generator, head_dim)
     return Shape(batch, heads, seqlen_q, seqlen_k, head_dim, causal, draw_choice(generator, TILES),
                  draw_choice(generator, TILES), scale, **options)
 

@@ -19,13 +19,11 @@ import torch
 from ...reference import softmax_with_lse
 from ..judge import (
     Verdict,
+    checked_outputs,
     compare_all,
     judge_outputs,
     largest_error,
     only_some_fail,
-    outcome_problem,
-    structure_problem,
-    unpack,
 )
 from . import attention_judges as judges
 from . import attention_mistakes as mistakes
@@ -134,15 +132,11 @@ def judge_skipping(case, outcome) -> Verdict:
     """
     q, k, v, causal, scale, block_m, block_n = case.args
     rows, keys = poisoned_rows(case)
-    problem = outcome_problem(outcome, ERROR_HINTS)
-    if problem:
-        return Verdict(False, problem)
-    actual = unpack(outcome["outputs"], NAMES)
-    if isinstance(actual, str):
-        return Verdict(False, actual)
-    problem = structure_problem(actual, judges.forward_expected(q, k, v.nan_to_num(), causal, scale))
-    if problem:
-        return Verdict(False, problem)
+    checked = checked_outputs(outcome, NAMES, lambda: judges.forward_expected(q, k, v.nan_to_num(), causal, scale),
+                              ERROR_HINTS)
+    if isinstance(checked, Verdict):
+        return checked
+    actual, _ = checked
     cut = (q[..., :rows, :], k[..., :keys, :], v[..., :keys, :])
     seen = {"out": actual["out"][..., :rows, :], "lse": actual["lse"][..., :rows]}
     cut_case = replace(case, args=(*cut, causal, scale, block_m, block_n))
