@@ -83,8 +83,8 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse).
 
     fp8_scales: None for bf16/fp16 operands; for e4m3 operands (v given as V^T, (B, H, d, Nk))
-    the tuple (q_descale, k_descale, v_descale, v_descale_max) of :func:`quantize_for_kernel`,
-    and ``out_dtype`` the output's dtype.
+    the tuple (q_descale, k_descale, v_exponent, v_descale_max) of :func:`quantize_for_kernel`
+    with ``gluon=True``, and ``out_dtype`` the output's dtype.
     """
     from .gluon_fa3 import (
         CONSUMER_REGS,
@@ -179,7 +179,8 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon:
     gets one e4m3 scale per kernel tile (BLOCK_M rows of Q, BLOCK_N rows of K/V);
     V is returned transposed, (B, H, d, Nk), because Hopper's FP8 WGMMA reads it K-major.
     The descales are (B, H, tiles) float32; v_descale_max, (B, H), is the largest V descale per head.
-    ``gluon``: V^T's keys in the order of :func:`gluon_fp8_key_order` (for the Gluon kernel only).
+    ``gluon`` (for the Gluon kernel only): V^T's keys in the order of :func:`gluon_fp8_key_order`,
+    and V's descales given as the exponents log2(v_descale / v_descale_max) that the kernel adds to P's.
     """
     from ..fp8 import incoherent_rotation, quantize_e4m3, random_signs
 
@@ -194,7 +195,9 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon:
         vt8 = torch.nn.functional.pad(vt8.view(torch.uint8), (0, len(order) - vt8.shape[-1]))
         vt8 = vt8[..., order].view(torch.float8_e4m3fn)
     vt8 = kernel_operand(vt8)  # keys padded to 16: masked by seqlen_k in the kernel
-    descales = (q8.scales, k8.scales, v8.scales, v8.scales.amax(dim=-1).contiguous())
+    v_descale_max = v8.scales.amax(dim=-1).contiguous()
+    v_descales = torch.log2(v8.scales / v_descale_max[..., None]) if gluon else v8.scales
+    descales = (q8.scales, k8.scales, v_descales, v_descale_max)
     return kernel_operand(q8.data), kernel_operand(k8.data), vt8, descales
 
 

@@ -74,7 +74,7 @@ def _compile(head_dim, causal, stages, pingpong, fp8, out_dtype, consumers) -> S
     signature = {
         **{f"{name}_desc": _descriptor_type(operand, blocks[name]) for name in "qkv"},
         "o_desc": _descriptor_type(out_dtype, blocks["o"]),
-        **{name: "*fp32" for name in ("lse_ptr", "q_descale_ptr", "k_descale_ptr", "v_descale_ptr",
+        **{name: "*fp32" for name in ("lse_ptr", "q_descale_ptr", "k_descale_ptr", "v_exponent_ptr",
                                       "v_descale_max_ptr")},
         "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32",
     }
