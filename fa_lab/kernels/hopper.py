@@ -56,9 +56,10 @@ class HopperOptions:
     consumers: int = 2
 
 
-# The FP8 forward's default: ping-pong helped FP8 at 8K (684 against 651 TFLOP/s, causal 637
-# against 593) while it cost bf16 (612 against 660; benchmarks/h200_hopper_variants.json).
-FP8_OPTIONS = HopperOptions(pingpong=True)
+# The FP8 forward's default. Ping-pong paid before P was packed with two cvt per register (684
+# against 651 TFLOP/s at 8K); since then the free-running consumers are as fast or faster
+# (benchmarks/h200_hopper_variants.json), as they are in bf16.
+FP8_OPTIONS = HopperOptions()
 
 
 def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
@@ -68,14 +69,20 @@ def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
             and head_dim_bucket(q.shape[-1]) in (64, 128))
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The swizzled shared-memory layout of a TMA tile (cached: building it costs ~5 us per launch)."""
+    from triton.experimental.gluon import language as gl
+
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), element)
+
+
 def gluon_descriptor(t: torch.Tensor, block: list[int]):
     """A Gluon TMA descriptor over t: (B, H, N, d8), or V^T (B, H, d, N8), with tiles of shape ``block``."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, element)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
 
 
 def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions(), fp8_scales=None,
