@@ -43,9 +43,11 @@ class HopperOptions:
     ``warp_specialize`` (Triton's own pass).
 
     Measured on an H200 at d=128, 8K (benchmarks/h200_hopper_variants.json), forward TFLOP/s
-    not causal / causal: gluon 660 / 585, with 3 stages 622 / 576, with ping-pong 612 / 570;
-    plain Triton 506 / 472 (pipelined, 2 stages: 498 / 454). Three consumers (192-row tiles)
-    leave each 160 registers, and ptxas spills (see :mod:`fa_lab.kernels.sm90_offline`).
+    not causal / causal: gluon 607 / 574 (625 / 593 in the protocol run that followed), with
+    3 stages 652 / 640, with ping-pong 612 / 618; plain Triton 519 / 480 (pipelined, 2 stages:
+    503 / 459). Between runs the Gluon variants swap places by 5-10% (the session before measured
+    2 stages 660 / 585 against 3 stages 622 / 576), so 2 stages stay the default. Three consumers
+    (192-row tiles) leave each 160 registers, and ptxas spills (see :mod:`fa_lab.kernels.sm90_offline`).
     """
 
     kernel: str = "gluon"
@@ -58,7 +60,7 @@ class HopperOptions:
 
 # The FP8 forward's default. Ping-pong paid before P was packed with two cvt per register (684
 # against 651 TFLOP/s at 8K); since then the free-running consumers are as fast or faster
-# (benchmarks/h200_hopper_variants.json), as they are in bf16.
+# (825 / 771 against 820 / 744 at 8K, benchmarks/h200_hopper_variants.json), as in bf16.
 FP8_OPTIONS = HopperOptions()
 
 
