@@ -101,6 +101,37 @@ def test_gluon_fp8_key_order_matches_the_kernels_reordering_of_p(generator):
 
 # ---------------------------------------------------------------- GPU (device machine)
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype, head_dim, rotate", [(torch.bfloat16, 64, True), (torch.float16, 128, True),
+                                                      (torch.bfloat16, 128, False)])
+def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim, rotate, generator):
+    """The two Triton passes give the PyTorch path's V^T bytes and V scales exactly; Q and K, rotated in
+    float32 there and in the input's dtype here, within one e4m3 step and at least as close to the exact
+    (float64) rotation."""
+    from fa_lab.fp8 import hadamard_transform, random_signs
+    from fa_lab.kernels.fp8_quant import quantize_fp8_operands
+    from fa_lab.kernels.hopper import GLUON_TILES, V_SCALE_FLOOR, quantize_for_kernel
+
+    q, k, v = ((3 * torch.randn(2, 2, n, head_dim, generator=generator)).to(device, dtype) for n in (200, 300, 300))
+    v[0, 0, :128] *= 1e-3  # a quiet V tile: its exponent differs from the head's
+    signs = random_signs(head_dim, torch.Generator().manual_seed(0)) if rotate else None
+    fused = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR)
+    reference = quantize_for_kernel(q, k, v, GLUON_TILES, rotate, gluon=True, fused=False)
+    assert torch.equal(fused[2].view(torch.uint8), reference[2].view(torch.uint8))
+    assert torch.equal(fused[3][2], reference[3][2]) and torch.equal(fused[3][3], reference[3][3])
+    for x, x8, descale, x8_ref, descale_ref in ((q, fused[0], fused[3][0], reference[0], reference[3][0]),
+                                                (k, fused[1], fused[3][1], reference[1], reference[3][1])):
+        exact = x.double() if signs is None else hadamard_transform(x.double() * signs.to(device).double())
+        torch.testing.assert_close(descale, descale_ref, rtol=1e-2, atol=0)
+
+        def error(data, scales):
+            rows = scales.repeat_interleave(128, dim=-1)[..., :x.shape[2], None].double()
+            return (data.double() * rows - exact).pow(2).mean().sqrt().item()
+
+        assert error(x8, descale) <= 1.02 * error(x8_ref, descale_ref)
+        assert error(x8, descale) <= 0.05 * exact.pow(2).mean().sqrt().item()  # e4m3: 3 mantissa bits
+
+
 @pytest.mark.gpu
 def test_gpu_triton_hopper_runs_the_gluon_kernel_where_it_applies():
     from fa_lab.kernels.hopper import HopperOptions, uses_gluon

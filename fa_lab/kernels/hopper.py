@@ -179,7 +179,15 @@ def gluon_fp8_key_order(seqlen_k: int, device=None) -> torch.Tensor:
     return position - r + 16 * h + 8 * a + 2 * c + b
 
 
-def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon: bool = False):
+@functools.lru_cache(maxsize=None)
+def rotation_signs(head_dim: int, device: torch.device) -> torch.Tensor:
+    """The FP8 path's fixed random signs (seed 0), (head_dim,) float32 on ``device`` (cached: no copy per call)."""
+    from ..fp8 import random_signs
+
+    return random_signs(head_dim, torch.Generator().manual_seed(0)).to(device)
+
+
+def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon: bool = False, fused: bool = True):
     """FP8 operands of the kernel: (q8, k8, vt8, (q_descale, k_descale, v_descale, v_descale_max)).
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d). With ``rotate``, Q and K are first
@@ -190,11 +198,16 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon:
     The descales are (B, H, tiles) float32; v_descale_max, (B, H), is the largest V descale per head.
     ``gluon`` (for the Gluon kernel only): V^T's keys in the order of :func:`gluon_fp8_key_order`,
     and V's descales given as the exponents log2(v_descale / v_descale_max) that the kernel adds to P's.
+    On a GPU this runs as two Triton passes (:mod:`fa_lab.kernels.fp8_quant`, which rotates in float32
+    rather than in q's dtype) where they apply; ``fused=False`` keeps the PyTorch operations below.
     """
-    from ..fp8 import incoherent_rotation, quantize_e4m3, random_signs
+    from ..fp8 import incoherent_rotation, quantize_e4m3
+    from .fp8_quant import fused_quantization_applies, quantize_fp8_operands
 
+    signs = rotation_signs(q.shape[-1], q.device) if rotate else None
+    if fused and gluon and q.is_cuda and not interpreting() and fused_quantization_applies(q, config.block_m, config.block_n):
+        return quantize_fp8_operands(q, k, v, signs, config.block_n, V_SCALE_FLOOR)
     if rotate:
-        signs = random_signs(q.shape[-1], torch.Generator().manual_seed(0)).to(q.device)
         q, k = incoherent_rotation(q, k, signs)
     q8, k8 = quantize_e4m3(q, config.block_m), quantize_e4m3(k, config.block_n)
     v8 = quantize_e4m3(v, config.block_n, floor_ratio=V_SCALE_FLOOR)
