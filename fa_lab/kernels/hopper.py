@@ -202,10 +202,14 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon:
     rather than in q's dtype) where they apply; ``fused=False`` keeps the PyTorch operations below.
     """
     from ..fp8 import incoherent_rotation, quantize_e4m3
-    from .fp8_quant import fused_quantization_applies, quantize_fp8_operands
 
     signs = rotation_signs(q.shape[-1], q.device) if rotate else None
-    if fused and gluon and q.is_cuda and not interpreting() and fused_quantization_applies(q, config.block_m, config.block_n):
+    # The two Triton passes cover the Gluon kernel's operands: head_dim 64 or 128, 128-row tiles.
+    if (fused and gluon and q.is_cuda and not interpreting() and q.shape[-1] in (64, 128)
+            and config.block_m == config.block_n == 128):
+        load_triton()
+        from .fp8_quant import quantize_fp8_operands
+
         return quantize_fp8_operands(q, k, v, signs, config.block_n, V_SCALE_FLOOR)
     if rotate:
         q, k = incoherent_rotation(q, k, signs)
