@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -46,13 +47,15 @@ BF16_VARIANTS = [
     ("gluon", None, HopperOptions(stages=2)),
     ("gluon 3 stages", None, HopperOptions(stages=3)),
     ("gluon ping-pong", None, HopperOptions(stages=2, pingpong=True)),
+    ("gluon persistent", None, HopperOptions(stages=2, persistent=True)),
     ("triton", TileConfig(128, 128, 8, 3), HopperOptions(kernel="triton")),
     ("triton pipelined", TileConfig(128, 128, 8, 2), HopperOptions(kernel="triton", pipeline=True)),
 ]
-FP8_VARIANTS = [
-    ("gluon", None, HopperOptions(stages=2)),
-    ("gluon 3 stages", None, HopperOptions(stages=3)),
-    ("gluon ping-pong", None, HopperOptions(stages=2, pingpong=True)),
+FP8_VARIANTS = [  # the default is persistent: each Gluon variant changes one switch
+    ("gluon", None, FP8_OPTIONS),
+    ("gluon 3 stages", None, dataclasses.replace(FP8_OPTIONS, stages=3)),
+    ("gluon ping-pong", None, dataclasses.replace(FP8_OPTIONS, pingpong=True)),
+    ("gluon one tile per CTA", None, dataclasses.replace(FP8_OPTIONS, persistent=False)),
     ("triton", TileConfig(128, 128, 8, 3), HopperOptions(kernel="triton")),
 ]
 

@@ -29,6 +29,10 @@ kernel below is organised the way the FA3 paper describes it:
   descale is folded into P's exponent, and P's keys are renumbered in the order
   a thread holds them (V^T is stored in that order) so that P becomes an FP8
   operand without moving data between threads.
+* **Persistent kernel** (``PERSISTENT``): one CTA per SM, each computing the work
+  tiles that :mod:`fa_lab.kernels.tile_schedule` lists for it (longest first, heads
+  in groups). The ring's slots and phases run on across tiles, so the next tile's
+  K/V (and, once the consumers release it, Q) load while this tile ends.
 * **Epilogue through shared memory.** A consumer's Q tile is dead after its last
   ``Q K^T``, so O is written into that buffer and stored with one TMA copy,
   which also drops the rows past ``seqlen_q``.
@@ -96,19 +100,72 @@ def _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter,
-              STAGES: gl.constexpr, FP8: gl.constexpr):
-    """TMA copies only: every consumer's Q rows once, then K_j and V_j (V_j^T in FP8) into slot j % STAGES."""
-    q_ready, k_ready, v_ready, k_empty, v_empty, turn = bars
+def _tile_coords(tile, m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """(batch, head, pid_bh, start_m, n_iter, first_masked) of work tile ``tile``.
+
+    The m_tiles query tiles of one (batch, head) are consecutive (its K and V stay in L2 while they
+    run); with causal masking the longest rows come first, so that the short ones fill the tail.
+    (tile_schedule.encode_tile is the inverse on the host.)
+    """
+    pid_m = tile % m_tiles
+    if CAUSAL:
+        pid_m = m_tiles - 1 - pid_m
+    pid_bh = tile // m_tiles
+    start_m = pid_m * BLOCK_M
+    n_iter, first_masked = _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    return pid_bh // heads, pid_bh % heads, pid_bh, start_m, n_iter, first_masked
+
+
+@gluon.jit
+def _scheduled_tiles(schedule_ptr):
+    """(first, last, tiles_ptr): this CTA computes tiles tiles_ptr[first:last] (see tile_schedule.schedule_tensor)."""
+    cta = gl.program_id(0)
+    return gl.load(schedule_ptr + cta), gl.load(schedule_ptr + cta + 1), schedule_ptr + gl.num_programs(0) + 1
+
+
+@gluon.jit
+def _producer(args, STAGES: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """TMA copies only. For each work tile of this CTA: K_j and V_j (V_j^T in FP8) into the ring's
+    slots, and the consumers' Q rows (see _producer_tile).
+
+    args: the runtime values (descriptors, buffers, barriers, work, schedule_ptr). The constexprs come
+    separately: a tuple built in a variable turns them into runtime values.
+    """
+    q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, work, schedule_ptr = args
+    m_tiles, heads, seqlen_q, seqlen_k = work
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     CONSUMERS: gl.constexpr = q_bufs.type.shape[0]
-    mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
-    for c in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS_PER_CONSUMER, 0], q_ready,
-                                        q_bufs.index(c))
+    BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
+    if PERSISTENT:
+        kv_count = 0  # K/V tiles loaded by this CTA so far: the ring's position and phases run across work tiles
+        first, last, tiles_ptr = _scheduled_tiles(schedule_ptr)
+        for k in range(first, last):
+            coords = _tile_coords(gl.load(tiles_ptr + k), m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                  CAUSAL)
+            # k - first: work tiles of this CTA before this one, the phase of q_ready / q_empty
+            _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, coords, kv_count, k - first, STAGES,
+                           FP8, PERSISTENT)
+            kv_count += coords[4]
+    else:  # one tile per CTA: the phases are constants
+        coords = _tile_coords(gl.program_id(0), m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, coords, 0, 0, STAGES, FP8, PERSISTENT)
+
+
+@gluon.jit
+def _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, coords, kv_count, local,
+                   STAGES: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The producer's copies for one work tile; kv_count / local: K/V tiles and work tiles this CTA loaded
+    before it. Q goes first, except in a persistent CTA, where the Q buffers may still be busy with the
+    previous tile: there Q follows K_0 and V_0, which need no free Q buffer."""
+    batch, head, pid_bh, start_m, n_iter, first_masked = coords
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    k_ready, v_ready, k_empty, v_empty = bars[2], bars[3], bars[4], bars[5]
+    if not PERSISTENT:
+        _load_q(q_desc, q_bufs, bars, batch, head, start_m, local)
     for j in range(n_iter):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
+        slot = (kv_count + j) % STAGES
+        phase = ((kv_count + j) // STAGES) & 1
         # A fresh mbarrier counts as having completed the phase before phase 0,
         # so the first STAGES waits on "empty" pass at once.
         mbarrier.wait(k_empty.index(slot), phase ^ 1)
@@ -123,23 +180,37 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head,
         else:
             tma.async_copy_global_to_shared(v_desc, [batch, head, j * BLOCK_N, 0], v_ready.index(slot),
                                             v_bufs.index(slot))
+        if PERSISTENT:
+            if j == 0:
+                _load_q(q_desc, q_bufs, bars, batch, head, start_m, local)
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, offs_m, j, first_masked, seqlen_q, seqlen_k,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, s_layout: gl.constexpr):
+def _load_q(q_desc, q_bufs, bars, batch, head, start_m, local):
+    """Every consumer's Q rows of a work tile, once the consumers have released the Q buffers."""
+    q_ready, q_empty = bars[0], bars[1]
+    CONSUMERS: gl.constexpr = q_bufs.type.shape[0]
+    mbarrier.wait(q_empty, (local & 1) ^ 1)
+    mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+    for c in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS_PER_CONSUMER, 0], q_ready,
+                                        q_bufs.index(c))
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_end, j, first_masked, BLOCK_N: gl.constexpr,
+                  FP8: gl.constexpr, s_layout: gl.constexpr):
     """Online-softmax update with raw scores s = Q K_j^T: (64, BLOCK_N) fp32.
 
     Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
     the Q and K descales in FP8). Only tiles from ``first_masked`` on pay for a mask
-    (causal diagonal, ragged end). In FP8, p comes out multiplied by 2**log2_p_scale
-    (folded into the exponent, so it costs nothing per score) while l sums the true p.
+    (causal diagonal, ragged end): key_end (64,) int32 is each row's end of visible keys
+    (_visible_key_end), so the mask is one compare per score. In FP8, p comes out multiplied by
+    2**log2_p_scale (folded into the exponent, so it costs nothing per score) while l sums the true p.
     """
     if j >= first_masked:
-        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = cols[None, :] < (key_end - j * BLOCK_N)[:, None]
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * tile_scale)
     # A row that has seen no visible key keeps m = -inf: subtract 0 there so exp2 gives 0, not NaN.
@@ -155,15 +226,53 @@ def _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, offs_m, j, first_masked
 
 
 @gluon.jit
+def _visible_key_end(offs_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr):
+    """Per query row, one past its last visible key: seqlen_k, or with causal masking (bottom-right
+    aligned, row i sees keys j <= i + seqlen_k - seqlen_q) the smaller of that and i + 1 + seqlen_k - seqlen_q."""
+    if CAUSAL:
+        return gl.minimum(offs_m + (seqlen_k - seqlen_q + 1), seqlen_k)
+    else:
+        return gl.full(offs_m.shape, seqlen_k, gl.int32, offs_m.type.layout)
+
+
+@gluon.jit
 def _consumer(state, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, FP8: gl.constexpr):
-    """One warpgroup: rows [start_m + 64 * CONSUMER, +64) through every K/V tile, then the epilogue.
+              PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One warpgroup: its 64 rows of every work tile of this CTA (one tile, or several when persistent).
 
     state: what every consumer shares, built once by the kernel entry.
     """
-    (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m, n_iter,
-     first_masked, seqlen_q, seqlen_k, qk_scale) = state
-    q_ready, k_ready, v_ready, k_empty, v_empty, turn = bars
+    m_tiles, heads, seqlen_q, seqlen_k = state[8]
+    BLOCK_N: gl.constexpr = state[4].type.shape[3]
+    BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
+    if PERSISTENT:
+        kv_count = 0  # K/V tiles consumed by this CTA so far (the ring's position and phases)
+        first, last, tiles_ptr = _scheduled_tiles(state[10])
+        for k in range(first, last):
+            coords = _tile_coords(gl.load(tiles_ptr + k), m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                  CAUSAL)
+            _consumer_tile(state, coords, kv_count, k - first, CONSUMER, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8,
+                           PERSISTENT)
+            kv_count += coords[4]
+    else:
+        coords = _tile_coords(gl.program_id(0), m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        _consumer_tile(state, coords, 0, 0, CONSUMER, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8, PERSISTENT)
+    tma.store_wait(0)  # this consumer's last O store
+
+
+@gluon.jit
+def _consumer_tile(state, coords, kv_count, local, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
+    """Rows [start_m + 64 * CONSUMER, +64) of one work tile through every K/V tile, then the epilogue.
+
+    coords: _tile_coords of the tile; kv_count: K/V tiles this CTA consumed before it (step j uses
+    ring slot (kv_count + j) % STAGES); local: work tiles before it.
+    """
+    (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, work, qk_scale, schedule_ptr) = state
+    m_tiles, heads, seqlen_q, seqlen_k = work
+    batch, head, pid_bh, start_m, n_iter, first_masked = coords
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr = scales
     BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = k_bufs.type.shape[4]
@@ -186,6 +295,7 @@ def _consumer(state, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl
     q_smem = q_bufs.index(CONSUMER).reshape([ROWS_PER_CONSUMER, HEAD_DIM])
     row0 = start_m + CONSUMER * ROWS_PER_CONSUMER
     offs_m = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_layout)
+    key_end = _visible_key_end(offs_m, seqlen_q, seqlen_k, CAUSAL)
     m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, row_layout)
     l_i = gl.full([ROWS_PER_CONSUMER], 0.0, gl.float32, row_layout)
     s = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout)
@@ -200,30 +310,32 @@ def _consumer(state, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl
         v_descale_max = gl.load(v_descale_max_ptr + pid_bh)
 
     # Prologue: scores and probabilities of tile 0.
-    mbarrier.wait(q_ready, 0)
-    mbarrier.wait(k_ready.index(0), 0)
+    first = kv_count % STAGES
+    mbarrier.wait(q_ready, local & 1)
+    mbarrier.wait(k_ready.index(first), (kv_count // STAGES) & 1)
     if PINGPONG:
-        mbarrier.wait(turn.index(CONSUMER), 0)
-    s = warpgroup_mma(q_smem, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s,
+        mbarrier.wait(turn.index(CONSUMER), kv_count & 1)
+    s = warpgroup_mma(q_smem, k_bufs.index(first).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s,
                       use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index((CONSUMER + 1) % CONSUMERS))
     if FP8:
         tile_scale, log2_p_scale = _fp8_tile_scales(qk_scale, k_descale_ptr, v_exponent_ptr, pid_bh * kv_tiles)
     s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(0))
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, offs_m, 0, first_masked, seqlen_q,
-                                       seqlen_k, BLOCK_N, CAUSAL, FP8, s_layout)
+    mbarrier.arrive(k_empty.index(first))
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_end, 0, first_masked, BLOCK_N,
+                                       FP8, s_layout)
     p = _carried_p(p, dtype, p_layout, FP8)
 
     for j in range(1, n_iter):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
+        g = kv_count + j  # this CTA's K/V tile count: the ring slot and phase
+        slot = g % STAGES
+        prev = (g - 1) % STAGES
         p_op = _p_operand(p, dtype, p_layout, FP8)  # P_{j-1} (a no-op for 16-bit types: see _carried_p)
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(turn.index(CONSUMER), j & 1)
+            mbarrier.wait(turn.index(CONSUMER), g & 1)
         # Issue both GEMMs of this step: scores of tile j, and P V of tile j-1. O is rescaled
         # to tile j-1's running max in between, while the tensor cores work on S_j.
         s = warpgroup_mma(q_smem, k_bufs.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s,
@@ -238,8 +350,8 @@ def _consumer(state, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl
         # Wait for the scores only (one group, P V, may stay in flight) and free K_j.
         s = warpgroup_mma_wait(1, deps=(s,))
         mbarrier.arrive(k_empty.index(slot))
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, offs_m, j, first_masked,
-                                           seqlen_q, seqlen_k, BLOCK_N, CAUSAL, FP8, s_layout)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_end, j, first_masked,
+                                           BLOCK_N, FP8, s_layout)
         # The softmax above ran while the tensor cores computed P_{j-1} V_{j-1}.
         if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
             o = warpgroup_mma_wait(0, deps=(o,))
@@ -248,8 +360,10 @@ def _consumer(state, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl
         mbarrier.arrive(v_empty.index(prev))
         p = _carried_p(p, dtype, p_layout, FP8)
 
-    last = (n_iter - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_iter - 1) // STAGES) & 1)
+    if PERSISTENT and FP8:  # every Q K^T of this tile is done: the producer may load the next tile's Q
+        mbarrier.arrive(q_empty)
+    last = (kv_count + n_iter - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((kv_count + n_iter - 1) // STAGES) & 1)
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     o = warpgroup_mma(_p_operand(p, dtype, p_layout, FP8), _v_operand(v_bufs.index(last), FP8), o, is_async=True)
     o = warpgroup_mma_wait(0, deps=(o,))
@@ -263,10 +377,14 @@ def _consumer(state, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl
         l_safe = l_safe * (P_SCALE / v_descale_max)
     o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
     o_smem = o_bufs.index(CONSUMER)
+    if PERSISTENT and FP8:  # the previous tile's O store from this buffer must have left it
+        tma.store_wait(0)
     o_smem.reshape([ROWS_PER_CONSUMER, HEAD_DIM]).store(o.to(out_dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], o_smem)
-    tma.store_wait(0)
+    if PERSISTENT and not FP8:  # O went out through the Q buffer: free it for the next tile's Q once stored
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty)
 
 
 @gluon.jit
@@ -340,29 +458,24 @@ def _fp8_tile_scales(qk_scale, k_descale_ptr, v_exponent_ptr, tile):
 
 @gluon.jit
 def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_ptr, k_descale_ptr, v_exponent_ptr,
-                             v_descale_max_ptr, heads, seqlen_q, seqlen_k, qk_scale,
+                             v_descale_max_ptr, heads, seqlen_q, seqlen_k, schedule_ptr, qk_scale,
                              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                             PINGPONG: gl.constexpr, FP8: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """O and lse for 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
+                             PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
+    """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
 
     q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
     (B, H, Nk, d), block (1, 1, BLOCK_N, d); v_desc the same, or in FP8 over V^T
-    (B, H, d, Nk), block (1, 1, d, BLOCK_N). lse_ptr: (B, H, Nq) float32; grid
-    (cdiv(Nq, 64 * CONSUMERS), B * H); qk_scale = scale * log2(e). FP8 only: q/k_descale_ptr
+    (B, H, d, Nk), block (1, 1, d, BLOCK_N). lse_ptr: (B, H, Nq) float32; qk_scale = scale * log2(e).
+    Work tile t (of cdiv(Nq, 64 * CONSUMERS) * B * H) is _tile_coords(t). Grid: one CTA per tile, or
+    PERSISTENT: at most one per SM, CTA c computing the tiles that schedule_ptr (int32, from
+    tile_schedule.schedule_tensor) lists for it; unused otherwise. FP8 only: q/k_descale_ptr
     (B, H, tiles) float32 per-tile descales (128-row tiles), v_descale_max_ptr (B, H) the largest
     V descale of each head, v_exponent_ptr (B, H, tiles) log2(v_descale / v_descale_max).
     CONSUMER_REGS: registers per thread of a worker consumer warpgroup (setmaxnreg).
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
-    pid_m = gl.program_id(0)
-    if CAUSAL:  # the longest rows first, so the short ones fill the tail
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
-    batch = pid_bh // heads
-    head = pid_bh % heads
-    start_m = pid_m * BLOCK_M
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    n_iter, first_masked = _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -372,12 +485,14 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_
     else:  # a consumer's Q tile is dead after its last Q K^T: O reuses its shared memory
         o_bufs = q_bufs
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -387,23 +502,23 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_
         mbarrier.init(turn.index(c), count=1)
     if PINGPONG:  # consumer 0 issues first: give it its first turn
         mbarrier.arrive(turn.index(0))
-    bars = (q_ready, k_ready, v_ready, k_empty, v_empty, turn)
+    bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
     scales = (q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr)
 
-    state = (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, batch, head, pid_bh, start_m, n_iter,
-             first_masked, seqlen_q, seqlen_k, qk_scale)
-    producer_args = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, batch, head, start_m, n_iter, STAGES, FP8)
+    work = (m_tiles, heads, seqlen_q, seqlen_k)
+    state = (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, work, qk_scale, schedule_ptr)
+    producer_args = (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, work, schedule_ptr)
     # (warp_specialize takes a literal list of partitions, so the two consumer counts are spelled out.)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (state, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
-            (_consumer, (state, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
-            (_producer, producer_args),
+            (_consumer, (state, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (_consumer, (state, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (_producer, (producer_args, STAGES, FP8, CAUSAL, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (state, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
-            (_consumer, (state, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
-            (_consumer, (state, 2, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8)),
-            (_producer, producer_args),
+            (_consumer, (state, 0, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (_consumer, (state, 1, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (_consumer, (state, 2, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (_producer, (producer_args, STAGES, FP8, CAUSAL, PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -27,6 +27,7 @@ from .flash_triton import (
     on_device,
     triton_cdiv,
 )
+from .tile_schedule import schedule_tensor
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,12 @@ class HopperOptions:
     ``warp_specialize`` (Triton's own pass).
 
     Measured on an H200 at d=128, 8K (benchmarks/h200_hopper_variants.json), forward TFLOP/s
-    not causal / causal: gluon 607 / 574 (625 / 593 in the protocol run that followed), with
-    3 stages 652 / 640, with ping-pong 612 / 618; plain Triton 519 / 480 (pipelined, 2 stages:
-    503 / 459). Between runs the Gluon variants swap places by 5-10% (the session before measured
-    2 stages 660 / 585 against 3 stages 622 / 576), so 2 stages stay the default. Three consumers
-    (192-row tiles) leave each 160 registers, and ptxas spills (see :mod:`fa_lab.kernels.sm90_offline`).
+    not causal / causal: gluon 613 / 578, with 3 stages 602 / 614, with ping-pong 607 / 562,
+    persistent 610 / 609; plain Triton 514 / 471 (pipelined, 2 stages: 499 / 458). Between runs
+    the Gluon variants swap places by 5-10% (the run before: 614 / 567, 603 / 565, 612 / 581,
+    607 / 627), so 2 stages, one tile per CTA, stay the bf16 default. FP8 (FP8_OPTIONS): persistent
+    835 / 812, one tile per CTA 836 / 761. Three consumers (192-row tiles) leave each 160 registers,
+    and ptxas spills (see :mod:`fa_lab.kernels.sm90_offline`).
     """
 
     kernel: str = "gluon"
@@ -56,12 +58,16 @@ class HopperOptions:
     stages: int = 2
     pingpong: bool = False
     consumers: int = 2
+    persistent: bool = False  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule)
 
 
 # The FP8 forward's default. Ping-pong paid before P was packed with two cvt per register (684
 # against 651 TFLOP/s at 8K); since then the free-running consumers are as fast or faster
-# (825 / 771 against 820 / 744 at 8K, benchmarks/h200_hopper_variants.json), as in bf16.
-FP8_OPTIONS = HopperOptions()
+# (825 / 771 against 820 / 744 at 8K), as in bf16. The persistent kernel pays in FP8, whose
+# K/V steps are short enough for a work tile's start and end to show (4K: 813 against 781 not
+# causal, 706 against 668 causal, benchmarks/probes/session4_sched_probe.jsonl; 8K causal: 812
+# against 761, h200_hopper_variants.json). In bf16 it does not pay reliably (HopperOptions).
+FP8_OPTIONS = HopperOptions(persistent=True)
 
 
 def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
@@ -87,6 +93,12 @@ def gluon_descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU: the persistent kernel's grid."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions(), fp8_scales=None,
                   out_dtype=None):
     """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse).
@@ -109,11 +121,18 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8)
     descriptors = [gluon_descriptor(t, blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
-    grid = (triton_cdiv(seqlen_q, ROWS_PER_CONSUMER.value * options.consumers), batch * heads)
+    block_m = ROWS_PER_CONSUMER.value * options.consumers
+    total_tiles = triton_cdiv(seqlen_q, block_m) * batch * heads
+    grid, schedule = (total_tiles,), lse  # (lse: a placeholder pointer, not read)
+    if options.persistent:
+        grid = (min(total_tiles, _sm_count(q.device)),)
+        schedule = schedule_tensor(batch * heads, seqlen_q, k.shape[2], block_m, blocks["k"][2], causal, grid[0],
+                                   q.device)
     attention_fwd_fa3_kernel[grid](
         *descriptors, lse,
-        *(fp8_scales or (lse,) * 4), heads, seqlen_q, k.shape[2], scale * LOG2E,
+        *(fp8_scales or (lse,) * 4), heads, seqlen_q, k.shape[2], schedule, scale * LOG2E,
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
+        PERSISTENT=options.persistent,
         CONSUMER_REGS=CONSUMER_REGS[options.consumers], num_warps=4, maxnreg=launch_maxnreg(options.consumers))
     return out, lse
 

@@ -3,7 +3,7 @@
 Triton's wheel ships ``ptxas`` and ``cuobjdump``, so the whole pipeline (Gluon ->
 TTGIR -> LLVM IR -> PTX -> cubin) runs on a laptop. The CPU tests use it to check
 that every variant of :mod:`fa_lab.kernels.gluon_fa3` compiles, fits in shared
-memory and does not spill registers; notebook 04 uses it to show the PTX the FA3
+memory and does not spill registers in its K/V loop; notebook 04 uses it to show the PTX the FA3
 ideas turn into (``setmaxnreg``, ``wgmma.mma_async``, ``mbarrier``).
 
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, which ``import fa_lab`` sets on a
@@ -35,6 +35,7 @@ class Sm90Build:
     registers: int  # per thread at launch (setmaxnreg moves them between warpgroups afterwards)
     stack_bytes: int  # per thread; > 0 means ptxas spilled registers
     local_bytes: int
+    kv_loop_spills: int  # local-memory loads and stores (LDL/STL) inside the SASS loops that issue WGMMAs
 
 
 def _descriptor_type(dtype: str, block: list[int]) -> str:
@@ -46,12 +47,13 @@ def _descriptor_type(dtype: str, block: list[int]) -> str:
 
 
 def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
-                         fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2) -> Sm90Build:
+                         fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2,
+                         persistent: bool = False) -> Sm90Build:
     """Compile :func:`gluon_fa3.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU."""
     from . import interpreting
 
     args = dict(head_dim=head_dim, causal=causal, stages=stages, pingpong=pingpong, fp8=fp8, out_dtype=out_dtype,
-                consumers=consumers)
+                consumers=consumers, persistent=persistent)
     if interpreting():
         env = {**os.environ, "TRITON_INTERPRET": "0"}
         done = subprocess.run([sys.executable, "-m", __name__, json.dumps(args)], capture_output=True, text=True,
@@ -62,7 +64,7 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
     return _compile(**args)
 
 
-def _compile(head_dim, causal, stages, pingpong, fp8, out_dtype, consumers) -> Sm90Build:
+def _compile(head_dim, causal, stages, pingpong, fp8, out_dtype, consumers, persistent) -> Sm90Build:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -76,21 +78,21 @@ def _compile(head_dim, causal, stages, pingpong, fp8, out_dtype, consumers) -> S
         "o_desc": _descriptor_type(out_dtype, blocks["o"]),
         **{name: "*fp32" for name in ("lse_ptr", "q_descale_ptr", "k_descale_ptr", "v_exponent_ptr",
                                       "v_descale_max_ptr")},
-        "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "qk_scale": "fp32",
+        "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "schedule_ptr": "*i32", "qk_scale": "fp32",
     }
     constants = {"CONSUMERS": consumers, "STAGES": stages, "CAUSAL": causal, "PINGPONG": pingpong, "FP8": fp8,
-                 "CONSUMER_REGS": CONSUMER_REGS[consumers]}
+                 "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers]}
     signature.update({name: "constexpr" for name in constants})
     source = GluonASTSource(attention_fwd_fa3_kernel, signature, constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "maxnreg": launch_maxnreg(consumers)})
     usage = _resource_usage(compiled.asm["cubin"])
     return Sm90Build(compiled.asm["ptx"], compiled.asm["ttgir"], compiled.metadata.shared, usage["REG"],
-                     usage["STACK"], usage["LOCAL"])
+                     usage["STACK"], usage["LOCAL"], kv_loop_spills(_cuobjdump(compiled.asm["cubin"], "-sass")))
 
 
-def _resource_usage(cubin: bytes) -> dict:
-    """REG, STACK, LOCAL, ... of the cubin's kernel, as ``cuobjdump --dump-resource-usage`` prints them."""
+def _cuobjdump(cubin: bytes, *flags: str) -> str:
+    """What Triton's bundled ``cuobjdump`` prints for the cubin with these flags."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -98,9 +100,35 @@ def _resource_usage(cubin: bytes) -> dict:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as file:
             file.write(cubin)
-        report = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True,
-                                check=True).stdout
+        return subprocess.run([tool, *flags, path], capture_output=True, text=True, check=True).stdout
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """REG, STACK, LOCAL, ... of the cubin's kernel, as ``cuobjdump --dump-resource-usage`` prints them."""
+    report = _cuobjdump(cubin, "--dump-resource-usage")
     return {key: int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", report)}
+
+
+def kv_loop_spills(sass: str) -> int:
+    """LDL/STL instructions inside the innermost SASS loops that issue WGMMAs (the K/V loops).
+
+    A loop is a predicated backward branch (the unpredicated ones return from the out-of-line retry
+    blocks of mbarrier waits); the K/V loops are the smallest ones holding a GMMA instruction.
+    Spills outside them (a few scalars reloaded once per work tile) cost next to nothing.
+    """
+    code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for address, text in code:
+        target = re.search(r"^@!?U?P\w*\s+BRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            loops.append((int(target.group(1), 16), address))
+    body = {loop: [text for address, text in code if loop[0] <= address <= loop[1]] for loop in loops}
+    gmma_loops = [loop for loop in loops if any("GMMA" in text for text in body[loop])]
+    innermost = [loop for loop in gmma_loops
+                 if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in gmma_loops)]
+    if not innermost:
+        raise ValueError("no SASS loop issues a GMMA: is this the FA3 kernel?")
+    return sum(1 for loop in innermost for text in body[loop] if re.search(r"\b(LDL|STL)\b", text))
 
 
 if __name__ == "__main__":  # python -m fa_lab.kernels.sm90_offline '{"head_dim": 128, ...}' -> the build as JSON
