@@ -100,14 +100,15 @@ def _tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _tile_coords(tile, m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-    """(batch, head, pid_bh, start_m, n_iter, first_masked) of work tile ``tile``.
+def _tile_coords(tile, work, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch, head, pid_bh, start_m, n_iter, first_masked) of work tile ``tile``; work: (m_tiles, heads,
+    seqlen_q, seqlen_k).
 
     The m_tiles query tiles of one (batch, head) are consecutive (its K and V stay in L2 while they
     run); with causal masking the longest rows come first, so that the short ones fill the tail.
     (tile_schedule.encode_tile is the inverse on the host.)
     """
+    m_tiles, heads, seqlen_q, seqlen_k = work
     pid_m = tile % m_tiles
     if CAUSAL:
         pid_m = m_tiles - 1 - pid_m
@@ -133,7 +134,6 @@ def _producer(args, STAGES: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexp
     separately: a tuple built in a variable turns them into runtime values.
     """
     q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, work, schedule_ptr = args
-    m_tiles, heads, seqlen_q, seqlen_k = work
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     CONSUMERS: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
@@ -141,14 +141,13 @@ def _producer(args, STAGES: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexp
         kv_count = 0  # K/V tiles loaded by this CTA so far: the ring's position and phases run across work tiles
         first, last, tiles_ptr = _scheduled_tiles(schedule_ptr)
         for k in range(first, last):
-            coords = _tile_coords(gl.load(tiles_ptr + k), m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
-                                  CAUSAL)
+            coords = _tile_coords(gl.load(tiles_ptr + k), work, BLOCK_M, BLOCK_N, CAUSAL)
             # k - first: work tiles of this CTA before this one, the phase of q_ready / q_empty
             _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, coords, kv_count, k - first, STAGES,
                            FP8, PERSISTENT)
             kv_count += coords[4]
     else:  # one tile per CTA: the phases are constants
-        coords = _tile_coords(gl.program_id(0), m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        coords = _tile_coords(gl.program_id(0), work, BLOCK_M, BLOCK_N, CAUSAL)
         _producer_tile(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, bars, coords, 0, 0, STAGES, FP8, PERSISTENT)
 
 
@@ -242,20 +241,19 @@ def _consumer(state, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl
 
     state: what every consumer shares, built once by the kernel entry.
     """
-    m_tiles, heads, seqlen_q, seqlen_k = state[8]
-    BLOCK_N: gl.constexpr = state[4].type.shape[3]
+    (o_desc, lse_ptr, scales, q_bufs, k_bufs, v_bufs, o_bufs, bars, work, qk_scale, schedule_ptr) = state
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[3]
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     if PERSISTENT:
         kv_count = 0  # K/V tiles consumed by this CTA so far (the ring's position and phases)
-        first, last, tiles_ptr = _scheduled_tiles(state[10])
+        first, last, tiles_ptr = _scheduled_tiles(schedule_ptr)
         for k in range(first, last):
-            coords = _tile_coords(gl.load(tiles_ptr + k), m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
-                                  CAUSAL)
+            coords = _tile_coords(gl.load(tiles_ptr + k), work, BLOCK_M, BLOCK_N, CAUSAL)
             _consumer_tile(state, coords, kv_count, k - first, CONSUMER, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8,
                            PERSISTENT)
             kv_count += coords[4]
     else:
-        coords = _tile_coords(gl.program_id(0), m_tiles, heads, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        coords = _tile_coords(gl.program_id(0), work, BLOCK_M, BLOCK_N, CAUSAL)
         _consumer_tile(state, coords, 0, 0, CONSUMER, CONSUMERS, STAGES, CAUSAL, PINGPONG, FP8, PERSISTENT)
     tma.store_wait(0)  # this consumer's last O store
 
