@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .block_info import BlockInfo
 from .online_softmax import SoftmaxState, online_softmax_update
-from .reference import causal_mask
 
 # Measured on a 2-core CPU (B=1, H=8, N=8K, d=64, fp32): tiles of 512 x 256 keep S in
 # cache and ran at 1.3-1.45x of SDPA's time on an idle machine (benchmarks/cpu_2core.json);
@@ -29,19 +29,12 @@ DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 256
 
 
-def _visible_key_end(row_end: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """One past the last key that any of the rows before ``row_end`` may see."""
-    if not causal:
-        return seqlen_k
-    return max(0, min(seqlen_k, row_end + seqlen_k - seqlen_q))
-
-
-def _tile_mask(i0, i1, j0, j1, seqlen_q, seqlen_k, causal, device):
-    """The causal mask of tile rows [i0, i1) x cols [j0, j1), or None when the tile is fully visible."""
-    offset = seqlen_k - seqlen_q
-    if not causal or j1 - 1 <= i0 + offset:  # the tile's top-right key is visible to its first row
+def _tile_mask(info: BlockInfo, i0, i1, j0, j1, device):
+    """The (i1 - i0, j1 - j0) mask of a tile that crosses the causal diagonal, or None when every
+    query of the tile sees every key of it (only the diagonal tiles pay for masking)."""
+    if info.tile_kind(i0, i1, j0, j1) == "full":
         return None
-    return causal_mask(seqlen_q, seqlen_k, device)[i0:i1, j0:j1]
+    return info.mask(i0, i1, j0, j1, device)
 
 
 def flash_forward(q, k, v, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
@@ -55,6 +48,7 @@ def flash_forward(q, k, v, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q, bl
     # (B, H) flattened into one batch dim so that the tile products are single bmm calls.
     q3, k3, v3 = (t.reshape(batch * heads, t.shape[2], head_dim) for t in (q, k, v))
     k3, v3 = k3.float(), v3.float()
+    info = BlockInfo(seqlen_q, seqlen_k, causal)
     out = torch.empty((batch * heads, seqlen_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch * heads, seqlen_q), dtype=torch.float32, device=q.device)
     for i0 in range(0, seqlen_q, block_q):
@@ -62,10 +56,10 @@ def flash_forward(q, k, v, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q, bl
         q_tile = q3[:, i0:i1].float() * scale  # scale Q once per tile instead of every S tile
         state = SoftmaxState.empty((batch * heads, i1 - i0), q.device)
         acc = torch.zeros((batch * heads, i1 - i0, head_dim), device=q.device)
-        for j0 in range(0, _visible_key_end(i1, seqlen_q, seqlen_k, causal), block_k):
+        for j0 in range(0, info.key_range(i0, i1)[1], block_k):
             j1 = min(j0 + block_k, seqlen_k)
             scores = torch.bmm(q_tile, k3[:, j0:j1].transpose(1, 2))
-            mask = _tile_mask(i0, i1, j0, j1, seqlen_q, seqlen_k, causal, q.device)
+            mask = _tile_mask(info, i0, i1, j0, j1, q.device)
             if mask is not None:  # only tiles crossing the diagonal pay for masking
                 scores.masked_fill_(~mask, float("-inf"))
             state, p, alpha = online_softmax_update(state, scores, inplace=True)
@@ -85,6 +79,7 @@ def flash_backward(q, k, v, out, lse, grad_out, causal=False, scale=None,
     seqlen_q, head_dim = q.shape[2], q.shape[3]
     seqlen_k = k.shape[2]
     scale = head_dim ** -0.5 if scale is None else scale
+    info = BlockInfo(seqlen_q, seqlen_k, causal)
     k32, v32 = k.float(), v.float()
     delta = (grad_out.float() * out.float()).sum(dim=-1)  # D = rowsum(dO * O): (B, H, Nq)
     # exp(S - (+inf)) = 0 gives P = 0 on rows that see no key (their lse is -inf).
@@ -97,11 +92,11 @@ def flash_backward(q, k, v, out, lse, grad_out, causal=False, scale=None,
         q_tile = q[:, :, i0:i1].float()
         do_tile = grad_out[:, :, i0:i1].float()
         lse_tile, delta_tile = lse_safe[:, :, i0:i1, None], delta[:, :, i0:i1, None]
-        for j0 in range(0, _visible_key_end(i1, seqlen_q, seqlen_k, causal), block_k):
+        for j0 in range(0, info.key_range(i0, i1)[1], block_k):
             j1 = min(j0 + block_k, seqlen_k)
             k_tile, v_tile = k32[:, :, j0:j1], v32[:, :, j0:j1]
             scores = torch.matmul(q_tile, k_tile.transpose(-2, -1)) * scale
-            mask = _tile_mask(i0, i1, j0, j1, seqlen_q, seqlen_k, causal, q.device)
+            mask = _tile_mask(info, i0, i1, j0, j1, q.device)
             if mask is not None:
                 scores.masked_fill_(~mask, float("-inf"))
             p = torch.exp(scores - lse_tile)  # P recomputed from the saved LSE, already normalized

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from .block_info import BlockInfo
+
 # Bytes per element of each precision; torch dtypes and long names map onto these keys.
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -96,15 +98,9 @@ def attention_flops(shape: AttentionShape, direction: str = "fwd") -> int:
 def visible_pairs(shape: AttentionShape) -> int:
     """(query, key) pairs that attention computes, per head: Nq·Nk, or fewer when causal.
 
-    Causal is bottom-right aligned: query i sees keys j <= i + Nk - Nq.
+    Causal is bottom-right aligned: query i sees keys j <= i + Nk - Nq (:class:`fa_lab.block_info.BlockInfo`).
     """
-    nq, nk = shape.seqlen_q, shape.seqlen_k
-    if not shape.causal:
-        return nq * nk
-    # Row i sees i + Nk - Nq + 1 keys when that is positive: consecutive counts up to Nk on the last row.
-    first_row = max(0, nq - nk)  # the rows before it see no key
-    rows, fewest = nq - first_row, first_row + nk - nq + 1
-    return rows * (fewest + nk) // 2
+    return BlockInfo(shape.seqlen_q, shape.seqlen_k, shape.causal).visible_pairs()
 
 
 def matmul_flops(shape: AttentionShape, direction: str = "fwd") -> dict[str, int]:

@@ -12,7 +12,7 @@ and loops over the K/V tiles it needs.
 * Grids and waves: FA1 launches one CTA per (batch, head); FA2 one per (Q tile, head,
   batch). :func:`waves` says how many rounds of CTAs that takes on a GPU's SMs.
 * Causal load balance: under the bottom-right mask (query i sees keys
-  j <= i + Nk - Nq, as :func:`fa_lab.reference.causal_mask`) Q tiles need different
+  j <= i + Nk - Nq, as :class:`fa_lab.block_info.BlockInfo` says) Q tiles need different
   numbers of K/V tiles. :func:`list_schedule` plays a launch order on S SMs.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
+from .block_info import BlockInfo
 from .iomodel import GPU_SPECS, AttentionShape
 
 H100_SMS = GPU_SPECS["H100"].sm_count  # 132, as on the H200 (the same GH100 die)
@@ -127,16 +128,11 @@ def tile_kind(q_tile: int, kv_tile: int, seqlen_q: int, seqlen_k: int, block_q: 
     """"full", "masked" or "skipped": tile (q_tile, kv_tile) under the bottom-right causal mask.
 
     Only the part inside the (Nq, Nk) matrix counts: "full" when every query of it
-    sees every key of it, "skipped" when none sees any, "masked" otherwise.
+    sees every key of it, "skipped" when none sees any, "masked" otherwise
+    (:meth:`fa_lab.block_info.BlockInfo.tile_kind`).
     """
-    first_row, last_row = q_tile * block_q, min((q_tile + 1) * block_q, seqlen_q) - 1
-    first_key, last_key = kv_tile * block_k, min((kv_tile + 1) * block_k, seqlen_k) - 1
-    offset = seqlen_k - seqlen_q  # query i sees keys j <= i + offset
-    if first_key > last_row + offset:
-        return "skipped"  # even the tile's last query sees none of its keys
-    if last_key <= first_row + offset:
-        return "full"  # even the tile's first query sees all of its keys
-    return "masked"
+    q0, k0 = q_tile * block_q, kv_tile * block_k
+    return BlockInfo(seqlen_q, seqlen_k, causal=True).tile_kind(q0, q0 + block_q, k0, k0 + block_k)
 
 
 def tile_map(seqlen_q: int, seqlen_k: int, block_q: int, block_k: int,

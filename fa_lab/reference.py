@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from .block_info import BlockInfo
+
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """Bottom-right aligned causal mask, (Nq, Nk) bool, True where a key is visible.
 
     Query ``i`` sees key ``j`` when ``j <= i + seqlen_k - seqlen_q``, as in
-    flash-attn >= 2.1. With Nq > Nk the first ``Nq - Nk`` rows see nothing.
+    flash-attn >= 2.1 (:class:`fa_lab.block_info.BlockInfo` owns the rule). With Nq > Nk
+    the first ``Nq - Nk`` rows see nothing.
     """
-    rows = torch.arange(seqlen_q, device=device)[:, None]
-    cols = torch.arange(seqlen_k, device=device)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+    return BlockInfo(seqlen_q, seqlen_k, causal=True).mask(device=device)
 
 
 def softmax_with_lse(s: torch.Tensor):

@@ -61,6 +61,16 @@ def test_flash_forward_peak_is_far_below_naive():
     assert default_tiles / modelled_peak_bytes("torch", shape) == pytest.approx(1, abs=0.05)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiled_forward_extra_memory_at_16k_is_below_one_percent_of_naive(causal):
+    """The tiled forward builds no (Nq, Nk) matrix, causal or not: not S, not P, not the mask."""
+    seqlen, head_dim = 16384, 16
+    q, k, v = make_qkv(1, 1, seqlen, seqlen, head_dim, requires_grad=False)
+    extra = peak_memory(attention_forward("torch", causal=causal), q, k, v)
+    naive_s_and_p = 2 * seqlen * seqlen * 4  # float32 S and P of one head
+    assert extra < naive_s_and_p / 100
+
+
 def test_sdpa_scratch_is_counted():
     heads, seqlen, head_dim = 4, 1024, 64
     q, k, v = make_qkv(1, heads, seqlen, seqlen, head_dim, requires_grad=False)

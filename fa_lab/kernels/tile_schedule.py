@@ -17,16 +17,16 @@ import heapq
 
 import torch
 
+from ..block_info import BlockInfo
 from .flash_triton import triton_cdiv as cdiv
 
 FIXED_TILE_COST = 1.0  # per work tile, in K/V tiles: Q load, first Q K^T, epilogue (what the pipeline does not hide)
 
 
 def kv_tiles_visited(start_m: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool) -> int:
-    """K/V tiles a work tile starting at query row start_m visits (gluon_fa3._tile_plan's n_iter)."""
-    end = seqlen_k
-    if causal:  # bottom-right alignment: row i sees keys j <= i + seqlen_k - seqlen_q
-        end = min(seqlen_k, max(start_m + block_m + seqlen_k - seqlen_q, 0))
+    """K/V tiles a work tile starting at query row start_m visits: at least one, so that rows that see
+    no key still leave with O = 0 and lse = -inf (the Gluon kernel's n_iter)."""
+    end = BlockInfo(seqlen_q, seqlen_k, causal).key_blocks(start_m, block_m, block_n).end
     return max(cdiv(end, block_n), 1)
 
 

@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from ...block_info import BlockInfo
 from ...reference import naive_attention, reference_attention
 from ...testing import LSE_FLOOR
 from ..judge import Expected, judge_outputs, only_some_fail, wrong_positions
@@ -35,17 +36,19 @@ def _mask(q, k, causal, offset_shift=0, top_left=False):
     """The causal mask (None without causal); offset_shift / top_left give the wrong ones."""
     if not causal:
         return None
-    seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
-    offset = 0 if top_left else seqlen_k - seqlen_q
-    return mistakes.causal_mask_with_offset(seqlen_q, seqlen_k, offset + offset_shift)
+    info = BlockInfo(q.shape[-2], k.shape[-2], causal=True)
+    if not (offset_shift or top_left):
+        return info.mask()
+    offset = 0 if top_left else info.offset
+    return mistakes.causal_mask_with_offset(info.seqlen_q, info.seqlen_k, offset + offset_shift)
 
 
 def _visited_keys_mask(seqlen_q, seqlen_k, block_q, block_k) -> torch.Tensor:
     """(Nq, Nk) bool: every key of the key blocks that a causal loop visits for each query's block
     (up to the last visible key), that is the causal mask without masking inside the tiles."""
-    rows = torch.arange(seqlen_q)
-    block_end = torch.clamp((rows // block_q + 1) * block_q, max=seqlen_q)
-    key_end = torch.clamp(block_end + seqlen_k - seqlen_q, 0, seqlen_k)
+    info = BlockInfo(seqlen_q, seqlen_k, causal=True)
+    block_start = torch.arange(seqlen_q) // block_q * block_q
+    key_end = info.key_end(torch.clamp(block_start + block_q, max=seqlen_q) - 1)  # the block's last row's
     visited_end = torch.clamp((key_end + block_k - 1) // block_k * block_k, max=seqlen_k)
     return torch.arange(seqlen_k)[None, :] < visited_end[:, None]
 

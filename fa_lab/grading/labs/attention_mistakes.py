@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...block_info import causal_visible
 from ...reference import softmax_with_lse
 
 
@@ -20,9 +21,7 @@ def causal_mask_with_offset(seqlen_q: int, seqlen_k: int, offset: int) -> torch.
     offset = Nk - Nq is the course's bottom-right mask; 0 is top-left; +1 / -1 are
     the off-by-one masks.
     """
-    rows = torch.arange(seqlen_q)[:, None]
-    cols = torch.arange(seqlen_k)[None, :]
-    return cols <= rows + offset
+    return causal_visible(torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None, :], offset)
 
 
 def scores(q, k, scale: float, mask) -> torch.Tensor:

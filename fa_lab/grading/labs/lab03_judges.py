@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from ...block_info import BlockInfo
 from ...reference import softmax_with_lse
 from ..judge import (
     Verdict,
@@ -54,13 +55,12 @@ def _padding_keys(q, k, v, scale: float, count: int) -> dict:
 def _mask_in_last_tile_only(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int) -> torch.Tensor:
     """(Nq, Nk) bool: the keys a skipping kernel uses when it masks only the last key tile of each
     program (every key of the earlier tiles counts, the last tile is masked right)."""
-    offset = seqlen_k - seqlen_q
+    info = BlockInfo(seqlen_q, seqlen_k, causal=True)
     rows = torch.arange(seqlen_q)[:, None]
-    cols = torch.arange(seqlen_k)[None, :]
     tile_start = rows // block_m * block_m
-    key_end = torch.clamp(tile_start + block_m + offset, 0, seqlen_k)
+    key_end = info.key_end(torch.clamp(tile_start + block_m, max=seqlen_q) - 1)
     last_tile = (key_end - 1) // block_n * block_n
-    return (cols < last_tile) | (cols <= rows + offset)
+    return (torch.arange(seqlen_k)[None, :] < last_tile) | info.mask()
 
 
 def kernel_candidates(q, k, v, causal, scale, block_m, block_n):
@@ -115,10 +115,10 @@ def poisoned_rows(case) -> tuple[int, int] | None:
     first = first_nan_key(v)
     if first is None:
         return None
-    offset = k.shape[-2] - q.shape[-2]
-    tile_start = first // block_n * block_n
-    rows = min(max(tile_start - offset, 0) // block_m * block_m, q.shape[-2])
-    return rows, rows + offset
+    info = BlockInfo(q.shape[-2], k.shape[-2], causal=True)
+    begin = info.query_blocks(first // block_n * block_n, block_n, block_m).begin
+    rows = min(begin, info.seqlen_q)  # the query tiles before the first that meets the NaN tile
+    return rows, rows + info.offset
 
 
 def judge_skipping(case, outcome) -> Verdict:

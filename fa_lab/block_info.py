@@ -1,0 +1,167 @@
+"""Which keys each query sees: the one owner of masks and block ranges.
+
+Query row ``i`` may see key ``j`` when ``key_start(i) <= j < key_end(i)``. Every piece of
+code that needs those ranges asks :class:`BlockInfo`: the reference builds its dense mask
+from it, the tiled PyTorch code its per-tile masks and loop bounds, the schedulers and
+models their tile kinds and costs, the graders their right (and deliberately wrong) masks.
+Chapters that change which keys a query sees (windows, varlen, paged KV, sparse tiles,
+ring steps) extend this class rather than adding a copy.
+
+Causal masking is aligned to the bottom-right corner, as in flash-attn >= 2.1: with
+``offset = seqlen_k - seqlen_q`` query ``i`` sees keys ``j <= i + offset``, so with
+``seqlen_q > seqlen_k`` the first ``seqlen_q - seqlen_k`` rows see no key at all.
+
+Kernels cannot call Python, so each keeps a jit copy of the arithmetic it needs; the
+tests compare every copy with :meth:`BlockInfo.key_blocks` and :meth:`BlockInfo.query_blocks`,
+which state the kernels' conventions (whole tiles of ``block_n`` keys, a ragged end masked).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+def causal_visible(rows, cols, offset: int):
+    """True where query ``rows`` sees key ``cols`` under a causal mask with this offset.
+
+    rows, cols: ints or broadcastable integer tensors. ``offset = seqlen_k - seqlen_q`` is the
+    course's mask; the graders pass other offsets to build the masks of typical mistakes.
+    """
+    return cols <= rows + offset
+
+
+class KeyBlocks(NamedTuple):
+    """The keys a query tile visits: ``[0, full_end)`` in whole tiles that need no mask,
+    ``[full_end, end)`` with a mask (the causal diagonal, the ragged last tile); none from ``end`` on."""
+    full_end: int
+    end: int
+
+
+class QueryBlocks(NamedTuple):
+    """The query rows a key tile meets (the dK/dV loop): tiles starting in ``[begin, full_begin)``
+    need a mask, those in ``[full_begin, end)`` see every key of the tile; rows before ``begin`` none."""
+    begin: int
+    full_begin: int
+    end: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """The visible keys of every query of one (batch, head): seqlen_q rows, seqlen_k keys."""
+
+    seqlen_q: int
+    seqlen_k: int
+    causal: bool = False
+
+    def __post_init__(self):
+        for name in ("seqlen_q", "seqlen_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"causal must be True or False, got {self.causal!r}")
+
+    @property
+    def offset(self) -> int:
+        """seqlen_k - seqlen_q: the diagonal's shift in bottom-right alignment."""
+        return self.seqlen_k - self.seqlen_q
+
+    # ---- per row ----------------------------------------------------------------------------
+
+    def key_start(self, row):
+        """The first key that query ``row`` sees (an int, or a tensor of rows). 0 for every mask here."""
+        return row * 0 if isinstance(row, torch.Tensor) else 0
+
+    def key_end(self, row):
+        """One past the last key that query ``row`` sees (an int, or a tensor of rows)."""
+        if isinstance(row, torch.Tensor):
+            if not self.causal:
+                return torch.full_like(row, self.seqlen_k)
+            return torch.clamp(row + self.offset + 1, 0, self.seqlen_k)
+        if not self.causal:
+            return self.seqlen_k
+        return min(max(row + self.offset + 1, 0), self.seqlen_k)
+
+    def first_query(self, key: int) -> int:
+        """The first query row that sees ``key`` (seqlen_q when none does)."""
+        first = max(key - self.offset, 0) if self.causal else 0
+        return min(first, self.seqlen_q)
+
+    def visible_pairs(self) -> int:
+        """How many (query, key) pairs are visible: seqlen_q * seqlen_k, about half of it when causal."""
+        if not self.causal:
+            return self.seqlen_q * self.seqlen_k
+        # From the first row that sees a key on, each row sees one key more, up to seqlen_k on the last.
+        rows = self.seqlen_q - self.first_query(0)
+        return rows * (self.seqlen_k - rows + 1 + self.seqlen_k) // 2
+
+    # ---- masks ------------------------------------------------------------------------------
+
+    def mask(self, q0: int = 0, q1: int | None = None, k0: int = 0, k1: int | None = None,
+             device=None) -> torch.Tensor:
+        """(q1 - q0, k1 - k0) bool, True where a key is visible: rows [q0, q1), keys [k0, k1).
+
+        Built from two aranges, so a tile's mask costs the tile, never (seqlen_q, seqlen_k).
+        Bounds past the sequence are clipped to it.
+        """
+        q1 = self.seqlen_q if q1 is None else min(q1, self.seqlen_q)
+        k1 = self.seqlen_k if k1 is None else min(k1, self.seqlen_k)
+        rows = torch.arange(q0, max(q1, q0), device=device)[:, None]
+        cols = torch.arange(k0, max(k1, k0), device=device)[None, :]
+        if not self.causal:
+            return torch.ones((rows.shape[0], cols.shape[1]), dtype=torch.bool, device=device)
+        return causal_visible(rows, cols, self.offset)
+
+    def key_range(self, q0: int, q1: int) -> tuple[int, int]:
+        """(start, end): the keys that at least one query of rows [q0, q1) sees; (0, 0) for none."""
+        q1 = min(q1, self.seqlen_q)
+        if q1 <= q0:
+            return 0, 0
+        return self.key_start(q0), self.key_end(q1 - 1)  # the ranges only grow down the rows
+
+    def full_key_end(self, q0: int) -> int:
+        """Keys [0, full_key_end) are visible to every query from row q0 on."""
+        return self.key_end(q0)
+
+    def tile_kind(self, q0: int, q1: int, k0: int, k1: int) -> str:
+        """"full", "masked" or "skipped": rows [q0, q1) x keys [k0, k1), clipped to the sequence.
+
+        "full" when every query of the tile sees every key of it (no mask needed), "skipped" when
+        none sees any (the loop never visits it), "masked" otherwise.
+        """
+        q1, k1 = min(q1, self.seqlen_q), min(k1, self.seqlen_k)
+        start, end = self.key_range(q0, q1)
+        if q1 <= q0 or k1 <= k0 or k0 >= end or k1 <= start:
+            return "skipped"
+        if k1 <= self.full_key_end(q0) and k0 >= self.key_start(q1 - 1):
+            return "full"
+        return "masked"
+
+    # ---- the kernels' loop bounds -------------------------------------------------------------
+
+    def key_blocks(self, start_m: int, block_m: int, block_n: int) -> KeyBlocks:
+        """The key loop of the query tile that starts at row ``start_m`` (block_m rows, block_n keys per
+        step), as every forward kernel and the dQ kernel run it: the unmasked tiles first, then the
+        masked ones. Without causal only a ragged last tile is masked."""
+        _, end = self.key_range(start_m, start_m + block_m)
+        full_end = min(self.full_key_end(start_m), end) // block_n * block_n
+        return KeyBlocks(full_end, end)
+
+    def query_blocks(self, start_n: int, block_n: int, block_m: int) -> QueryBlocks:
+        """The query loop of the key tile that starts at key ``start_n`` (the dK/dV kernel): the
+        masked tiles first, then the full ones. Rows past seqlen_q (the last tile's padding) count
+        as full; their probabilities are zero."""
+        end = _cdiv(self.seqlen_q, block_m) * block_m
+        if not self.causal:
+            return QueryBlocks(0, 0, end)
+        # Row i sees key j when i >= j - offset: tiles above the first such row are skipped.
+        begin = min(max(start_n - self.offset, 0) // block_m * block_m, end)
+        last_key = start_n + block_n - 1  # the tile's last key, padding included
+        full_begin = min(_cdiv(max(last_key - self.offset, 0), block_m) * block_m, end)
+        return QueryBlocks(begin, full_begin, end)

@@ -1,0 +1,102 @@
+"""BlockInfo against brute force: every range and tile kind is read off a dense mask built here."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fa_lab.block_info import BlockInfo, causal_visible
+
+SEQLENS = (1, 17, 64, 113, 128, 300)
+BLOCKS = ((16, 16), (32, 64), (64, 32), (128, 128))
+
+
+def dense_mask(seqlen_q: int, seqlen_k: int, causal: bool) -> torch.Tensor:
+    """(Nq, Nk) bool from the definition, one pair at a time: query i sees key j <= i + Nk - Nq."""
+    return torch.tensor([[not causal or j <= i + seqlen_k - seqlen_q for j in range(seqlen_k)]
+                         for i in range(seqlen_q)], dtype=torch.bool).reshape(seqlen_q, seqlen_k)
+
+
+def shapes():
+    return [(nq, nk, causal) for nq, nk in itertools.product(SEQLENS, SEQLENS) for causal in (False, True)]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal", shapes())
+def test_rows_and_the_whole_mask(seqlen_q, seqlen_k, causal):
+    info, dense = BlockInfo(seqlen_q, seqlen_k, causal), dense_mask(seqlen_q, seqlen_k, causal)
+    assert torch.equal(info.mask(), dense)
+    seen = dense.sum(1)
+    ends = torch.tensor([info.key_end(i) for i in range(seqlen_q)])
+    assert torch.equal(ends, seen)  # the visible keys of a row are [0, key_end): a prefix
+    assert torch.equal(info.key_end(torch.arange(seqlen_q)), seen)
+    assert info.visible_pairs() == int(dense.sum())
+    for key in range(seqlen_k):
+        rows = dense[:, key].nonzero()
+        assert info.first_query(key) == (int(rows[0]) if len(rows) else seqlen_q)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal", shapes())
+def test_tiles(seqlen_q, seqlen_k, causal):
+    info, dense = BlockInfo(seqlen_q, seqlen_k, causal), dense_mask(seqlen_q, seqlen_k, causal)
+    for block_m, block_n in BLOCKS:
+        for q0, k0 in itertools.product(range(0, seqlen_q, block_m), range(0, seqlen_k, block_n)):
+            q1, k1 = q0 + block_m, k0 + block_n
+            tile = dense[q0:q1, k0:k1]
+            assert torch.equal(info.mask(q0, q1, k0, k1), tile)
+            expected = "full" if bool(tile.all()) else "skipped" if not bool(tile.any()) else "masked"
+            assert info.tile_kind(q0, q1, k0, k1) == expected, (q0, k0, block_m, block_n)
+            rows = dense[q0:q1]
+            any_seen = rows.any(0).nonzero()
+            end = int(any_seen[-1]) + 1 if len(any_seen) else 0
+            assert info.key_range(q0, q1) == (0, end)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal", shapes())
+def test_kernel_loop_bounds_visit_every_visible_key_and_mask_only_where_needed(seqlen_q, seqlen_k, causal):
+    """key_blocks / query_blocks as the kernels loop: whole tiles of block_n keys (block_m rows), padding
+    past the sequence counted as keys (rows) that must be masked (that carry zero probability)."""
+    info, dense = BlockInfo(seqlen_q, seqlen_k, causal), dense_mask(seqlen_q, seqlen_k, causal)
+    for block_m, block_n in BLOCKS:
+        padded = torch.zeros(-(-seqlen_q // block_m) * block_m, -(-seqlen_k // block_n) * block_n + block_n,
+                             dtype=torch.bool)
+        padded[:seqlen_q, :seqlen_k] = dense
+        for start_m in range(0, seqlen_q, block_m):
+            full_end, end = info.key_blocks(start_m, block_m, block_n)
+            rows = padded[start_m:min(start_m + block_m, seqlen_q)]  # the real rows of the tile
+            seen = rows.any(0).nonzero()
+            assert end == (int(seen[-1]) + 1 if len(seen) else 0)  # nothing visible is skipped
+            assert full_end % block_n == 0 and full_end <= max(end, 0)
+            assert bool(rows[:, :full_end].all())  # the unmasked tiles really need no mask
+            if full_end + block_n <= end:  # the next tile is whole and inside: it does need the mask
+                assert not bool(rows[:, full_end:full_end + block_n].all())
+        for start_n in range(0, seqlen_k, block_n):
+            begin, full_begin, end = info.query_blocks(start_n, block_n, block_m)
+            assert end == padded.shape[0] and begin % block_m == 0 and full_begin % block_m == 0
+            cols = padded[:, start_n:start_n + block_n]
+            assert not bool(cols[:begin].any())  # the skipped query tiles see none of these keys
+            if causal:  # past full_begin every real row sees every key of the tile, padding included
+                last_key = start_n + block_n - 1
+                assert all(causal_visible(i, last_key, info.offset) for i in range(full_begin, seqlen_q))
+            else:
+                assert (begin, full_begin) == (0, 0)
+
+
+def test_causal_visible_takes_any_offset():
+    rows, cols = torch.arange(4)[:, None], torch.arange(6)[None, :]
+    assert torch.equal(causal_visible(rows, cols, 2), dense_mask(4, 6, True))
+    assert torch.equal(causal_visible(rows, cols, 0), torch.ones(4, 6, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("bad", [{"seqlen_q": -1}, {"seqlen_k": 2.0}, {"seqlen_q": True}, {"causal": 1}])
+def test_bad_arguments_say_what_they_got(bad):
+    args = {"seqlen_q": 4, "seqlen_k": 4, "causal": False, **bad}
+    (name, value), = bad.items()
+    with pytest.raises((ValueError, TypeError), match=name):
+        BlockInfo(**args)
+
+
+def test_a_tile_mask_costs_the_tile_only():
+    info = BlockInfo(1 << 20, 1 << 20, causal=True)
+    tile = info.mask(5000, 5128, 4992, 5120)
+    assert tile.shape == (128, 128) and bool(tile[0, 8]) and not bool(tile[0, 9])
