@@ -8,6 +8,7 @@
 #   TORCH_PIP_ARGS  extra pip arguments for torch, e.g. --index-url https://download.pytorch.org/whl/cpu
 #   TRITON_SPEC  Triton pinned to the GPU machine's minor version, so the code CI interprets is the
 #                code the GPU compiles (Linux only; macOS runs the CPU track without Triton).
+#   LAB_ARGS     extra JupyterLab arguments; run as root, make lab adds --allow-root itself.
 PYTHON ?= python3
 VENV ?= .venv
 VENV_ARGS ?=
@@ -21,6 +22,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.fa-lab-installed
 UNAME := $(shell uname -s)
+# JupyterLab refuses to start as root (a container, a cloud VM) unless told --allow-root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
+# ruff covers all the Python that ships: the package, the tests, and any scripts under benchmarks/ and docs/.
+LINT_PATHS := fa_lab tests $(wildcard benchmarks docs)
 
 .PHONY: lab test test-fast test-gpu setup assign lint bench clean
 
@@ -35,7 +40,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lab: setup
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" $(LAB_ARGS) README.md
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" $(ALLOW_ROOT) $(LAB_ARGS) README.md
 
 # nbval runs with CUDA hidden so that notebooks take their recorded-results branch.
 test: setup
@@ -53,10 +58,10 @@ assign: setup
 	$(VENV)/bin/fa-lab assign
 
 lint: setup
-	$(PY) -m ruff check fa_lab tests
+	$(PY) -m ruff check $(LINT_PATHS)
 
 bench: setup
-	$(VENV)/bin/fa-lab bench --device cpu --json benchmarks/cpu_2core.json --plot benchmarks/cpu_2core.png
+	$(VENV)/bin/fa-lab bench cpu --json benchmarks/cpu_2core.json --plot benchmarks/cpu_2core.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

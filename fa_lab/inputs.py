@@ -17,7 +17,7 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def check_qkv(q, k, v) -> None:
-    """Check q: (B, H, Nq, d), k and v: (B, Hkv, Nk, d) as DESIGN.md's API states."""
+    """Check q: (B, H, Nq, d), k and v: (B, Hkv, Nk, d) as the API in docs/design.md states."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
