@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # What ran on the GPU device machine to produce the files in benchmarks/ (and the gpu tests).
 # Usage there, from the repository root:  bash benchmarks/run_device.sh STEP OUTDIR
-#   tune   - time candidate tile configurations of the Triton kernels at 8K (tune.json), then
-#            the protocol with them; the winners go into fa_lab/kernels/configs.py
+#   tune   - time candidate tile configurations of the Triton kernels at 8K (h200_triton_tuning.json),
+#            then the protocol with them; the winners go into fa_lab/kernels/portable/configs.py
 #   bench  - the FA3-paper protocol with every peer and the committed tiles: h200_triton.json/.png
 #   hopper - the Hopper kernel's variants (ablation), FP8 errors, and its protocol with peers:
 #            h200_hopper.json, h200_hopper.png, h200_hopper_variants.json
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles
+# The machine has no `fa-lab` script installed: `python3 -m fa_lab.cli bench ...` is `fa-lab bench ...`.
 set -uo pipefail
 step=$1; out=$2
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a "$out/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
+bench="python3 -m fa_lab.cli bench"
 case "$step" in
-  tune)  python3 -m fa_lab.bench_gpu --tune "$out/tune.json" --json "$out/h200_triton.json" \
+  tune)  $bench gpu --tune "$out/h200_triton_tuning.json" --json "$out/h200_triton.json" \
            --plot "$out/h200_triton.png" 2>&1 | tee "$out/tune.log" | grep -v "^bench" ;;
-  bench) python3 -m fa_lab.bench_gpu --json "$out/h200_triton.json" --plot "$out/h200_triton.png" \
+  bench) $bench gpu --json "$out/h200_triton.json" --plot "$out/h200_triton.png" \
            2>&1 | tee "$out/bench.log" | grep -v "^bench" ;;
-  hopper) python3 -m fa_lab.bench_hopper --json "$out/h200_hopper.json" --plot "$out/h200_hopper.png" \
+  hopper) $bench hopper --json "$out/h200_hopper.json" --plot "$out/h200_hopper.png" \
            --log "$out/h200_hopper_variants.json" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
-  tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider --maxfail=30 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
+  tests) tests="python3 -m pytest -q -m gpu tests -p no:cacheprovider --maxfail=30"
+         { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
+             "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): $tests"
+           $tests 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -174,7 +174,7 @@ def launch_order(work: list[float], programs: int, order: str = "natural") -> li
 
     ``work``: per Q tile of one head (:func:`kv_tiles_per_cta`); ``programs``: batch x heads.
     The grid is (Q tiles, batch x heads) with the Q tile index fastest, as in
-    :mod:`fa_lab.kernels.triton_fwd`. "natural": each head's Q tiles from the top
+    :mod:`fa_lab.kernels.portable.forward`. "natural": each head's Q tiles from the top
     (lightest first under causal); "reversed": each head's Q tiles from the bottom,
     what the Triton kernel's REVERSE_GRID does; "heaviest first": every CTA of the grid
     sorted by work, largest first (longest-processing-time-first, LPT).

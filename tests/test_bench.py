@@ -1,23 +1,34 @@
-"""fa-lab bench: the quick CPU run writes schema-valid JSON; the schema helpers catch broken files."""
+"""fa-lab bench: the CPU run writes schema-valid JSON, every flag reaches its runner, the schema catches
+broken files, and every committed results file follows it and names its device, versions and date."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import json
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from fa_lab import bench
+from fa_lab.bench import cli, cpu, gpu, schema, tuning
 from fa_lab.iomodel import AttentionShape
 from fa_lab.memory import modelled_peak_bytes
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     json_path, png_path = folder / "results.json", folder / "results.png"
-    code = bench.main(["--device", "cpu", "--quick", "--json", str(json_path), "--plot", str(png_path)])
+    code = bench.main(["cpu", "--quick", "--json", str(json_path), "--plot", str(png_path)])
     return code, json_path, png_path
 
 
@@ -26,17 +37,19 @@ def test_quick_run_writes_schema_valid_json(quick_run):
     assert code == 0
     with open(json_path) as source:
         raw = json.load(source)
-    assert list(raw) == list(bench.TOP_KEYS)
+    assert list(raw) == list(schema.TOP_KEYS)
     results = bench.load_results(json_path)
     assert results["device"].startswith("CPU")
     datetime.date.fromisoformat(results["date"])
     rows = results["rows"]
-    assert [(r["impl"], r["seqlen"]) for r in rows] == [
-        (impl, n) for n in bench.QUICK["seqlens"] for impl in ("naive", "torch", "sdpa")]
+    assert [(r["impl"], r["seqlen_q"]) for r in rows] == [
+        (impl, n) for n in cpu.QUICK.seqlens for impl in ("naive", "torch", "sdpa")]
     for row in rows:
-        assert list(row) == list(bench.ROW_KEYS)
+        assert list(row) == list(schema.ROW_KEYS)
         assert (row["dtype"], row["head_dim"], row["heads"], row["causal"]) == ("fp32", 32, 2, False)
+        assert row["seqlen_k"] == row["seqlen_q"]
         assert row["bwd_ms"] is None and row["bwd_tflops"] is None  # the CPU run times the forward only
+        assert row["bytes"] is None and row["tbps"] is None and row["copy_tbps"] is None  # not memory-bound rows
         assert row["fwd_peak_bytes"] > 0
     assert png_path.stat().st_size > 1000
 
@@ -44,9 +57,8 @@ def test_quick_run_writes_schema_valid_json(quick_run):
 def test_naive_past_its_limit_is_modelled_not_run(quick_run):
     rows = bench.load_results(quick_run[1])["rows"]
     for row in rows:
-        skipped = row["impl"] == "naive" and row["seqlen"] > bench.QUICK["naive_max_seqlen"]
-        if skipped:
-            shape = AttentionShape(row["batch"], row["heads"], row["seqlen"], row["head_dim"], dtype="fp32")
+        if row["impl"] == "naive" and row["seqlen_q"] > cpu.QUICK.naive_max_seqlen:
+            shape = AttentionShape(row["batch"], row["heads"], row["seqlen_q"], row["head_dim"], dtype="fp32")
             assert row["fwd_ms"] is None and row["fwd_tflops"] is None
             assert row["fwd_peak_source"] == "model"
             assert row["fwd_peak_bytes"] == modelled_peak_bytes("naive", shape)
@@ -56,23 +68,34 @@ def test_naive_past_its_limit_is_modelled_not_run(quick_run):
     assert any(row["fwd_peak_source"] == "model" for row in rows)
 
 
-def test_table_marks_modelled_and_missing_figures(quick_run, capsys):
+def test_table_marks_modelled_and_missing_figures(quick_run):
     results = bench.load_results(quick_run[1])
     table = bench.format_table(results["rows"]).splitlines()
     assert len(table) == 1 + len(results["rows"])
-    assert "fwd peak memory" in table[0]
+    assert "fwd peak memory" in table[0] and "TB/s" not in table[0]  # no row has bandwidth figures
     naive_modelled = [line for line in table if line.split()[0] == "naive" and "(model)" in line]
-    assert len(naive_modelled) == 1 and naive_modelled[0].split()[7] == "-"
+    assert len(naive_modelled) == 1 and naive_modelled[0].split()[8] == "-"
     assert "recorded on CPU" in bench.describe(results)
+
+
+def test_table_shows_bandwidth_columns_for_memory_bound_rows():
+    row = schema.empty_row("decode", AttentionShape(4, 8, 1, 128, seqlen_k=8192, dtype="bf16"))
+    row.update(fwd_ms=0.01, bytes=34_000_000, tbps=3.4, copy_tbps=4.1)
+    header, line = bench.format_table([row]).splitlines()
+    assert header.split()[-4:] == ["GB", "TB/s", "copy", "TB/s"]
+    assert line.split()[4:6] == ["1", "8192"] and line.split()[-3:] == ["0.034", "3.4", "4.1"]
 
 
 @pytest.mark.parametrize("breakage, message", [
     (lambda r: r.pop("date"), "date"),
     (lambda r: r["rows"][0].pop("fwd_ms"), "keys"),
     (lambda r: r["rows"][0].update(extra=1), "keys"),
-    (lambda r: r["rows"][1].update(seqlen="1K"), "seqlen"),
+    (lambda r: r["rows"][0].update(seqlen=1024), "keys"),  # the old single length is not a row key
+    (lambda r: r["rows"][1].update(seqlen_q="1K"), "seqlen_q"),
+    (lambda r: r["rows"][1].update(seqlen_k=None), "seqlen_k"),
     (lambda r: r["rows"][1].update(fwd_ms="fast"), "fwd_ms"),
     (lambda r: r["rows"][2].update(causal=1), "causal"),
+    (lambda r: r["rows"][2].update(bytes=1e9, tbps=3.0), "copy_tbps"),  # TB/s without its peer
     (lambda r: r.update(rows={}), "list"),
 ])
 def test_validation_rejects_broken_results(quick_run, tmp_path, breakage, message):
@@ -97,32 +120,168 @@ def test_plot_results_draws_one_panel_per_metric_with_data(quick_run):
         bench.plot_results(results, metrics=("bwd_tflops",))
 
 
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.json")), ids=lambda p: p.name)
+def test_committed_results_files_name_device_versions_and_date(path):
+    raw = json.loads(path.read_text())
+    if "rows" in raw:  # a results file: the whole schema
+        bench.load_results(path)
+    for key in ("device", "torch", "triton", "date"):  # results files and the logs beside them
+        assert isinstance(raw.get(key), str) and raw[key], f"{path.name} lacks {key}"
+    datetime.date.fromisoformat(raw["date"])
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.log")), ids=lambda p: p.name)
+def test_committed_logs_open_with_device_versions_and_date(path):
+    header = path.read_text().splitlines()[0]
+    assert re.match(r"# \d{4}-\d{2}-\d{2}, .*H200.*torch [\d.]+.*triton [\d.]+", header), header
+
+
+def test_importing_the_package_loads_no_runner_and_no_matplotlib():
+    code = ("import sys, fa_lab.bench; loaded = [m for m in ('matplotlib', 'triton', 'fa_lab.bench.cpu', "
+            "'fa_lab.bench.gpu', 'fa_lab.bench.hopper', 'fa_lab.bench.cli') if m in sys.modules]; print(loaded)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).stdout
+    assert out.strip() == "[]"
+
+
+# ---- every flag reaches its runner, or is refused ---------------------------------------------
+
+def test_cpu_flags_replace_the_sweep_fields():
+    args = cli.build_parser().parse_args(["cpu", "--quick", "--seqlens", "64", "96", "--batch", "2", "--heads", "3",
+                                          "--head-dim", "16", "--dtype", "bf16", "--causal", "both", "--impls",
+                                          "torch", "sdpa", "--repeats", "4", "--warmup", "0",
+                                          "--naive-max-seqlen", "64"])
+    assert cli.cpu_sweep(args) == cpu.CpuSweep(seqlens=(64, 96), batch=2, heads=3, head_dim=16, dtype="bf16",
+                                               causals=(False, True), impls=("torch", "sdpa"), repeats=4,
+                                               warmup=0, naive_max_seqlen=64)
+    assert cli.cpu_sweep(cli.build_parser().parse_args(["cpu"])) == cpu.FULL
+    quick = cli.cpu_sweep(cli.build_parser().parse_args(["cpu", "--quick", "--causal", "yes"]))
+    assert quick == dataclasses.replace(cpu.QUICK, causals=(True,))
+
+
+def test_cpu_run_measures_what_the_flags_ask(tmp_path):
+    path = tmp_path / "r.json"
+    assert bench.main(["cpu", "--seqlens", "48", "--heads", "3", "--head-dim", "16", "--dtype", "bf16",
+                       "--causal", "both", "--impls", "sdpa", "--repeats", "1", "--warmup", "0",
+                       "--json", str(path)]) == 0
+    rows = bench.load_results(path)["rows"]
+    assert [(r["impl"], r["seqlen_q"], r["heads"], r["head_dim"], r["dtype"], r["causal"]) for r in rows] == [
+        ("sdpa", 48, 3, 16, "bf16", False), ("sdpa", 48, 3, 16, "bf16", True)]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_gpu_mode_without_cuda_says_what_it_needs(capsys):
-    assert bench.main(["--device", "cuda"]) == 2
+@pytest.mark.parametrize("command", [["gpu"], ["hopper", "--log", "never.json"]])
+def test_gpu_benchmarks_without_cuda_say_what_they_need(capsys, command):
+    assert bench.main(command) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_gpu_mode_forwards_to_the_gpu_protocol(monkeypatch, tmp_path):
-    import fa_lab.bench_gpu as bench_gpu
-
-    seen = {}
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """CUDA 'available' and named, so the GPU runners' plumbing runs on a CPU; nothing is measured."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench_gpu, "main", lambda argv: seen.setdefault("argv", argv) and 0)
-    assert bench.main(["--device", "cuda", "--seqlens", "1024", "2048", "--json", str(tmp_path / "r.json")]) == 0
-    assert seen["argv"] == ["--json", str(tmp_path / "r.json"), "--seqlens", "1024", "2048"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "Fake GPU")
+
+
+def test_gpu_runner_receives_every_option(fake_gpu, monkeypatch, tmp_path):
+    measured = []
+
+    def fake_measure(impl, fn, shape):
+        measured.append((impl, shape))
+        return schema.empty_row(impl, shape)
+
+    monkeypatch.setattr(gpu, "measure", fake_measure)
+    path = tmp_path / "r.json"
+    assert bench.main(["gpu", "--seqlens", "4096", "8192", "--head-dims", "128", "--causal", "yes",
+                       "--impls", "sdpa_flash", "sdpa_math", "--json", str(path)]) == 0
+    assert [(impl, s.head_dim, s.causal, s.seqlen_q, s.batch, s.heads, s.dtype) for impl, s in measured] == [
+        ("sdpa_flash", 128, True, 4096, 4, 16, "bf16"), ("sdpa_math", 128, True, 4096, 4, 16, "bf16"),
+        ("sdpa_flash", 128, True, 8192, 2, 16, "bf16")]  # sdpa_math stops at 4K
+    results = bench.load_results(path)
+    assert results["device"] == "Fake GPU" and len(results["rows"]) == 3
+
+
+def test_gpu_tune_flag_tunes_the_asked_head_dims_and_measures_with_the_winners(fake_gpu, monkeypatch, tmp_path):
+    winner = types.SimpleNamespace(block_m=64, block_n=64, num_warps=4, num_stages=2)  # a TileConfig's fields
+    seen = {}
+    monkeypatch.setattr(tuning, "tune", lambda head_dims: seen.setdefault("head_dims", head_dims)
+                        and ({(64, False): winner}, {}, [{"kind": "fwd"}]))
+    monkeypatch.setattr(gpu, "triton_impl", lambda fwd, bwd: seen.setdefault("configs", (fwd, bwd)))
+    monkeypatch.setattr(gpu, "measure", lambda impl, fn, shape: schema.empty_row(impl, shape))
+    log = tmp_path / "tuning.json"
+    assert bench.main(["gpu", "--tune", str(log), "--head-dims", "64", "--seqlens", "512", "--impls", "triton"]) == 0
+    assert seen == {"head_dims": (64,), "configs": ({(64, False): winner}, {})}
+    written = json.loads(log.read_text())
+    assert written["device"] == "Fake GPU" and written["best_fwd"] == {"64,False": vars(winner)}
+    assert written["log"] == [{"kind": "fwd"}]
+
+
+def test_hopper_runner_receives_every_option(fake_gpu, monkeypatch, tmp_path):
+    from fa_lab.bench import hopper
+
+    calls = {}
+    monkeypatch.setattr(hopper, "run_ablation", lambda causals: calls.update(ablation=causals) or [])
+    monkeypatch.setattr(hopper, "save_ablation_log", lambda path, entries: calls.update(log=path))
+
+    def fake_protocol(seqlens, causals, json_path):
+        calls["protocol"] = (seqlens, causals, json_path)
+        return {**schema.environment("cuda"), "rows": []}
+
+    monkeypatch.setattr(hopper, "run_hopper_protocol", fake_protocol)
+    log, path = str(tmp_path / "log.json"), str(tmp_path / "r.json")
+    assert bench.main(["hopper", "--log", log, "--seqlens", "2048", "--causal", "no", "--json", path]) == 0
+    assert calls == {"ablation": (False,), "log": log, "protocol": ((2048,), (False,), path)}
+    assert bench.main(["hopper", "--log", log]) == 0
+    assert calls["ablation"] == (False, True) and calls["protocol"] == (hopper.HOPPER_SEQLENS, (False, True), None)
+
+
+def test_hopper_protocol_rows_follow_the_asked_shapes(fake_gpu, monkeypatch, tmp_path):
+    from fa_lab.bench import hopper
+
+    monkeypatch.setattr(hopper, "measure", lambda impl, fn, shape: schema.empty_row(impl, shape))
+    monkeypatch.setattr(hopper, "time_fwd_bwd", lambda fn, shape, backward: (2.0, None))
+    monkeypatch.setattr(hopper, "quant_row", lambda shape, fn: schema.empty_row("triton_hopper_fp8_quant", shape))
+    path = tmp_path / "r.json"
+    results = hopper.run_hopper_protocol((2048,), (True,), path)
+    assert [row["impl"] for row in results["rows"]] == [*hopper.HOPPER_PEERS, "triton_hopper", "triton_hopper_fp8",
+                                                        "triton_hopper_fp8_quant"]
+    assert {(r["seqlen_q"], r["seqlen_k"], r["head_dim"], r["causal"], r["batch"]) for r in results["rows"]} == {
+        (2048, 2048, 128, True, 8)}
+    fp8 = results["rows"][-2]
+    assert fp8["fwd_ms"] == 2.0 and fp8["fwd_tflops"] == pytest.approx(4 * 8 * 16 * 2048**2 * 128 / 2 / 2e-3 / 1e12)
+    assert bench.load_results(path) == results
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["gpu", "--heads", "8"], "--heads is not accepted: the FA3 protocol fixes"),
+    (["gpu", "--batch", "2"], "--batch is not accepted"),
+    (["gpu", "--dtype", "fp16"], "--dtype is not accepted"),
+    (["gpu", "--impls", "naive"], "invalid choice: 'naive'"),
+    (["hopper", "--log", "x", "--head-dims", "64"], "--head-dims is not accepted: the Hopper benchmark runs head_dim"),
+    (["hopper", "--log", "x", "--dtype", "fp16"], "--dtype is not accepted"),
+    (["hopper", "--log", "x", "--impls", "flex"], "unrecognized arguments: --impls"),
+    (["hopper"], "--log"),
+    (["cpu", "--tune", "t.json"], "unrecognized arguments: --tune"),
+    (["--device", "cpu"], "unrecognized arguments: --device"),  # the subcommands replace --device
+    (["--device", "cuda"], "invalid choice: 'cuda' (choose from"),
+])
+def test_flags_a_benchmark_cannot_honour_are_refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_median_ms_runs_warmup_then_repeats():
     calls = []
-    ms = bench.median_ms(lambda x: calls.append(x), 7, repeats=5, warmup=2)
+    ms = cpu.median_ms(lambda x: calls.append(x), 7, repeats=5, warmup=2)
     assert calls == [7] * 7
     assert ms >= 0
 
 
 @pytest.mark.parametrize("load, warned", [(0.2, False), (7.5, True)])
 def test_busy_machine_warning(monkeypatch, capsys, load, warned):
-    monkeypatch.setattr(bench.os, "getloadavg", lambda: (load, load, load), raising=False)
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
-    bench.warn_if_busy()
+    monkeypatch.setattr(cpu.os, "getloadavg", lambda: (load, load, load), raising=False)
+    monkeypatch.setattr(cpu.os, "cpu_count", lambda: 2)
+    cpu.warn_if_busy()
     assert ("load average 7.5 on 2 cores" in capsys.readouterr().err) == warned

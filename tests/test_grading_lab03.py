@@ -28,7 +28,7 @@ def _fa_lab_triton(q, k, v, causal, scale, block_m, block_n):
 
 
 def _course_launcher(q, k, v, causal, scale, block_m, block_n):
-    from fa_lab.kernels.flash_triton import triton_attention
+    from fa_lab.kernels.portable.attention import triton_attention
     return triton_attention(q, k, v, causal, scale)
 
 
@@ -36,7 +36,7 @@ def _course_kernel(q, k, v, causal, scale, block_m, block_n):
     """Launches the course's kernel itself, without fa_lab's launchers."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fa_lab.kernels.triton_fwd import attention_fwd_kernel
+    from fa_lab.kernels.portable.forward import attention_fwd_kernel
 
     def describe(t, rows):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
@@ -53,8 +53,8 @@ def _course_kernel(q, k, v, causal, scale, block_m, block_n):
 
 @pytest.mark.parametrize("fn, named", [
     (_fa_lab_triton, "fa_lab.attention"),
-    (_course_launcher, "fa_lab.kernels.flash_triton.triton_attention"),
-    (_course_kernel, "fa_lab.kernels.triton_fwd.attention_fwd_kernel"),
+    (_course_launcher, "fa_lab.kernels.portable.attention.triton_attention"),
+    (_course_kernel, "fa_lab.kernels.portable.forward.attention_fwd_kernel"),
 ])
 def test_calling_the_course_kernels_is_forbidden(fn, named):
     exercise = EXERCISES["forward_kernel"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fa_lab
-from fa_lab.kernels.configs import TileConfig
+from fa_lab.kernels.portable.configs import TileConfig
 from fa_lab.testing import check_attention, make_qkv
 
 pytest.importorskip("triton")
@@ -19,7 +19,6 @@ def hopper_impl(q, k, v, causal, scale):
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (113, 203), (203, 113), (64, 64), (70, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_interpreter_hopper_variants(pipeline, seqlen_q, seqlen_k, causal, generator):
-    from fa_lab.kernels.configs import TileConfig
     from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
 
     q, k, v = make_qkv(1, 2, seqlen_q, seqlen_k, 40, torch.bfloat16, generator=generator)
@@ -39,7 +38,6 @@ def test_interpreter_hopper_through_api(generator):
 def test_interpreter_fp8_matches_the_cpu_emulation(causal, generator):
     """The kernel computes what the FP8 emulation in fa_lab.fp8 computes (same quantization, same P scale)."""
     from fa_lab.fp8 import fp8_attention_forward, rmse
-    from fa_lab.kernels.configs import TileConfig
     from fa_lab.kernels.hopper import triton_hopper_fp8_attention
     from fa_lab.reference import reference_attention
 
@@ -72,7 +70,7 @@ def test_gluon_kernel_compiles_for_sm90_within_its_resources(head_dim, fp8, caus
     within 227 KiB, and the FA3 structure visible in the PTX (consumer warpgroups raised to 240 registers,
     async WGMMAs). ptxas may keep a few scalars on the stack (the persistent loop's per-tile values), loaded
     once per work tile: at most 4 words, none of them touched inside the K/V loop."""
-    from fa_lab.kernels.sm90_offline import SM90_SHARED_LIMIT, compile_fa3_for_sm90
+    from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_fa3_for_sm90
 
     build = compile_fa3_for_sm90(head_dim, causal, stages, pingpong, fp8, persistent=persistent)
     assert build.kv_loop_spills == 0, "ptxas spilled registers inside the K/V loop"
@@ -86,7 +84,7 @@ def test_gluon_kernel_compiles_for_sm90_within_its_resources(head_dim, fp8, caus
 def test_kv_loop_spills_counts_local_memory_in_the_innermost_wgmma_loop_only():
     """The SASS reading behind the spill check: a load from the stack counts inside the K/V loop (the
     innermost predicated backward branch around a GMMA), not outside it, nor in a retry block's jump back."""
-    from fa_lab.kernels.sm90_offline import kv_loop_spills
+    from fa_lab.kernels.hopper.sm90_offline import kv_loop_spills
 
     def sass(*lines):
         return "\n".join(f"        /*{16 * i:04x}*/   {line} ;" for i, line in enumerate(lines))
@@ -102,9 +100,10 @@ def test_kv_loop_spills_counts_local_memory_in_the_innermost_wgmma_loop_only():
 
 
 def test_gluon_fp8_key_order_matches_the_kernels_reordering_of_p(generator):
-    """The host order of V^T's keys and the kernel's reordering of P's columns (_p_operand's reshape and
+    """The host order of V^T's keys and the kernel's reordering of P's columns (fa3_softmax.p_operand's reshape and
     permute, replayed here in torch) pair every key's probability with that key's value row."""
-    from fa_lab.kernels.hopper import gluon_fp8_key_order, quantize_for_kernel
+    from fa_lab.kernels.common import gluon_fp8_key_order
+    from fa_lab.kernels.hopper import quantize_for_kernel
 
     p = torch.rand(64, 128, generator=generator, dtype=torch.float64)
     v = torch.randn(128, 16, generator=generator, dtype=torch.float64)
@@ -132,8 +131,8 @@ def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim
     float32 there and in the input's dtype here, within one e4m3 step and at least as close to the exact
     (float64) rotation."""
     from fa_lab.fp8 import hadamard_transform, random_signs
-    from fa_lab.kernels.fp8_quant import quantize_fp8_operands
     from fa_lab.kernels.hopper import GLUON_TILES, V_SCALE_FLOOR, quantize_for_kernel
+    from fa_lab.kernels.hopper.fp8_quant import quantize_fp8_operands
 
     q, k, v = ((3 * torch.randn(2, 2, n, head_dim, generator=generator)).to(device, dtype) for n in (200, 300, 300))
     v[0, 0, :128] *= 1e-3  # a quiet V tile: its exponent differs from the head's

@@ -1,8 +1,8 @@
-"""The persistent FA3 kernel's work schedule (fa_lab.kernels.tile_schedule), checked on the CPU."""
+"""The persistent FA3 kernel's work schedule (fa_lab.kernels.hopper.tile_schedule), checked on the CPU."""
 import pytest
 import torch
 
-from fa_lab.kernels.tile_schedule import (
+from fa_lab.kernels.hopper.tile_schedule import (
     FIXED_TILE_COST,
     encode_tile,
     head_groups,
@@ -15,7 +15,7 @@ H200_SMS = 132
 
 
 def decode_tile(tile: int, m_tiles: int, causal: bool) -> tuple[int, int]:
-    """(pid_bh, pid_m) as gluon_fa3._tile_coords computes them."""
+    """(pid_bh, pid_m) as the kernel's WorkList.tile (fa_lab.kernels.hopper.fa3_state) computes them."""
     pid_m = tile % m_tiles
     return tile // m_tiles, (m_tiles - 1 - pid_m if causal else pid_m)
 

@@ -44,8 +44,8 @@ def test_interpreter_non_contiguous_and_scale(causal, generator):
 @CPU_ONLY
 def test_interpreter_gpu_tile_sizes(generator):
     """The compiled kernels' 128 x 128 tiles, run by the interpreter on a ragged causal case."""
-    from fa_lab.kernels.configs import TileConfig
-    from fa_lab.kernels.flash_triton import triton_attention
+    from fa_lab.kernels.portable.attention import triton_attention
+    from fa_lab.kernels.portable.configs import TileConfig
 
     q, k, v = make_qkv(1, 1, 150, 260, 64, torch.bfloat16, generator=generator)
     fn = lambda *a: triton_attention(*a, fwd_config=TileConfig(128, 128), bwd_config=TileConfig(64, 128))
@@ -67,12 +67,12 @@ def test_float32_is_refused_with_the_reason():
 
 
 def test_cpu_tensor_on_cuda_machine_gets_clear_error(monkeypatch):
-    from fa_lab.kernels import flash_triton
+    from fa_lab.kernels import common
 
-    monkeypatch.setattr(flash_triton, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
     q = torch.randn(1, 1, 8, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="Move q, k, v to 'cuda'"):
-        flash_triton.check_triton_inputs(q)
+        common.check_triton_inputs(q)
 
 
 # ---------------------------------------------------------------- GPU (device machine)

@@ -1,4 +1,7 @@
-"""Triton kernels and their launchers.
+"""Triton kernels and their launchers: the lazy entry of impl "triton", "triton_hopper", "triton_hopper_fp8".
+
+:mod:`.portable` holds the plain-Triton kernels (any CUDA GPU, and the CPU interpreter),
+:mod:`.hopper` the Gluon FA3 kernel for sm_90 and the Hopper impls, :mod:`.common` what they share.
 
 Triton reads ``TRITON_INTERPRET`` when a function is decorated with
 ``@triton.jit``, its own library functions (``tl.max``, ``tl.sum``, ...) included,
@@ -60,21 +63,21 @@ def interpreting() -> bool:
 
 
 def triton_attention(q, k, v, causal, scale, **configs):
-    """Differentiable Triton attention: returns (out, lse). See :mod:`fa_lab.kernels.flash_triton`."""
+    """Differentiable Triton attention: returns (out, lse). See :mod:`fa_lab.kernels.portable.attention`."""
     load_triton()
-    from .flash_triton import triton_attention as run
+    from .portable.attention import triton_attention as run
     return run(q, k, v, causal, scale, **configs)
 
 
 def triton_hopper_attention(q, k, v, causal, scale, **options):
-    """The FlashAttention-3-style forward (+ portable backward). See :mod:`fa_lab.kernels.hopper`."""
+    """The FlashAttention-3-style forward (+ portable backward). See :mod:`fa_lab.kernels.hopper.attention`."""
     load_triton()
-    from .hopper import triton_hopper_attention as run
+    from .hopper.attention import triton_hopper_attention as run
     return run(q, k, v, causal, scale, **options)
 
 
 def triton_hopper_fp8_attention(q, k, v, causal, scale, **options):
-    """The FP8 forward (inference only). See :mod:`fa_lab.kernels.hopper`."""
+    """The FP8 forward (inference only). See :mod:`fa_lab.kernels.hopper.fp8_attention`."""
     load_triton()
-    from .hopper import triton_hopper_fp8_attention as run
+    from .hopper.fp8_attention import triton_hopper_fp8_attention as run
     return run(q, k, v, causal, scale, **options)

@@ -1,0 +1,159 @@
+"""``fa-lab bench cpu|gpu|hopper``: parse the flags, run one benchmark, print its table, write its files.
+
+Every flag a subcommand accepts changes what it measures or writes. The GPU protocols fix batch
+(16384 / seqlen), heads (2048 / head_dim) and bf16, so ``gpu`` and ``hopper`` reject ``--batch``,
+``--heads`` and ``--dtype`` with that reason, and ``hopper`` (d=128 only) rejects ``--head-dim(s)``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from . import cpu, gpu
+from .plots import plot_results
+from .report import describe, format_table
+from .schema import save_results
+
+CAUSAL_CHOICES = {"no": (False,), "yes": (True,), "both": (False, True)}
+PROTOCOL_FIXES = ("the FA3 protocol fixes batch = 16384 / seqlen, heads = 2048 / head_dim and bf16 "
+                  "(`fa-lab bench cpu` takes other shapes)")
+
+
+def _rejected(reason: str):
+    """An argparse action that refuses its flag, saying why."""
+    class Rejected(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string} is not accepted: {reason}")
+    return Rejected
+
+
+def _reject(parser, flags, reason: str) -> None:
+    for flag in flags:
+        parser.add_argument(flag, nargs="*", action=_rejected(reason), help=argparse.SUPPRESS)
+
+
+def _add_outputs(parser, plot_help: str) -> None:
+    parser.add_argument("--json", metavar="FILE", help="write the results here (schema: fa_lab.bench.schema)")
+    parser.add_argument("--plot", metavar="FILE", help=plot_help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fa-lab bench", description="Benchmarks: cpu (this CPU), gpu (the "
+                                     "FA3-paper protocol with every peer), hopper (the Hopper kernels).")
+    commands = parser.add_subparsers(dest="benchmark", required=True, metavar="{cpu,gpu,hopper}")
+
+    full = cpu.FULL
+    p = commands.add_parser("cpu", help="naive, torch and sdpa on this CPU: wall-clock time and peak memory")
+    p.add_argument("--seqlens", type=int, nargs="+", help=f"default {list(full.seqlens)}")
+    p.add_argument("--batch", type=int, help=f"default {full.batch}")
+    p.add_argument("--heads", type=int, help=f"default {full.heads}")
+    p.add_argument("--head-dim", type=int, help=f"default {full.head_dim}")
+    p.add_argument("--dtype", choices=sorted(cpu.DTYPES), help=f"default {full.dtype}")
+    p.add_argument("--causal", choices=CAUSAL_CHOICES, help="causal masking: no (default), yes or both")
+    p.add_argument("--impls", nargs="+", choices=full.impls, metavar="IMPL",
+                   help=f"any of {', '.join(full.impls)} (default: all)")
+    p.add_argument("--repeats", type=int, help=f"timed calls per point, default {full.repeats}")
+    p.add_argument("--warmup", type=int, help=f"untimed calls first, default {full.warmup}")
+    p.add_argument("--naive-max-seqlen", type=int, help="longest seqlen naive runs at, modelled beyond "
+                   f"(default {full.naive_max_seqlen})")
+    p.add_argument("--quick", action="store_true", help="smoke run of tiny shapes (the flags above still apply)")
+    _add_outputs(p, "save a PNG of time and memory vs seqlen")
+    p.set_defaults(handler=_run_cpu)
+
+    p = commands.add_parser("gpu", help="the FA3-paper protocol on a CUDA GPU, every peer in the same run",
+                            description=f"The FA3-paper protocol with every peer: {PROTOCOL_FIXES}.")
+    p.add_argument("--seqlens", type=int, nargs="+", default=list(gpu.SEQLENS), help="default %(default)s")
+    p.add_argument("--head-dims", type=int, nargs="+", default=list(gpu.HEAD_DIMS), help="default %(default)s")
+    p.add_argument("--causal", choices=CAUSAL_CHOICES, default="both", help="causal masking: no, yes or both "
+                   "(default)")
+    p.add_argument("--impls", nargs="+", choices=gpu.GPU_IMPLS, default=list(gpu.GPU_IMPLS), metavar="IMPL",
+                   help=f"any of {', '.join(gpu.GPU_IMPLS)} (default: all)")
+    p.add_argument("--tune", metavar="FILE", help="first time candidate tiles of the Triton kernels at 8K, both "
+                   "masks, for the --head-dims; measure with the fastest; write the tuning log here")
+    _add_outputs(p, "save a PNG of TFLOP/s vs seqlen")
+    _reject(p, ("--batch", "--heads", "--dtype"), PROTOCOL_FIXES)
+    p.set_defaults(handler=_run_gpu)
+
+    p = commands.add_parser("hopper", help="the Hopper kernels (sm_90): ablation at 8K, then the protocol at d=128",
+                            description=f"The Hopper kernels' ablation and protocol: {PROTOCOL_FIXES}, "
+                                        "and head_dim 128.")
+    p.add_argument("--log", metavar="FILE", required=True, help="write the ablation (variants, FP8 errors) here")
+    p.add_argument("--seqlens", type=int, nargs="+", help="protocol lengths, default 1K to 16K (the ablation "
+                   "runs at 8K)")
+    p.add_argument("--causal", choices=CAUSAL_CHOICES, default="both", help="causal masking of the ablation and "
+                   "the protocol: no, yes or both (default)")
+    _add_outputs(p, "save a PNG of forward TFLOP/s vs seqlen")
+    _reject(p, ("--batch", "--heads", "--dtype"), PROTOCOL_FIXES)
+    _reject(p, ("--head-dim", "--head-dims"), "the Hopper benchmark runs head_dim 128")
+    p.set_defaults(handler=_run_hopper)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark ``argv`` asks for; 0 on success, 2 on a usage error or a missing GPU."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return args.handler(args)
+
+
+def cpu_sweep(args) -> cpu.CpuSweep:
+    """The CpuSweep the ``cpu`` flags ask for: QUICK or FULL, with each given flag replacing its field."""
+    given = {"seqlens": args.seqlens, "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim,
+             "dtype": args.dtype, "impls": args.impls, "repeats": args.repeats, "warmup": args.warmup,
+             "naive_max_seqlen": args.naive_max_seqlen,
+             "causals": CAUSAL_CHOICES[args.causal] if args.causal else None}
+    base = cpu.QUICK if args.quick else cpu.FULL
+    return dataclasses.replace(base, **{name: tuple(value) if isinstance(value, list) else value
+                                        for name, value in given.items() if value is not None})
+
+
+def _finish(results: dict, args, metrics, impls=None) -> int:
+    """Print the table; write the JSON and the plot the flags ask for."""
+    print(describe(results))
+    print(format_table(results["rows"]))
+    if args.json:
+        save_results(results, args.json)
+    if args.plot:
+        plot_results(results, metrics=metrics, impls=impls).savefig(args.plot)
+    return 0
+
+
+def _run_cpu(args) -> int:
+    cpu.warn_if_busy()
+    return _finish(cpu.run_cpu(cpu_sweep(args)), args, metrics=("fwd_ms", "fwd_peak_bytes"))
+
+
+def _needs_cuda(command: str) -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(f"fa-lab bench {command}: needs a CUDA GPU; on this machine run `fa-lab bench cpu`", file=sys.stderr)
+    return True
+
+
+def _run_gpu(args) -> int:
+    if _needs_cuda("gpu"):
+        return 2
+    fwd_configs = bwd_configs = None
+    if args.tune:
+        from . import tuning
+
+        fwd_configs, bwd_configs, log = tuning.tune(tuple(args.head_dims))
+        tuning.save_tuning_log(args.tune, fwd_configs, bwd_configs, log)
+    impls = gpu.make_impls(args.impls, fwd_configs, bwd_configs)
+    shapes = gpu.protocol_shapes(tuple(args.seqlens), tuple(args.head_dims), CAUSAL_CHOICES[args.causal])
+    results = gpu.run_protocol(impls, shapes, args.json)
+    return _finish(results, args, metrics=("fwd_tflops", "bwd_tflops"), impls=list(impls))
+
+
+def _run_hopper(args) -> int:
+    if _needs_cuda("hopper"):
+        return 2
+    from . import hopper  # imports the Hopper kernels' launchers
+
+    causals = CAUSAL_CHOICES[args.causal]
+    hopper.save_ablation_log(args.log, hopper.run_ablation(causals))
+    seqlens = tuple(args.seqlens) if args.seqlens else hopper.HOPPER_SEQLENS
+    results = hopper.run_hopper_protocol(seqlens, causals, args.json)
+    return _finish(results, args, metrics=("fwd_tflops",))

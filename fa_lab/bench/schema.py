@@ -1,0 +1,111 @@
+"""The results schema: the one place it is written down, and the functions that build, check and store it.
+
+Every results file in ``benchmarks/*.json`` (and every run of ``fa-lab bench``) is one JSON object::
+
+    {"device": str, "torch": str, "triton": str | null, "date": "YYYY-MM-DD", "rows": [row, ...]}
+
+where ``device`` names the machine (``"NVIDIA H200"``, ``"CPU: <model>, 2 threads"``), ``torch`` and
+``triton`` are the versions that ran (triton null when absent) and ``date`` the day of the run. Each row
+is one implementation at one shape, with exactly these keys (a figure that was not measured is null):
+
+- ``impl``: ``naive``, ``torch``, ``sdpa`` (CPU); ``triton``, ``triton_hopper``, ``triton_hopper_fp8``,
+  ``triton_hopper_fp8_quant`` (the FP8 quantization alone), ``sdpa_flash``, ``sdpa_cudnn``,
+  ``sdpa_efficient``, ``sdpa_math``, ``flex`` (new ones in the same style);
+- ``dtype``: input precision, ``fp32``, ``bf16`` or ``fp16``; ``head_dim``: d; ``causal``: bool
+  (bottom-right aligned mask);
+- ``seqlen_q``, ``seqlen_k``: q is (batch, heads, seqlen_q, head_dim), k and v (batch, heads, seqlen_k,
+  head_dim); ``batch``, ``heads``;
+- ``fwd_ms``, ``bwd_ms``: medians (``triton.testing.do_bench`` on a GPU, wall clock on a CPU);
+- ``fwd_tflops``, ``bwd_tflops``: FLOPs over time, by :func:`fa_lab.iomodel.attention_flops` (forward
+  4·B·H·seqlen_q·seqlen_k·d, halved for causal; the backward counts 2.5x the forward);
+- ``fwd_peak_bytes``: peak extra memory of the forward; ``fwd_peak_source``: ``"measured"``, or
+  ``"model"`` when it comes from :mod:`fa_lab.iomodel`;
+- memory-bound rows (decode): ``bytes``, the HBM bytes the call reads and writes; ``tbps``, bytes over
+  fwd_ms in TB/s; ``copy_tbps``, the copy bandwidth measured on the same device in the same run, TB/s.
+
+``tbps`` is only a result next to its peer: a row that has it also has ``bytes`` and ``copy_tbps``.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import platform
+
+from ..iomodel import AttentionShape, precision_name
+
+TOP_KEYS = ("device", "torch", "triton", "date", "rows")
+_FIGURE = (int, float, type(None))  # a figure is null when it was not measured
+ROW_TYPES = {"impl": str, "dtype": str, "head_dim": int, "causal": bool, "seqlen_q": int, "seqlen_k": int,
+             "batch": int, "heads": int, "fwd_ms": _FIGURE, "bwd_ms": _FIGURE, "fwd_tflops": _FIGURE,
+             "bwd_tflops": _FIGURE, "fwd_peak_bytes": _FIGURE, "fwd_peak_source": (str, type(None)),
+             "bytes": _FIGURE, "tbps": _FIGURE, "copy_tbps": _FIGURE}
+ROW_KEYS = tuple(ROW_TYPES)
+
+
+def empty_row(impl: str, shape: AttentionShape) -> dict:
+    """A row for ``impl`` at ``shape``, every figure null."""
+    row = dict.fromkeys(ROW_KEYS)
+    row.update(impl=impl, dtype=precision_name(shape.dtype), head_dim=shape.head_dim, causal=shape.causal,
+               seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k, batch=shape.batch, heads=shape.heads)
+    return row
+
+
+def environment(device: str) -> dict:
+    """The header of a results file for a run on ``device`` ("cpu" or "cuda"): names, versions, today."""
+    import torch
+
+    if device == "cpu":
+        device_name = f"CPU: {_cpu_model()}, {torch.get_num_threads()} threads"
+    else:
+        device_name = torch.cuda.get_device_name()
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    return {"device": device_name, "torch": torch.__version__, "triton": triton_version,
+            "date": datetime.date.today().isoformat()}
+
+
+def _cpu_model() -> str:
+    """The CPU's model name: from /proc/cpuinfo on Linux, else whatever ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def validate_results(results: dict) -> dict:
+    """Check ``results`` against the schema; return it, or raise ValueError naming what is wrong."""
+    if not isinstance(results, dict):
+        raise ValueError(f"results must be a JSON object, got {type(results).__name__}")
+    missing = [key for key in TOP_KEYS if key not in results]
+    if missing:
+        raise ValueError(f"results lack the keys {missing}; the schema needs {list(TOP_KEYS)}")
+    if not isinstance(results["rows"], list):
+        raise ValueError("results['rows'] must be a list of rows")
+    for index, row in enumerate(results["rows"]):
+        if not isinstance(row, dict) or set(row) != set(ROW_KEYS):
+            got = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"row {index} has keys {got}; every row needs exactly {list(ROW_KEYS)}")
+        for key, types in ROW_TYPES.items():
+            if not isinstance(row[key], types) or (isinstance(row[key], bool) and types is not bool):
+                raise ValueError(f"row {index}: {key} is {row[key]!r}, which is not a valid {key}")
+        if row["tbps"] is not None and (row["bytes"] is None or row["copy_tbps"] is None):
+            raise ValueError(f"row {index}: tbps needs bytes and copy_tbps (the copy bandwidth of the same run)")
+    return results
+
+
+def save_results(results: dict, path) -> None:
+    """Write schema-valid ``results`` as indented JSON."""
+    validate_results(results)
+    with open(path, "w") as out:
+        json.dump(results, out, indent=1)
+        out.write("\n")
+
+
+def load_results(path) -> dict:
+    """Read and validate a results file (``benchmarks/*.json``)."""
+    with open(path) as source:
+        return validate_results(json.load(source))

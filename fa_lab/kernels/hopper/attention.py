@@ -1,0 +1,121 @@
+"""impl="triton_hopper": the FA3 forward (Gluon on sm_90, the portable pipelined kernel elsewhere).
+
+Gradients come from the portable recomputation kernels (``impl="triton"``), fed with this
+forward's O and LSE: a backward tuned for Hopper did not pay for itself yet.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .. import interpreting, load_triton
+from ..common import LOG2E, cdiv, check_triton_inputs, gluon_descriptor, head_dim_bucket
+from ..portable.attention import TritonAttentionFunction, pipelined_forward
+from ..portable.configs import TileConfig, forward_config
+from .tile_schedule import schedule_tensor
+
+
+@dataclass(frozen=True)
+class HopperOptions:
+    """Which kernel and which FA3 ideas the forward uses (each can be switched to measure it).
+
+    ``kernel="gluon"``: the warp-specialized FA3 kernel of :mod:`fa_lab.kernels.hopper.fa3_kernel`
+    (producer warp + ``consumers`` consumer warpgroups, ``stages`` K/V slots, ``pingpong`` to
+    alternate the consumers' WGMMAs explicitly, ``persistent`` for one CTA per SM walking a tile
+    schedule). It runs on sm_90 for head_dim <= 128 (padded to 64 or 128); other shapes and the
+    CPU interpreter use ``kernel="triton"``.
+
+    ``kernel="triton"``: the plain-Triton kernel of :mod:`fa_lab.kernels.portable.pipelined_forward`,
+    with ``pipeline`` (QK^T of tile j+1 issued before the softmax of tile j) and
+    ``warp_specialize`` (Triton's own pass).
+
+    The defaults (2 stages, free-running consumers, one tile per CTA) are the bf16 variant the H200
+    measurements chose (docs/experiments/hopper_forward.md). Three consumers (192-row tiles) leave each
+    160 registers, and ptxas spills (see :mod:`fa_lab.kernels.hopper.sm90_offline`).
+    """
+
+    kernel: str = "gluon"
+    pipeline: bool = False
+    warp_specialize: bool = False
+    stages: int = 2
+    pingpong: bool = False
+    consumers: int = 2
+    persistent: bool = False  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule)
+
+
+# The FP8 forward's default: persistent, free-running consumers. FP8's K/V steps are short enough for a
+# work tile's start and end to show, which the persistent kernel overlaps with the next tile's loads
+# (docs/experiments/hopper_forward.md has the measurements).
+FP8_OPTIONS = HopperOptions(persistent=True)
+
+
+def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
+    """True when the Gluon FA3 kernel runs this input: asked for, on sm_90, head_dim bucket 64 or 128."""
+    return (options.kernel == "gluon" and q.is_cuda and not interpreting()
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and head_dim_bucket(q.shape[-1]) in (64, 128))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU: the persistent kernel's grid."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions(), fp8_scales=None,
+                  out_dtype=None):
+    """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse).
+
+    fp8_scales: None for bf16/fp16 operands; for e4m3 operands (v given as V^T, (B, H, d, Nk))
+    the tuple (q_descale, k_descale, v_exponent, v_descale_max) of
+    :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` with ``gluon=True``, and
+    ``out_dtype`` the output's dtype.
+    """
+    from .fa3_config import CONSUMER_REGS, ROWS_PER_CONSUMER, descriptor_blocks, launch_maxnreg
+    from .fa3_kernel import attention_fwd_fa3_kernel
+
+    batch, heads, seqlen_q, _ = q.shape
+    fp8 = fp8_scales is not None
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8)
+    descriptors = [gluon_descriptor(t, blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
+    block_m = ROWS_PER_CONSUMER.value * options.consumers
+    total_tiles = cdiv(seqlen_q, block_m) * batch * heads
+    grid, schedule = (total_tiles,), lse  # (lse: a placeholder pointer, not read)
+    if options.persistent:
+        grid = (min(total_tiles, _sm_count(q.device)),)
+        schedule = schedule_tensor(batch * heads, seqlen_q, k.shape[2], block_m, blocks["k"][2], causal, grid[0],
+                                   q.device)
+    attention_fwd_fa3_kernel[grid](
+        *descriptors, lse,
+        *(fp8_scales or (lse,) * 4), heads, seqlen_q, k.shape[2], schedule, scale * LOG2E,
+        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
+        PERSISTENT=options.persistent,
+        CONSUMER_REGS=CONSUMER_REGS[options.consumers], num_warps=4, maxnreg=launch_maxnreg(options.consumers))
+    return out, lse
+
+
+def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions()):
+    """bf16/fp16 forward on prepared operands (as :func:`fa_lab.kernels.portable.attention.triton_forward`):
+    (out, lse)."""
+    if uses_gluon(q, options):
+        return gluon_forward(q, k, v, causal, scale, options)
+    config = config or forward_config(q.shape[-1], causal, interpreting())
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    dummy = lse  # the descale pointers are not read outside FP8
+    pipelined_forward(q, k, v, out, lse, (dummy, dummy, dummy), causal, scale, config, pipeline=options.pipeline,
+                      warp_specialize=options.warp_specialize)
+    return out, lse
+
+
+def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions()):
+    """impl="triton_hopper": (out, lse); gradients through the portable recomputation backward."""
+    load_triton()
+    check_triton_inputs(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    forward_fn = functools.partial(hopper_forward, config=config, options=options)
+    return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, None)

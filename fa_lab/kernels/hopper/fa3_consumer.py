@@ -1,0 +1,169 @@
+"""The Gluon FA3 kernel's consumer partitions: one warpgroup per 64 query rows, compute only.
+
+In step j a consumer issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as asynchronous WGMMAs,
+then waits for S_j only and runs the softmax of tile j while the tensor cores still work on the
+P V product of tile j-1 (intra-warpgroup pipelining). Its epilogue writes O through shared memory
+with one TMA copy, which also drops the rows past seqlen_q.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .block_range import visible_key_end
+from .fa3_config import LN2, P_SCALE, Q_QUANT_ROWS, ROWS_PER_CONSUMER
+from .fa3_softmax import carried_p, fp8_tile_scales, p_operand, softmax_tile, v_operand
+
+
+@gluon.jit
+def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
+             PERSISTENT: gl.constexpr):
+    """Consumer warpgroup CONSUMER: its 64 rows of every work tile of this CTA (one tile, or its share of the
+    schedule when persistent). state: the :class:`.fa3_state.KernelState`."""
+    BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
+    CONSUMERS: gl.constexpr = state.q.bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
+    if PERSISTENT:
+        kv_count = 0  # K/V tiles consumed by this CTA so far (the rings' count)
+        first, last, tiles_ptr = state.work.cta_tiles()
+        for k in range(first, last):
+            tile = state.work.tile(gl.load(tiles_ptr + k), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+            _consumer_tile(state, tile, kv_count, k - first, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG,
+                           FP8=FP8, PERSISTENT=PERSISTENT)
+            kv_count += tile.n_iter
+    else:
+        tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+        _consumer_tile(state, tile, 0, 0, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG, FP8=FP8,
+                       PERSISTENT=PERSISTENT)
+    tma.store_wait(0)  # this consumer's last O store
+
+
+@gluon.jit
+def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
+                   PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Rows [start_m + 64 * CONSUMER, +64) of one WorkTile through every K/V tile, then the epilogue.
+
+    kv_count: K/V tiles this CTA consumed before this work tile (step j takes ring tile kv_count + j);
+    local: work tiles before it (the Q slot's count).
+    """
+    seqlen_q = state.work.seqlen_q
+    seqlen_k = state.work.seqlen_k
+    BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
+    HEAD_DIM: gl.constexpr = state.k.bufs.type.shape[4]
+    dtype: gl.constexpr = state.k.bufs.dtype
+    out_dtype: gl.constexpr = state.o_bufs.dtype
+    # WGMMA accumulator layouts: 4 warps stacked along the 64 rows, N = the full tile width,
+    # K = 32 bytes of the operand type per instruction (16 bf16 values, 32 e4m3 values).
+    k_instr: gl.constexpr = 256 // dtype.primitive_bitwidth
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, k_instr])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, k_instr])
+    # P feeds the second WGMMA from registers. For 16-bit types the accumulator layout of S
+    # already is this operand layout, so the conversion moves no data (FA2/FA3's trick);
+    # e4m3 packs 4 values per register, which needs a shuffle between threads.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // dtype.primitive_bitwidth)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q_smem = state.q.bufs.index(CONSUMER).reshape([ROWS_PER_CONSUMER, HEAD_DIM])
+    row0 = tile.start_m + CONSUMER * ROWS_PER_CONSUMER
+    offs_m = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_layout)
+    key_end = visible_key_end(offs_m, seqlen_q, seqlen_k, CAUSAL=CAUSAL)
+    m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, row_layout)
+    l_i = gl.full([ROWS_PER_CONSUMER], 0.0, gl.float32, row_layout)
+    s = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout)
+    o = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, o_layout)
+    qk_scale = state.qk_scale
+    tile_scale = qk_scale
+    log2_p_scale = 0.0
+    if FP8:
+        kv_tiles = gl.cdiv(seqlen_k, BLOCK_N)
+        # Q is quantized in Q_QUANT_ROWS-row blocks; a consumer's 64 rows lie in one of them.
+        q_tile = tile.pid_bh * gl.cdiv(seqlen_q, Q_QUANT_ROWS) + row0 // Q_QUANT_ROWS
+        qk_scale = qk_scale * gl.load(state.q_descale_ptr + q_tile)
+        v_descale_max = gl.load(state.v_descale_max_ptr + tile.pid_bh)
+
+    # Prologue: scores and probabilities of tile 0.
+    k_first = state.k.at(kv_count)  # K_0's place in the K ring
+    state.q.wait_ready(local)
+    k_first.wait_ready()
+    if PINGPONG:
+        state.turns.wait(kv_count, CONSUMER)
+    s = warpgroup_mma(q_smem, k_first.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
+                      is_async=True)
+    if PINGPONG:
+        state.turns.pass_on(CONSUMER)
+    if FP8:
+        tile_scale, log2_p_scale = fp8_tile_scales(qk_scale, state.k_descale_ptr, state.v_exponent_ptr,
+                                                   tile.pid_bh * kv_tiles)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    k_first.release()
+    p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_end, 0, tile.first_masked,
+                                      BLOCK_N=BLOCK_N, FP8=FP8, s_layout=s_layout)
+    p = carried_p(p, dtype, p_layout, FP8=FP8)
+
+    for j in range(1, tile.n_iter):
+        k_tile = state.k.at(kv_count + j)  # K_j, and V_{j-1}: this CTA's K/V tiles count across work tiles
+        v_tile = state.v.at(kv_count + j - 1)
+        p_op = p_operand(p, dtype, p_layout, FP8=FP8)  # P_{j-1} (a no-op for 16-bit types: see carried_p)
+        k_tile.wait_ready()
+        v_tile.wait_ready()
+        if PINGPONG:
+            state.turns.wait(kv_count + j, CONSUMER)
+        # Issue both GEMMs of this step: scores of tile j, and P V of tile j-1. O is rescaled
+        # to tile j-1's running max in between, while the tensor cores work on S_j.
+        s = warpgroup_mma(q_smem, k_tile.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
+                          is_async=True)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        o = warpgroup_mma(p_op, v_operand(v_tile.buf(), FP8=FP8), o, is_async=True)
+        if PINGPONG:
+            state.turns.pass_on(CONSUMER)
+        if FP8:
+            tile_scale, log2_p_scale = fp8_tile_scales(qk_scale, state.k_descale_ptr, state.v_exponent_ptr,
+                                                       tile.pid_bh * kv_tiles + j)
+        # Wait for the scores only (one group, P V, may stay in flight) and free K_j.
+        s = warpgroup_mma_wait(1, deps=(s,))
+        k_tile.release()
+        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_end, j, tile.first_masked,
+                                          BLOCK_N=BLOCK_N, FP8=FP8, s_layout=s_layout)
+        # The softmax above ran while the tensor cores computed P_{j-1} V_{j-1}.
+        if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
+            o = warpgroup_mma_wait(0, deps=(o,))
+        else:  # P's registers must stay untouched until the WGMMA reading them is done
+            o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+        v_tile.release()
+        p = carried_p(p, dtype, p_layout, FP8=FP8)
+
+    if PERSISTENT and FP8:  # every Q K^T of this tile is done: the producer may load the next tile's Q
+        state.q.release()
+    v_last = state.v.at(kv_count + tile.n_iter - 1)
+    v_last.wait_ready()
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    o = warpgroup_mma(p_operand(p, dtype, p_layout, FP8=FP8), v_operand(v_last.buf(), FP8=FP8), o,
+                      is_async=True)
+    o = warpgroup_mma_wait(0, deps=(o,))
+    v_last.release()
+
+    # Epilogue (FA2's deferred normalization): O / l once; lse = ln 2 * (m + log2 l).
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    gl.store(state.lse_ptr + tile.pid_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    if FP8:  # P was scaled by P_SCALE * v_descale_j / v_descale_max: undo the constant part
+        l_safe = l_safe * (P_SCALE / v_descale_max)
+    o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
+    o_smem = state.o_bufs.index(CONSUMER)
+    if PERSISTENT and FP8:  # the previous tile's O store from this buffer must have left it
+        tma.store_wait(0)
+    o_smem.reshape([ROWS_PER_CONSUMER, HEAD_DIM]).store(o.to(out_dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(state.o_desc, [tile.batch, tile.head, row0, 0], o_smem)
+    if PERSISTENT and not FP8:  # O went out through the Q buffer: free it for the next tile's Q once stored
+        tma.store_wait(0)
+        state.q.release()

@@ -1,0 +1,128 @@
+"""A FlashAttention-3 forward for Hopper (sm_90) written in Gluon.
+
+Gluon (``triton.experimental.gluon``, shipped with Triton 3.6) is Triton's
+lower-level language: the kernel author chooses the layouts, allocates shared
+memory, issues TMA copies and WGMMAs and synchronizes with mbarriers. That is
+what FlashAttention-3 needs and what plain Triton decides on its own. The
+kernel below is organised the way the FA3 paper describes it:
+
+* **Warp specialization.** One CTA computes ``BLOCK_M = 64 * CONSUMERS`` query
+  rows (128 by default) of one (batch, head) with a *producer* warp that only
+  issues TMA copies of Q, K and V into shared memory, and ``CONSUMERS``
+  *consumer* warpgroups (4 warps each) that own 64 query rows each and only
+  compute. The producer gets 24 registers per thread, two consumers 240 each
+  (``setmaxnreg``).
+* **A circular buffer of K/V tiles** (``STAGES`` slots). Each slot has a
+  ``ready`` mbarrier (the TMA completes it, counting bytes) and an ``empty``
+  mbarrier that both consumers arrive on once they no longer read the slot, so
+  the producer runs up to ``STAGES`` tiles ahead. K and V have separate
+  barriers: a consumer frees K as soon as its scores are computed.
+* **Intra-warpgroup pipelining.** In iteration j a consumer issues
+  ``S_j = Q K_j^T`` *and* ``O += P_{j-1} V_{j-1}`` as asynchronous WGMMAs, then
+  waits for S_j only and runs the softmax of tile j while the tensor cores are
+  still busy with the P V product of tile j-1.
+* **Inter-warpgroup overlap.** The consumers run the same loop on different
+  rows, each waiting on its own barriers, so one's softmax can run during the
+  other's WGMMAs. (FA3's explicit ping-pong orders this with named barriers;
+  ``PINGPONG`` enforces the same alternation with one mbarrier per consumer.)
+* **FP8** (``FP8``): e4m3 WGMMAs on per-tile quantized Q, K and V^T; V's per-tile
+  descale is folded into P's exponent, and P's keys are renumbered in the order
+  a thread holds them (V^T is stored in that order) so that P becomes an FP8
+  operand without moving data between threads.
+* **Persistent kernel** (``PERSISTENT``): one CTA per SM, each computing the work
+  tiles that :mod:`.tile_schedule` lists for it (longest first, heads
+  in groups). The ring's slots and phases run on across tiles, so the next tile's
+  K/V (and, once the consumers release it, Q) load while this tile ends.
+* **Epilogue through shared memory.** A consumer's Q tile is dead after its last
+  ``Q K^T``, so O is written into that buffer and stored with one TMA copy,
+  which also drops the rows past ``seqlen_q``.
+
+Tiles are addressed with 4-D TMA descriptors over (batch, heads, seqlen,
+head_dim), block (1, 1, rows, head_dim): keys past ``seqlen_k`` arrive as zeros
+and are masked to -inf in the scores. The kernel needs a Hopper GPU: it cannot
+run in Triton's CPU interpreter, but it compiles on any machine
+(:func:`.sm90_offline.compile_fa3_for_sm90`), which the CPU tests use.
+
+The kernel is split by role: this entry allocates shared memory and barriers and starts the
+partitions (:mod:`.fa3_producer`, :mod:`.fa3_consumer`) on one :class:`.fa3_state.KernelState`;
+:mod:`.fa3_softmax` holds the consumers' register math, :mod:`.fa3_config` the fixed shapes.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from .fa3_config import PRODUCER_REGS, ROWS_PER_CONSUMER
+from .fa3_consumer import consumer
+from .fa3_producer import producer
+from .fa3_state import KernelState, QSlot, Ring, Turns, WorkList
+
+
+@gluon.jit
+def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_ptr, k_descale_ptr, v_exponent_ptr,
+                             v_descale_max_ptr, heads, seqlen_q, seqlen_k, schedule_ptr, qk_scale,
+                             CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                             PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr):
+    """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
+
+    q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
+    (B, H, Nk, d), block (1, 1, BLOCK_N, d); v_desc the same, or in FP8 over V^T
+    (B, H, d, Nk), block (1, 1, d, BLOCK_N). lse_ptr: (B, H, Nq) float32; qk_scale = scale * log2(e).
+    Work tile t (of cdiv(Nq, 64 * CONSUMERS) * B * H) is WorkList.tile(t). Grid: one CTA per tile, or
+    PERSISTENT: at most one per SM, CTA c computing the tiles that schedule_ptr (int32, from
+    tile_schedule.schedule_tensor) lists for it; unused otherwise. FP8 only: q/k_descale_ptr
+    (B, H, tiles) float32 per-tile descales (128-row tiles), v_descale_max_ptr (B, H) the largest
+    V descale of each head, v_exponent_ptr (B, H, tiles) log2(v_descale / v_descale_max).
+    CONSUMER_REGS: registers per thread of a worker consumer warpgroup (setmaxnreg).
+    """
+    BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
+    m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if FP8:  # O (16-bit) does not fit in the e4m3 Q buffers
+        o_bufs = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+    else:  # a consumer's Q tile is dead after its last Q K^T: O reuses its shared memory
+        o_bufs = q_bufs
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=CONSUMERS)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(turn.index(c), count=1)
+    if PINGPONG:  # consumer 0 issues first: give it its first turn
+        mbarrier.arrive(turn.index(0))
+    # (Triton passes an int argument equal to 1 as a constexpr: the work list takes tensors all the same.)
+    work = WorkList(gl.to_tensor(m_tiles), gl.to_tensor(heads), gl.to_tensor(seqlen_q), gl.to_tensor(seqlen_k),
+                    schedule_ptr)
+    state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, lse_ptr, qk_scale, q_descale_ptr, k_descale_ptr,
+                        v_exponent_ptr, v_descale_max_ptr, QSlot(q_bufs, q_ready, q_empty),
+                        Ring(k_bufs, k_ready, k_empty), Ring(v_bufs, v_ready, v_empty), Turns(turn), work)
+    # warp_specialize takes a literal list of partitions, so the two consumer counts are spelled out; the
+    # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (producer, (state, CAUSAL, FP8, PERSISTENT)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT)),
+            (producer, (state, CAUSAL, FP8, PERSISTENT)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,112 @@
+"""The Gluon FA3 consumer's register math: the online softmax of a score tile and the operands of P V.
+
+P feeds the P V WGMMA from registers. In bf16/fp16 the accumulator layout of S already is the
+operand layout (FA2/FA3's trick). In FP8 each K/V tile's descales fold into the softmax scale
+and into P's exponent, and P's keys are taken in the order a thread holds them (V^T is stored in
+that order: :func:`fa_lab.kernels.common.gluon_fp8_key_order`), so P becomes an e4m3 operand
+without moving data between threads.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .fa3_config import LOG2_P_SCALE
+
+
+@gluon.jit
+def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_end, j, first_masked, BLOCK_N: gl.constexpr,
+                 FP8: gl.constexpr, s_layout: gl.constexpr):
+    """Online-softmax update with raw scores s = Q K_j^T: (64, BLOCK_N) fp32.
+
+    Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
+    the Q and K descales in FP8). Only tiles from ``first_masked`` on pay for a mask
+    (causal diagonal, ragged end): key_end (64,) int32 is each row's end of visible keys
+    (:func:`.block_range.visible_key_end`), so the mask is one compare per score. In FP8, p comes out
+    multiplied by 2**log2_p_scale (folded into the exponent, so it costs nothing per score) while l
+    sums the true p.
+    """
+    if j >= first_masked:
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = cols[None, :] < (key_end - j * BLOCK_N)[:, None]
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * tile_scale)
+    # A row that has seen no visible key keeps m = -inf: subtract 0 there so exp2 gives 0, not NaN.
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_sub)
+    if FP8:
+        p = gl.exp2(s * tile_scale - (m_sub - log2_p_scale)[:, None])
+        l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-log2_p_scale)
+    else:
+        p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """P (64, BLOCK_N) fp32 in the accumulator layout -> the A operand of the P V WGMMA.
+
+    FP8: the columns are reordered within each 32-key block (key 16h + 8a + 2c + b goes to
+    position 16h + 4c + 2a + b), which is the order in which a thread already holds them, so the
+    operand needs no data exchange between threads; V^T's keys are stored in the same order.
+    """
+    if FP8:
+        rows: gl.constexpr = p.shape[0]
+        keys: gl.constexpr = p.shape[1]
+        p = p.reshape([rows, keys // 32, 2, 2, 4, 2])  # (row, block, h, a, c, b)
+        p = p.permute((0, 1, 2, 4, 3, 5)).reshape([rows, keys])  # (row, block, h, c, a, b)
+        return to_e4m3x4(gl.convert_layout(p, p_layout))
+    else:
+        return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def carried_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """What the loop carries of P_j into step j+1, where it feeds the P V WGMMA.
+
+    16-bit types: the operand itself (half the registers of float32 P). FP8 carries P in float32 and
+    converts it in step j+1: an e4m3 tensor carried across the loop's back edge is kept one byte
+    per register and repacked.
+    """
+    if FP8:
+        return p
+    else:
+        return p_operand(p, dtype, p_layout, FP8=FP8)
+
+
+@gluon.jit
+def to_e4m3x4(x):
+    """fp32 -> e4m3, four neighbours in a thread's registers into one 32-bit register.
+
+    Two ``cvt.rn.satfinite.e4m3x2.f32`` per register: the compiler's own conversion makes
+    16-bit halves and then moves the bytes one by one.
+    In the operand layout of P, a register's four values are four consecutive keys of one row.
+    """
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        "mov.b32 $0, {lo, hi}; }",
+        "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+
+@gluon.jit
+def v_operand(v_tile, FP8: gl.constexpr):
+    """The B operand (BLOCK_N, d) of P V. FP8 WGMMA reads B K-major, so V arrives as V^T tiles (d, BLOCK_N)."""
+    if FP8:
+        return v_tile.reshape([v_tile.type.shape[2], v_tile.type.shape[3]]).permute((1, 0))
+    else:
+        return v_tile.reshape([v_tile.type.shape[2], v_tile.type.shape[3]])
+
+
+@gluon.jit
+def fp8_tile_scales(qk_scale, k_descale_ptr, v_exponent_ptr, tile):
+    """(tile_scale, log2_p_scale) of K/V tile ``tile`` (index into the flat per-tile arrays).
+
+    S is descaled through the softmax scale; P is stored as P * P_SCALE * v_descale_j / v_descale_max,
+    which keeps it below e4m3's maximum and folds V's per-tile descale into P (one constant is left for
+    the epilogue), so P V accumulates in one register tile across all tiles. The exponent
+    log2(v_descale_j / v_descale_max) comes precomputed (a float32 log2 is a long instruction sequence).
+    """
+    return qk_scale * gl.load(k_descale_ptr + tile), LOG2_P_SCALE + gl.load(v_exponent_ptr + tile)

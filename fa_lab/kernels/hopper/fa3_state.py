@@ -1,0 +1,269 @@
+"""What the Gluon FA3 kernel's partitions share, as named aggregates.
+
+The kernel entry allocates the shared memory and the mbarriers once and hands every partition one
+:class:`KernelState`: the descriptors, the K and V rings (:class:`Ring`, the Gluon tutorials'
+channel), the Q slot, the ping-pong turns and the work list. The ring arithmetic (which slot a
+tile uses, which phase its barriers complete) lives in :func:`ring_slot` and :func:`ring_phase` only.
+
+(No ``from __future__ import annotations`` here: an aggregate checks its fields against the annotations.)
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon aggregate (its tutorials use it so)
+
+from .block_range import tile_plan
+from .fa3_config import ROWS_PER_CONSUMER
+
+
+@gluon.jit
+def ring_slot(count, STAGES: gl.constexpr):
+    """The slot of the count-th tile through a ring of STAGES slots: tiles take the slots in turn."""
+    return count % STAGES
+
+
+@gluon.jit
+def ring_phase(count, STAGES: gl.constexpr):
+    """The phase in which the count-th tile's barriers complete: a slot's barriers complete once per lap."""
+    return (count // STAGES) & 1
+
+
+@gluon.jit
+def wait_until_empty(empty_bar, phase):
+    """Producer: wait until the consumers have released a slot whose barriers are in ``phase``."""
+    # A fresh mbarrier counts as having completed the phase before phase 0, so the first lap's waits pass at once.
+    mbarrier.wait(empty_bar, phase ^ 1)
+
+
+@aggregate
+class Ring:
+    """STAGES tiles of shared memory, each with a ``ready`` mbarrier (its TMA copy completes it, counting
+    bytes) and an ``empty`` one (every consumer arrives once it no longer reads the tile).
+
+    bufs: (STAGES, 1, 1, rows, cols); ready, empty: (STAGES, 1). Tiles are numbered by ``count``, the
+    tiles through the ring so far (this CTA's K/V tiles, across its work tiles); :meth:`at` gives
+    tile count's place.
+    """
+    bufs: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, bufs, ready, empty):
+        self.bufs = bufs
+        self.ready = ready
+        self.empty = empty
+
+    @gluon.jit
+    def at(self, count):
+        """The RingTile of tile ``count``."""
+        return RingTile(self, ring_slot(count, self.bufs.type.shape[0]), count)
+
+
+@aggregate
+class RingTile:
+    """The count-th tile through a Ring: its slot, and (from count) the phase its barriers complete in.
+    slot and count are constexprs where the count is (a launch with one work tile per CTA)."""
+    ring: Ring
+    slot: gl.tensor | gl.constexpr
+    count: gl.tensor | gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ring, slot, count):
+        self.ring = ring
+        # (a constexpr_function receives constexprs unwrapped: wrap them back)
+        self.slot = slot if isinstance(slot, gl.tensor) else gl.constexpr(slot)
+        self.count = count if isinstance(count, gl.tensor) else gl.constexpr(count)
+
+    @gluon.jit
+    def fill(self, desc, coords):
+        """Producer: once the slot is free, copy desc's block at ``coords`` into it."""
+        phase = ring_phase(self.count, self.ring.bufs.type.shape[0])
+        wait_until_empty(self.ring.empty.index(self.slot), phase)
+        mbarrier.expect(self.ring.ready.index(self.slot), desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, coords, self.ring.ready.index(self.slot), self.ring.bufs.index(self.slot))
+
+    @gluon.jit
+    def wait_ready(self):
+        """Consumer: wait until the tile has arrived."""
+        mbarrier.wait(self.ring.ready.index(self.slot), ring_phase(self.count, self.ring.bufs.type.shape[0]))
+
+    @gluon.jit
+    def buf(self):
+        """The tile's buffer (1, 1, rows, cols)."""
+        return self.ring.bufs.index(self.slot)
+
+    @gluon.jit
+    def release(self):
+        """Consumer: done with the tile (the producer refills its slot once every consumer is)."""
+        mbarrier.arrive(self.ring.empty.index(self.slot))
+
+
+@aggregate
+class QSlot:
+    """Every consumer's Q rows of the current work tile: a ring of one slot, taken once per work tile.
+
+    bufs: (CONSUMERS, 1, 1, 64, d), consumer c's rows in bufs[c]; ready: one mbarrier (the TMA copies
+    complete it); empty: one mbarrier (every consumer arrives once it no longer reads its rows).
+    ``local`` numbers this CTA's work tiles.
+    """
+    bufs: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, bufs, ready, empty):
+        self.bufs = bufs
+        self.ready = ready
+        self.empty = empty
+
+    @gluon.jit
+    def fill(self, local, desc, batch, head, start_m):
+        """Producer: once the consumers have released the Q buffers, copy the rows [start_m, +64 * CONSUMERS)."""
+        CONSUMERS: gl.constexpr = self.bufs.type.shape[0]
+        wait_until_empty(self.empty, ring_phase(local, 1))
+        mbarrier.expect(self.ready, CONSUMERS * desc.block_type.nbytes)
+        for c in gl.static_range(CONSUMERS):
+            tma.async_copy_global_to_shared(desc, [batch, head, start_m + c * ROWS_PER_CONSUMER, 0], self.ready,
+                                            self.bufs.index(c))
+
+    @gluon.jit
+    def wait_ready(self, local):
+        """Consumer: wait until work tile local's Q has arrived."""
+        mbarrier.wait(self.ready, ring_phase(local, 1))
+
+    @gluon.jit
+    def release(self):
+        """Consumer: done with this work tile's Q rows (and, in bf16, with the O stored from them)."""
+        mbarrier.arrive(self.empty)
+
+
+@aggregate
+class Turns:
+    """PINGPONG: consumer c issues a K/V step's WGMMAs once consumer c - 1 has issued its own (one mbarrier
+    per consumer, bars: (CONSUMERS, 1); the kernel entry gives consumer 0 the first turn)."""
+    bars: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, bars):
+        self.bars = bars
+
+    @gluon.jit
+    def wait(self, count, CONSUMER: gl.constexpr):
+        """Wait for CONSUMER's turn at K/V step count: its barrier completes once per step."""
+        mbarrier.wait(self.bars.index(CONSUMER), ring_phase(count, 1))
+
+    @gluon.jit
+    def pass_on(self, CONSUMER: gl.constexpr):
+        """Give the next consumer its turn."""
+        mbarrier.arrive(self.bars.index((CONSUMER + 1) % self.bars.type.shape[0]))
+
+
+@aggregate
+class WorkTile:
+    """One work tile: BLOCK_M query rows from start_m of (batch, head) (pid_bh = batch * heads + head), and
+    its K/V loop: n_iter tiles, masked from first_masked on (:func:`.block_range.tile_plan`)."""
+    batch: gl.tensor
+    head: gl.tensor
+    pid_bh: gl.tensor
+    start_m: gl.tensor
+    n_iter: gl.tensor
+    first_masked: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, batch, head, pid_bh, start_m, n_iter, first_masked):
+        self.batch = batch
+        self.head = head
+        self.pid_bh = pid_bh
+        self.start_m = start_m
+        self.n_iter = n_iter
+        self.first_masked = first_masked
+
+
+@aggregate
+class WorkList:
+    """The work tiles of the launch: m_tiles query tiles per (batch, head), and in a persistent launch
+    each CTA's share of them (schedule_ptr: int32, see tile_schedule.schedule_tensor; unused otherwise)."""
+    m_tiles: gl.tensor
+    heads: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    schedule_ptr: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, m_tiles, heads, seqlen_q, seqlen_k, schedule_ptr):
+        self.m_tiles = m_tiles
+        self.heads = heads
+        self.seqlen_q = seqlen_q
+        self.seqlen_k = seqlen_k
+        self.schedule_ptr = schedule_ptr
+
+    @gluon.jit
+    def cta_tiles(self):
+        """(first, last, tiles_ptr): this CTA computes the tiles tiles_ptr[first:last]."""
+        cta = gl.program_id(0)
+        return (gl.load(self.schedule_ptr + cta), gl.load(self.schedule_ptr + cta + 1),
+                self.schedule_ptr + gl.num_programs(0) + 1)
+
+    @gluon.jit
+    def tile(self, tile_id, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """The WorkTile numbered ``tile_id``.
+
+        The m_tiles query tiles of one (batch, head) are consecutive (its K and V stay in L2 while they
+        run); with causal masking the longest rows come first, so that the short ones fill the tail.
+        (tile_schedule.encode_tile is the inverse on the host.)
+        """
+        pid_m = tile_id % self.m_tiles
+        if CAUSAL:
+            pid_m = self.m_tiles - 1 - pid_m
+        pid_bh = tile_id // self.m_tiles
+        start_m = pid_m * BLOCK_M
+        n_iter, first_masked = tile_plan(start_m, self.seqlen_q, self.seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                         CAUSAL=CAUSAL)
+        return WorkTile(pid_bh // self.heads, pid_bh % self.heads, pid_bh, start_m, n_iter, first_masked)
+
+
+@aggregate
+class KernelState:
+    """What every partition of one CTA shares (built once by the kernel entry).
+
+    q/k/v/o_desc: the kernel's TMA descriptors; o_bufs: (CONSUMERS, 1, 1, 64, d) where each consumer stages
+    its O tile; lse_ptr: (B, H, Nq) float32; qk_scale = scale * log2(e); q_descale_ptr, k_descale_ptr,
+    v_exponent_ptr, v_descale_max_ptr: the FP8 descales (see the kernel entry; unread in bf16).
+    """
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    o_desc: tma.tensor_descriptor
+    o_bufs: gl.shared_memory_descriptor
+    lse_ptr: gl.tensor
+    qk_scale: gl.tensor
+    q_descale_ptr: gl.tensor
+    k_descale_ptr: gl.tensor
+    v_exponent_ptr: gl.tensor
+    v_descale_max_ptr: gl.tensor
+    q: QSlot
+    k: Ring
+    v: Ring
+    turns: Turns
+    work: WorkList
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, k_desc, v_desc, o_desc, o_bufs, lse_ptr, qk_scale, q_descale_ptr, k_descale_ptr,
+                 v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work):
+        self.q_desc = q_desc
+        self.k_desc = k_desc
+        self.v_desc = v_desc
+        self.o_desc = o_desc
+        self.o_bufs = o_bufs
+        self.lse_ptr = lse_ptr
+        self.qk_scale = qk_scale
+        self.q_descale_ptr = q_descale_ptr
+        self.k_descale_ptr = k_descale_ptr
+        self.v_exponent_ptr = v_exponent_ptr
+        self.v_descale_max_ptr = v_descale_max_ptr
+        self.q = q
+        self.k = k
+        self.v = v
+        self.turns = turns
+        self.work = work

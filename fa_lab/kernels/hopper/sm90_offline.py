@@ -1,0 +1,156 @@
+"""Compile Gluon kernels for sm_90 on a machine without a GPU, and read what they need.
+
+Triton's wheel ships ``ptxas`` and ``cuobjdump``, so the whole pipeline (Gluon ->
+TTGIR -> LLVM IR -> PTX -> cubin -> SASS) runs on a laptop. The CPU tests use it to check
+that every variant of the FA3 kernel (:mod:`.fa3_kernel`) compiles, fits in shared
+memory and does not spill registers in its K/V loop; notebook 04 uses it to show the PTX the FA3
+ideas turn into (``setmaxnreg``, ``wgmma.mma_async``, ``mbarrier``).
+
+Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, which ``import fa_lab`` sets on a
+machine without a GPU) triton's own helper functions are replaced by interpreted ones
+that the compiler cannot use, so the compilation then runs in a fresh Python process
+with the interpreter off (``python -m fa_lab.kernels.hopper.sm90_offline``).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+import torch
+
+SM90_SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on an H100/H200 (227 KiB)
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn}
+
+
+@dataclass
+class Sm90Build:
+    """A compiled kernel: its PTX, TTGIR and SASS text, shared memory (bytes), and ptxas's resource report."""
+
+    ptx: str
+    ttgir: str
+    sass: str
+    shared_bytes: int
+    registers: int  # per thread at launch (setmaxnreg moves them between warpgroups afterwards)
+    stack_bytes: int  # per thread; > 0 means ptxas spilled registers
+    local_bytes: int
+
+    @property
+    def kv_loop_spills(self) -> int:
+        """Local-memory loads and stores (LDL/STL) inside the SASS loops that issue WGMMAs (:func:`kv_loop_spills`)."""
+        return kv_loop_spills(self.sass)
+
+
+def descriptor_type(dtype: str, block: list[int]) -> str:
+    """The signature string Triton gives a Gluon TMA descriptor argument of this dtype ("bf16", "fp16",
+    "fp8e4nv") and block shape."""
+    from ..common import shared_layout
+
+    return f"tensordesc<{dtype}{block},{shared_layout(tuple(block), _DTYPES[dtype])!r}>"
+
+
+def compile_for_sm90(kernel, signature: dict[str, str], constants: dict, num_warps: int = 4,
+                     maxnreg: int | None = None) -> Sm90Build:
+    """Compile the Gluon kernel for sm_90a as a launch would, without a GPU.
+
+    signature: every argument's Triton type ("i32", "*fp32", :func:`descriptor_type`); constants: the
+    constexpr arguments. Under the interpreter the kernel is compiled in a fresh process, which
+    imports it by module and name (its module must be importable there from this process's sys.path).
+    """
+    from .. import interpreting
+
+    args = dict(module=kernel.fn.__module__, name=kernel.fn.__qualname__, signature=signature, constants=constants,
+                num_warps=num_warps, maxnreg=maxnreg)
+    if interpreting():
+        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+        done = subprocess.run([sys.executable, "-m", __name__, json.dumps(args)], capture_output=True, text=True,
+                              env=env)
+        if done.returncode:
+            raise RuntimeError(f"compiling the Gluon kernel failed:\n{done.stderr[-3000:]}")
+        return Sm90Build(**json.loads(done.stdout))
+    return _compile(**args)
+
+
+def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
+                         fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2,
+                         persistent: bool = False) -> Sm90Build:
+    """Compile :func:`.fa3_kernel.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU."""
+    from .fa3_config import CONSUMER_REGS, descriptor_blocks, launch_maxnreg
+    from .fa3_kernel import attention_fwd_fa3_kernel
+
+    operand = "fp8e4nv" if fp8 else out_dtype
+    blocks = descriptor_blocks(head_dim, fp8)
+    signature = {
+        **{f"{name}_desc": descriptor_type(operand, blocks[name]) for name in "qkv"},
+        "o_desc": descriptor_type(out_dtype, blocks["o"]),
+        **{name: "*fp32" for name in ("lse_ptr", "q_descale_ptr", "k_descale_ptr", "v_exponent_ptr",
+                                      "v_descale_max_ptr")},
+        "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "schedule_ptr": "*i32", "qk_scale": "fp32",
+    }
+    constants = {"CONSUMERS": consumers, "STAGES": stages, "CAUSAL": causal, "PINGPONG": pingpong, "FP8": fp8,
+                 "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers]}
+    return compile_for_sm90(attention_fwd_fa3_kernel, signature, constants, num_warps=4,
+                            maxnreg=launch_maxnreg(consumers))
+
+
+def _compile(module, name, signature, constants, num_warps, maxnreg) -> Sm90Build:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = getattr(importlib.import_module(module), name)
+    source = GluonASTSource(kernel, {**signature, **{key: "constexpr" for key in constants}}, constants)
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    usage = _resource_usage(compiled.asm["cubin"])
+    return Sm90Build(compiled.asm["ptx"], compiled.asm["ttgir"], _cuobjdump(compiled.asm["cubin"], "-sass"),
+                     compiled.metadata.shared, usage["REG"], usage["STACK"], usage["LOCAL"])
+
+
+def _cuobjdump(cubin: bytes, *flags: str) -> str:
+    """What Triton's bundled ``cuobjdump`` prints for the cubin with these flags."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as file:
+            file.write(cubin)
+        return subprocess.run([tool, *flags, path], capture_output=True, text=True, check=True).stdout
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """REG, STACK, LOCAL, ... of the cubin's kernel, as ``cuobjdump --dump-resource-usage`` prints them."""
+    report = _cuobjdump(cubin, "--dump-resource-usage")
+    return {key: int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", report)}
+
+
+def kv_loop_spills(sass: str) -> int:
+    """LDL/STL instructions inside the innermost SASS loops that issue WGMMAs (the K/V loops).
+
+    A loop is a predicated backward branch (the unpredicated ones return from the out-of-line retry
+    blocks of mbarrier waits); the K/V loops are the smallest ones holding a GMMA instruction.
+    Spills outside them (a few scalars reloaded once per work tile) cost next to nothing.
+    """
+    code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for address, text in code:
+        target = re.search(r"^@!?U?P\w*\s+BRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            loops.append((int(target.group(1), 16), address))
+    body = {loop: [text for address, text in code if loop[0] <= address <= loop[1]] for loop in loops}
+    gmma_loops = [loop for loop in loops if any("GMMA" in text for text in body[loop])]
+    innermost = [loop for loop in gmma_loops
+                 if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in gmma_loops)]
+    if not innermost:
+        raise ValueError("no SASS loop issues a GMMA: is this the FA3 kernel?")
+    return sum(1 for loop in innermost for text in body[loop] if re.search(r"\b(LDL|STL)\b", text))
+
+
+if __name__ == "__main__":  # python -m fa_lab.kernels.hopper.sm90_offline '{"module": ..., ...}' -> the build as JSON
+    print(json.dumps(asdict(_compile(**json.loads(sys.argv[1])))))

@@ -1,0 +1,143 @@
+"""The FlashAttention backward as Triton kernels.
+
+Nothing of size (Nq, Nk) was saved by the forward: each kernel recomputes its
+tiles of P = exp(S - lse) from Q, K and the saved log-sum-exp, then
+
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dK = scale dS^T Q,   dQ = scale dS K
+
+with D = rowsum(dO * O) computed once by a small preprocessing kernel.
+
+dK/dV and dQ come from two kernels rather than one kernel with atomics: the
+first gives each program a K/V tile and streams the Q/dO tiles past it, the
+second gives each program a Q/dO tile and streams the K/V tiles past it. Each
+output tile is then owned by exactly one program, so there are no atomic adds
+and the result is deterministic; the price is that S and dP are recomputed in
+both kernels (7 tile products instead of 5).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .block_range import key_range, query_range
+
+
+@triton.jit
+def attention_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, rows, head_dim, log2e,
+                                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """delta = rowsum(O * dO) and lse2 = lse * log2(e) (+inf where lse = -inf), per row.
+
+    o_ptr, do_ptr: (rows, head_dim) contiguous; lse_ptr, delta_ptr, lse2_ptr: (rows,) float32;
+    HEAD_DIM: head_dim rounded up to a power of two.
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HEAD_DIM)
+    in_bounds = offs < rows
+    tile_mask = in_bounds[:, None] & (cols[None, :] < head_dim)
+    o = tl.load(o_ptr + offs[:, None] * head_dim + cols[None, :], mask=tile_mask, other=0.0)
+    do = tl.load(do_ptr + offs[:, None] * head_dim + cols[None, :], mask=tile_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(lse_ptr + offs, mask=in_bounds, other=0.0)
+    # A row that sees no key has lse = -inf; exp2(s - (+inf)) = 0 then recomputes its P as 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * log2e)
+    tl.store(delta_ptr + offs, delta, mask=in_bounds)
+    tl.store(lse2_ptr + offs, lse2, mask=in_bounds)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base, start_m,
+               offs_n, seqlen_q, causal_offset, qk_scale,
+               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Add one Q/dO tile's contribution to the dK, dV accumulators of a K/V tile (transposed P)."""
+    q = desc_q.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    do = desc_do.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    # Rows past seqlen_q load lse2 = +inf, so their P^T column is exactly 0.
+    lse2 = tl.load(lse2_ptr + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+    delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+    if MASKED:
+        p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv)
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def attention_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, lse2_ptr, delta_ptr,
+                              heads, seqlen_q, seqlen_k, qk_scale, scale,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              CAUSAL: tl.constexpr):
+    """dK and dV of one K/V tile of BLOCK_N keys. Grid: (cdiv(seqlen_k, BLOCK_N), B * H)."""
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // heads
+    head = pid_bh % heads
+    start_n = tl.program_id(0) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    causal_offset = seqlen_k - seqlen_q
+    row_base = pid_bh * seqlen_q
+    k = desc_k.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = desc_v.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Q tiles above the first row that sees this K tile are skipped; those crossing the diagonal need the mask.
+    begin, full_begin, rows_end = query_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_m in tl.range(begin, full_begin, BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
+                            start_m, offs_n, seqlen_q, causal_offset, qk_scale, BLOCK_M, HEAD_DIM, True)
+    for start_m in tl.range(full_begin, rows_end, BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
+                            start_m, offs_n, seqlen_q, causal_offset, qk_scale, BLOCK_M, HEAD_DIM, False)
+    # Keys past seqlen_k were loaded as zeros and their rows are dropped by the descriptor store.
+    desc_dk.store([batch, head, start_n, 0], (dk * scale).to(desc_dk.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+    desc_dv.store([batch, head, start_n, 0], dv.to(desc_dv.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, head, start_n, offs_m, seqlen_k,
+             causal_offset, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Add one K/V tile's contribution to the dQ accumulator of a Q tile."""
+    k = desc_k.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = desc_v.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+    if MASKED:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        visible = offs_n[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq)
+
+
+@triton.jit
+def attention_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse2_ptr, delta_ptr,
+                            heads, seqlen_q, seqlen_k, qk_scale, scale,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            CAUSAL: tl.constexpr):
+    """dQ of one Q tile of BLOCK_M rows. Grid: (cdiv(seqlen_q, BLOCK_M), B * H)."""
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // heads
+    head = pid_bh % heads
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    causal_offset = seqlen_k - seqlen_q
+    q = desc_q.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    do = desc_do.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    lse2 = tl.load(lse2_ptr + pid_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+    delta = tl.load(delta_ptr + pid_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # The same key ranges as the forward: unmasked tiles first, then the diagonal / ragged end.
+    full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in tl.range(0, full_end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, head, start_n, offs_m, seqlen_k,
+                      causal_offset, qk_scale, BLOCK_N, HEAD_DIM, False, CAUSAL)
+    for start_n in tl.range(full_end, end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, head, start_n, offs_m, seqlen_k,
+                      causal_offset, qk_scale, BLOCK_N, HEAD_DIM, True, CAUSAL)
+    desc_dq.store([batch, head, start_m, 0], (dq * scale).to(desc_dq.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))

@@ -1,0 +1,122 @@
+"""The FlashAttention forward as a Triton kernel.
+
+One program computes one tile of ``BLOCK_M`` query rows of one (batch, head):
+it loads its Q tile once, streams the K/V tiles of that head through the online
+softmax, and writes O and the log-sum-exp. The grid is
+``(cdiv(seqlen_q, BLOCK_M), batch * heads)``: FlashAttention-2's parallelism over
+the sequence as well as over batch and heads.
+
+Tiles move through tensor descriptors: on Hopper they become TMA copies, and for
+every target they read zeros outside the tensor and drop writes outside it, so
+a ragged last tile needs no pointer arithmetic (a 4-D descriptor over
+(batch, heads, seqlen, head_dim) keeps one head's edge from spilling into the next).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import common
+from .block_range import key_range
+
+LN2 = tl.constexpr(common.LN2)  # (jit code reads module-level numbers only as constexprs)
+
+
+@triton.jit
+def online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k, causal_offset,
+                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """The online-softmax update for one tile of raw scores qk = Q K^T: (BLOCK_M, BLOCK_N).
+
+    Returns (p, alpha, l_i, m_new): the unnormalized probabilities exp2(qk * qk_scale - m_new),
+    the factor exp2(m_old - m_new) that rescales everything accumulated so far, and the
+    new running sum and max (in log2 units, since qk_scale = scale * log2(e)).
+    """
+    if MASKED:
+        # Only the tiles on the causal diagonal or at the ragged end pay for a mask.
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        visible = offs_n[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])
+    else:
+        # The scale (with 1/ln 2 folded in) is applied inside the max and the subtraction,
+        # so S is never scaled as a separate pass over the tile.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_sub = m_new
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def write_output(acc, l_i, m_i, desc_o, lse_ptr, batch, head, pid_bh, start_m, offs_m, seqlen_q,
+                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The epilogue: O = acc / l, normalized once (FA2's deferred rescale), and lse = ln 2 (m + log2 l).
+
+    A row that saw no key (l = 0) gets O = 0 and lse = -inf. lse_ptr: (B, H, seqlen_q) float32.
+    """
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    tl.store(lse_ptr + pid_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    desc_o.store([batch, head, start_m, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n, qk_scale, offs_m,
+                  seqlen_k, causal_offset,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Fold the K/V tile starting at key ``start_n`` into (acc, l_i, m_i)."""
+    k = desc_k.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    qk = tl.dot(q, tl.trans(k))
+    p, alpha, l_i, m_new = online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k,
+                                               causal_offset, BLOCK_N, MASKED, CAUSAL)
+    v = desc_v.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def attention_fwd_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
+                         heads, seqlen_q, seqlen_k, qk_scale,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         CAUSAL: tl.constexpr, REVERSE_GRID: tl.constexpr):
+    """O = softmax(scale * Q K^T) V for one Q tile; lse (natural log) saved for the backward.
+
+    desc_*: descriptors over (B, H, N, HEAD_DIM) with block shape (1, 1, BLOCK, HEAD_DIM);
+    lse_ptr: (B, H, seqlen_q) float32, contiguous. qk_scale = scale * log2(e).
+    """
+    pid_m = tl.program_id(0)
+    if REVERSE_GRID:
+        # Causal tiles near the bottom see the most keys: launch them first so that the
+        # short tiles fill the gaps at the end instead of leaving a long tail.
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // heads
+    head = pid_bh % heads
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    causal_offset = seqlen_k - seqlen_q  # bottom-right alignment: row i sees keys j <= i + offset
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    q = desc_q.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+
+    full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in tl.range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n,
+                                      qk_scale, offs_m, seqlen_k, causal_offset,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL)
+    for start_n in tl.range(full_end, end, BLOCK_N):
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n,
+                                      qk_scale, offs_m, seqlen_k, causal_offset,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL)
+
+    write_output(acc, l_i, m_i, desc_o, lse_ptr, batch, head, pid_bh, start_m, offs_m, seqlen_q,
+                 BLOCK_M, HEAD_DIM)

@@ -1,0 +1,150 @@
+"""The kernels' jit copies of the block ranges against fa_lab.block_info.BlockInfo, tile by tile.
+
+Plain Triton (fa_lab.kernels.portable.block_range): a probe kernel calls key_range and query_range
+for every tile of many shapes, in the interpreter on a CPU and compiled on a GPU. Gluon
+(fa_lab.kernels.hopper.block_range): a probe kernel calls tile_plan and visible_key_end; it is
+compiled for sm_90 here and run on the GPU by the `gpu` test.
+"""
+import itertools
+
+import pytest
+import torch
+
+from fa_lab.block_info import BlockInfo
+from fa_lab.kernels.common import cdiv
+
+triton = pytest.importorskip("triton")  # (after fa_lab, which switches the interpreter on without a GPU)
+tl = triton.language
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+
+from fa_lab.kernels.hopper.block_range import tile_plan, visible_key_end  # noqa: E402
+from fa_lab.kernels.portable.block_range import key_range, query_range  # noqa: E402
+
+SEQLENS = (1, 17, 113, 128, 1023)
+SHAPES = list(itertools.product(SEQLENS, SEQLENS))  # (seqlen_q, seqlen_k): Nq > Nk, Nq < Nk and equal
+BLOCKS = [(16, 16), (32, 64), (64, 32), (128, 128), (16, 128)]  # (block_m, block_n)
+GLUON_BLOCKS = [(128, 128), (192, 128), (64, 32)]  # the FA3 kernel's tiles (2 or 3 consumers), and a small one
+MAX_TILES = 64  # cdiv(1023, 16)
+MAX_ROWS = 2048  # every row of every Gluon work tile of the shapes above (6 tiles of 192 rows)
+
+
+def seqlen_tensors(device):
+    """(seqlen_q, seqlen_k): (len(SHAPES),) int32 each, the probes' one case per program."""
+    return tuple(torch.tensor(column, dtype=torch.int32, device=device) for column in zip(*SHAPES))
+
+
+# ---------------------------------------------------------------- plain Triton
+
+@triton.jit
+def _portable_block_range_probe(seqlen_q_ptr, seqlen_k_ptr, keys_ptr, queries_ptr, MAX_TILES: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """For case program_id(0): key_range of Q tile t at keys[case, :, t], query_range of K tile t at
+    queries[case, :, t]; keys: (cases, 2, MAX_TILES), queries: (cases, 3, MAX_TILES) int32."""
+    case = tl.program_id(0)
+    seqlen_q = tl.load(seqlen_q_ptr + case)
+    seqlen_k = tl.load(seqlen_k_ptr + case)
+    tiles = tl.arange(0, MAX_TILES)
+    zero = tiles * 0  # (broadcasts the non-causal ranges, which are scalars)
+    full_end, end = key_range(tiles * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+    keys = keys_ptr + case * 2 * MAX_TILES + tiles
+    tl.store(keys, full_end + zero)
+    tl.store(keys + MAX_TILES, end + zero)
+    begin, full_begin, rows_end = query_range(tiles * BLOCK_N, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                              CAUSAL=CAUSAL)
+    queries = queries_ptr + case * 3 * MAX_TILES + tiles
+    tl.store(queries, begin + zero)
+    tl.store(queries + MAX_TILES, full_begin + zero)
+    tl.store(queries + 2 * MAX_TILES, rows_end + zero)
+
+
+@pytest.mark.parametrize("block_m, block_n", BLOCKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_portable_block_ranges_are_block_info(block_m, block_n, causal):
+    """key_range is BlockInfo.key_blocks and query_range BlockInfo.query_blocks on every tile.
+
+    One exception, by design: a causal Q tile whose rows see no key (Nq > Nk, the top tiles) gets
+    negative bounds from key_range where BlockInfo says (0, 0). The kernels' loops over [0, full_end)
+    and [full_end, end) are empty either way (checked here), and the clamp would cost every program.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seqlen_q, seqlen_k = seqlen_tensors(device)
+    keys = torch.empty(len(SHAPES), 2, MAX_TILES, dtype=torch.int32, device=device)
+    queries = torch.empty(len(SHAPES), 3, MAX_TILES, dtype=torch.int32, device=device)
+    _portable_block_range_probe[(len(SHAPES),)](seqlen_q, seqlen_k, keys, queries, MAX_TILES=MAX_TILES,
+                                                 BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal)
+    keys, queries = keys.cpu().tolist(), queries.cpu().tolist()
+    for case, (n_q, n_k) in enumerate(SHAPES):
+        info = BlockInfo(n_q, n_k, causal)
+        for tile in range(cdiv(n_q, block_m)):
+            full_end, end = keys[case][0][tile], keys[case][1][tile]
+            expected = info.key_blocks(tile * block_m, block_m, block_n)
+            if expected.end == 0 and end < 0:  # rows that see no key: both loops empty
+                assert causal and full_end <= 0 and end <= full_end, (n_q, n_k, tile, full_end, end)
+            else:
+                assert (full_end, end) == expected, (n_q, n_k, tile)
+        for tile in range(cdiv(n_k, block_n)):
+            got = tuple(queries[case][i][tile] for i in range(3))
+            assert got == info.query_blocks(tile * block_n, block_n, block_m), (n_q, n_k, tile)
+
+
+# ---------------------------------------------------------------- Gluon
+
+@gluon.jit
+def _gluon_block_range_probe(seqlen_q_ptr, seqlen_k_ptr, plan_ptr, key_end_ptr, MAX_TILES: gl.constexpr,
+                             MAX_ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             CAUSAL: gl.constexpr):
+    """For case program_id(0): tile_plan of work tile t at plan[case, :, t] ((n_iter, first_masked): (cases, 2,
+    MAX_TILES) int32) and visible_key_end of row r at key_end[case, r] ((cases, MAX_ROWS) int32). num_warps=4."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    case = gl.program_id(0)
+    seqlen_q = gl.load(seqlen_q_ptr + case)
+    seqlen_k = gl.load(seqlen_k_ptr + case)
+    tiles = gl.arange(0, MAX_TILES, layout=layout)
+    zero = tiles * 0  # (broadcasts the non-causal plan, which is scalar)
+    n_iter, first_masked = tile_plan(tiles * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                     CAUSAL=CAUSAL)
+    plan = plan_ptr + case * 2 * MAX_TILES + tiles
+    gl.store(plan, n_iter + zero)
+    gl.store(plan + MAX_TILES, first_masked + zero)
+    rows = gl.arange(0, MAX_ROWS, layout=layout)
+    gl.store(key_end_ptr + case * MAX_ROWS + rows, visible_key_end(rows, seqlen_q, seqlen_k, CAUSAL=CAUSAL))
+
+
+PROBE_SIGNATURE = {"seqlen_q_ptr": "*i32", "seqlen_k_ptr": "*i32", "plan_ptr": "*i32", "key_end_ptr": "*i32"}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_block_range_probe_compiles_for_sm90(causal):
+    """The Gluon probe (the kernel's tile_plan and visible_key_end) builds for sm_90 on any machine."""
+    from fa_lab.kernels.hopper.sm90_offline import compile_for_sm90
+
+    constants = dict(MAX_TILES=MAX_TILES, MAX_ROWS=MAX_ROWS, BLOCK_M=128, BLOCK_N=128, CAUSAL=causal)
+    build = compile_for_sm90(_gluon_block_range_probe, PROBE_SIGNATURE, constants, num_warps=4)
+    assert "_gluon_block_range_probe" in build.sass and build.local_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m, block_n", GLUON_BLOCKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gluon_block_ranges_are_block_info(block_m, block_n, causal):
+    """tile_plan is (max(cdiv(end, BLOCK_N), 1), full_end // BLOCK_N) of BlockInfo.key_blocks on every work
+    tile, and visible_key_end is BlockInfo.key_end on every row, except that a row which sees no key may get
+    a negative end (its mask is all False as with 0; the kernel saves the clamp)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon probe is compiled for sm_90 (Hopper)")
+    seqlen_q, seqlen_k = seqlen_tensors("cuda")
+    plan = torch.empty(len(SHAPES), 2, MAX_TILES, dtype=torch.int32, device="cuda")
+    key_end = torch.empty(len(SHAPES), MAX_ROWS, dtype=torch.int32, device="cuda")
+    _gluon_block_range_probe[(len(SHAPES),)](seqlen_q, seqlen_k, plan, key_end, MAX_TILES=MAX_TILES,
+                                              MAX_ROWS=MAX_ROWS, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+                                              num_warps=4)
+    plan, key_end = plan.cpu(), key_end.cpu()
+    rows = torch.arange(MAX_ROWS)
+    for case, (n_q, n_k) in enumerate(SHAPES):
+        info = BlockInfo(n_q, n_k, causal)
+        for tile in range(cdiv(n_q, block_m)):
+            full_end, end = info.key_blocks(tile * block_m, block_m, block_n)
+            expected = (max(cdiv(end, block_n), 1), full_end // block_n)
+            assert tuple(plan[case, :, tile].tolist()) == expected, (n_q, n_k, tile)
+        assert torch.equal(key_end[case].clamp(min=0), info.key_end(rows).to(torch.int32)), (n_q, n_k)
