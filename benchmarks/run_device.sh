@@ -6,10 +6,12 @@
 #   bench  - the FA3-paper protocol with every peer and the committed tiles: h200_triton.json/.png
 #   hopper - the Hopper kernel's variants (ablation), FP8 errors, and its protocol with peers:
 #            h200_hopper.json, h200_hopper.png, h200_hopper_variants.json
-#   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles
+#   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
+#            H200 they take about 11 minutes, more than one device call: `tests tests/test_hopper.py`
+#            and the like run a part (the arguments after OUTDIR go to pytest)
 # The machine has no `fa-lab` script installed: `python3 -m fa_lab.cli bench ...` is `fa-lab bench ...`.
 set -uo pipefail
-step=$1; out=$2
+step=$1; out=$2; shift 2
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a "$out/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
@@ -21,7 +23,7 @@ case "$step" in
            2>&1 | tee "$out/bench.log" | grep -v "^bench" ;;
   hopper) $bench hopper --json "$out/h200_hopper.json" --plot "$out/h200_hopper.png" \
            --log "$out/h200_hopper_variants.json" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
-  tests) tests="python3 -m pytest -q -m gpu tests -p no:cacheprovider --maxfail=30"
+  tests) tests="python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=30 ${*:-tests}"
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): $tests"
            $tests 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
