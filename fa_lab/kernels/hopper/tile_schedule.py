@@ -2,8 +2,8 @@
 
 A persistent kernel launches one CTA per SM and lets each loop over work tiles (BLOCK_M query rows
 of one (batch, head)). Without causal masking every tile costs the same and a round robin is
-balanced. With it, tile i of a head visits about i + 1 K/V tiles, and a round robin leaves some
-SMs with twice the work of others. The schedule here is built on the host, once per shape, by
+balanced. With it, tile i of a head visits about i + 1 K/V tiles, and a round robin leaves the
+SMs unevenly loaded (notebook 04 plots by how much). The schedule here is built on the host, once per shape, by
 *list scheduling*: tiles are handed out in a fixed order, each to the CTA that would be free first,
 with a tile's cost taken as its K/V tiles plus a fixed cost. The order takes heads in groups
 (their K and V stay in L2 while the group runs) and, within a group, the longest tiles first
