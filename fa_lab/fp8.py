@@ -112,7 +112,7 @@ def quantize_e4m3(x: torch.Tensor, block: int | None = None, floor_ratio: float 
         check_block_size("block", block)
         num_blocks = -(-seqlen // block)
         padded = torch.nn.functional.pad(x, (0, 0, 0, num_blocks * block - seqlen))
-        amax = padded.abs().view(batch, heads, num_blocks, block * head_dim).amax(dim=-1)
+        amax = padded.abs().reshape(batch, heads, num_blocks, block * head_dim).amax(dim=-1)
         amax = torch.maximum(amax, floor_ratio * amax.amax(dim=-1, keepdim=True))
     scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     data = (x / _expand_to_rows(scales, block, seqlen)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)

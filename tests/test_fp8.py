@@ -62,6 +62,15 @@ def test_quantization_round_trip(block, generator):
     assert (error / x.abs())[normal].max() > E4M3_RELATIVE_PRECISION / 2
 
 
+def test_block_quantization_of_a_non_contiguous_tensor(generator):
+    """A transposed view whose length the block divides (no padding, so no copy on the way)."""
+    x = wide_range_tensor((2, 64, 3, 16), generator).transpose(1, 2)
+    assert not x.is_contiguous()
+    strided, packed = quantize_e4m3(x, block=16), quantize_e4m3(x.contiguous(), block=16)
+    assert torch.equal(strided.scales, packed.scales)
+    assert torch.equal(strided.data.float(), packed.data.float())
+
+
 def test_per_tensor_quantization_has_one_scale(generator):
     x = wide_range_tensor((2, 2, 100, 16), generator)
     scales = quantize_e4m3(x).scales

@@ -7,35 +7,25 @@ grader uses, on the public cases and (marked slow) on the hidden cases of one se
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from labkit import ROOT, assert_diagnosed, assert_no_failures, exercise_results, run_sources, solution_cells
+from labkit import LabChecks, Mutant, mutant_params
 
-from fa_lab.grading.registry import get_lab
-
-SOLUTION = ROOT / "solutions" / "lab03_triton_forward.ipynb"
-LAB = get_lab("lab03")
-EXERCISES = {e.name: e for e in LAB.exercises}
 PRELUDE = ("import torch\nfrom fa_lab.kernels import load_triton\n"
            "triton = load_triton()\nimport triton.language as tl\n")
+LAB = LabChecks("lab03", prelude=PRELUDE, seeds=(11,))
 
 
-def solution_namespace(edits=()):
-    """Run the solution's exercise cells (edited by (name, old, new) triples) and return the namespace."""
-    return run_sources(solution_cells(SOLUTION), edits, prelude=PRELUDE)
-
-
-def results_for(exercise_name, namespace, seeds=(), public=True):
-    return exercise_results(EXERCISES[exercise_name], namespace, seeds, public)
-
-
-@pytest.mark.parametrize("exercise", list(EXERCISES))
+@pytest.mark.parametrize("exercise", LAB.exercise_names)
 def test_solution_passes_public_and_hidden_cases(exercise):
-    assert_no_failures(results_for(exercise, solution_namespace(), seeds=(3, 4)))
+    LAB.assert_solution_passes(exercise, seeds=(3, 4))
 
 
 KERNEL, LAUNCHER = "flash_forward_kernel", "flash_forward_triton"
+CAUSAL_KEY_END = "start_m + BLOCK_M + seqlen_k - seqlen_q"
 # (exercise, what the learner got wrong, edits of the solution, words the diagnosis must contain)
-MUTANTS = [
+CASES = [
     ("forward_kernel", "padding keys keep a score of 0",
      [(KERNEL, 's = tl.where(visible, s, float("-inf"))', "")], "padding keys count"),
     ("forward_kernel", "key seqlen_k counts",
@@ -89,15 +79,27 @@ MUTANTS = [
     ("causal_kernel", "Part 2 not written yet",
      [("causal_visible", "return offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q)",
        "raise NotImplementedError")], "still raises NotImplementedError"),
+    ("causal_kernel", "causal_key_end from the tile's first row",
+     [("causal_key_end", CAUSAL_KEY_END, "start_m + seqlen_k - seqlen_q")], "first row's keys"),
+    ("causal_kernel", "causal mask inverted",
+     [("causal_visible", "offs_n[None, :] <= offs_m[:, None]", "offs_n[None, :] >= offs_m[:, None]")], "inverted"),
+    ("forward_kernel", "q pointer not moved to its (batch, head)",
+     [(KERNEL, "    q_ptr += bh * seqlen_q * head_dim\n", "")], "(batch 0, head 0) is right"),
+    ("forward_kernel", "running max never updated", [(KERNEL, "        m_i = m_new\n", "")], "never updated"),
+    ("forward_kernel", "tl.exp of base-2 scores",
+     [(KERNEL, "alpha = tl.math.exp2(m_i - m_safe)", "alpha = tl.exp(m_i - m_safe)"),
+      (KERNEL, "p = tl.math.exp2(s - m_safe[:, None])", "p = tl.exp(s - m_safe[:, None])")], "base-2 units"),
 ]
+# What a mistake must never be told (a cause it is not).
+NEVER = {"causal_key_end from the tile's first row": ("last query tile, which is partial",)}
+MUTANTS = [Mutant(exercise, mistake, edits, words, never=NEVER.get(mistake, ()))
+           for exercise, mistake, edits, words in CASES]
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's, in the interpreter, for NaN and 0 / 0
 @pytest.mark.parametrize("cases", ["public", pytest.param("hidden", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("exercise, mistake, edits, words", MUTANTS, ids=[m[1] for m in MUTANTS])
-def test_mutant_fails_with_its_diagnosis(exercise, mistake, edits, words, cases):
+@pytest.mark.parametrize("mutant", mutant_params(MUTANTS))
+def test_mutant_fails_with_its_diagnosis(mutant, cases):
     """On the public cases, and (slow) on the hidden cases of one seed."""
     hidden = cases == "hidden"
-    namespace = solution_namespace(edits)
-    results = results_for(exercise, namespace, seeds=(11,) if hidden else (), public=not hidden)
-    assert_diagnosed(EXERCISES[exercise], results, mistake, words)
+    LAB.assert_mutant_diagnosed(replace(mutant, seeds=LAB.seeds if hidden else (), public=not hidden))

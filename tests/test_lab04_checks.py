@@ -9,41 +9,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-from labkit import ROOT, assert_diagnosed, assert_no_failures, code_cells, exercise_results, run_sources
+from labkit import LabChecks, Mutant, code_cells, mutant_params
 
 from fa_lab.grading import harness
 from fa_lab.grading.check import run_exercise
 from fa_lab.grading.labs.lab04_table import TABLE_SHAPE
-from fa_lab.grading.registry import get_lab
-
-SOLUTION = ROOT / "solutions" / "lab04_fp8_incoherent_processing.ipynb"
-LAB = get_lab("lab04")
-EXERCISES = {e.name: e for e in LAB.exercises}
-SEEDS = {"fp8_error_table": ()}
-DEFAULT_SEEDS = (11, 12)
 
 
-def _definition_cells() -> list[str]:
+def _definition_cells(notebook) -> list[str]:
     """The imports and every cell that starts by defining something (functions, TABLE_SHAPE), without
     the demonstrations and checks."""
-    return [s for s in code_cells(SOLUTION) if s.startswith(("import", "def ", "TABLE_SHAPE"))
+    return [s for s in code_cells(notebook) if s.startswith(("import", "def ", "TABLE_SHAPE"))
             and "print(" not in s and "check(" not in s]
 
 
+LAB = LabChecks("lab04", cells=_definition_cells)
+EXERCISES = {name: LAB.exercise(name) for name in LAB.exercise_names}
+
+
 def solution_namespace(edits=(), function=None):
-    """Run the solution's definitions (edited, for a mutant) and return the namespace."""
-    return run_sources(_definition_cells(), edits, function)
+    return LAB.namespace(edits, function)
 
 
-def results_for(exercise_name, namespace, seeds=None):
-    seeds = SEEDS.get(exercise_name, DEFAULT_SEEDS) if seeds is None else seeds
-    return exercise_results(EXERCISES[exercise_name], namespace, seeds)
-
-
-@pytest.mark.parametrize("exercise", [e.name for e in LAB.exercises])
+@pytest.mark.parametrize("exercise", LAB.exercise_names)
 def test_solution_passes_public_and_hidden_cases(exercise):
-    seeds = (3,) if exercise == "fp8_error_table" else (3, 4, 5)
-    assert_no_failures(results_for(exercise, solution_namespace(), seeds))
+    LAB.assert_solution_passes(exercise, seeds=(3,) if exercise == "fp8_error_table" else (3, 4, 5))
 
 
 def test_the_notebook_uses_the_graders_table_shape():
@@ -58,8 +48,13 @@ HADAMARD_BY_MATRIX = """    head_dim = x.shape[-1]
     return x @ h / math.sqrt(head_dim)
 """
 
+HADAMARD_ROUNDS = "while h < head_dim:"
+HADAMARD_END = "return (y / math.sqrt(head_dim)).reshape(x.shape)"
+ROTATE = "return hadamard(q * signs), hadamard(k * signs)"
+FLASH_FP8 = '"flash_fp8": fp8_attention(q, k, v, signs, block=128)'
+NO_INCOHERENT = '"flash_fp8_no_incoherent": fp8_attention(q, k, v, None, block=128)'
 # (exercise, what the learner got wrong, edits of the solution, words the diagnosis must contain)
-MUTANTS = [
+CASES = [
     ("quantize_blocks", "one scale for all blocks",
      [("amax = padded.abs().reshape(batch, heads, num_blocks, block * head_dim).amax(dim=-1)",
        "amax = padded.abs().amax().expand(batch, heads, num_blocks)")], "one scale for all blocks"),
@@ -138,15 +133,47 @@ MUTANTS = [
      [('"flash_fp8": fp8_attention(q, k, v, signs, block=128)',
        '"flash_fp8": __import__("fa_lab.fp8").fp8.fp8_attention_forward(q, k, v)')],
      "fa_lab.fp8.fp8_attention_forward"),
+    ("quantize_blocks", "amax of x, not of |x|", [("amax = padded.abs().reshape", "amax = padded.reshape")],
+     "largest value, not the largest magnitude"),
+    ("hadamard", "one round short", [(HADAMARD_ROUNDS, "while 2 * h < head_dim:")], "one round of butterflies"),
+    ("hadamard", "one round short and not normalized",
+     [(HADAMARD_ROUNDS, "while 2 * h < head_dim:"), (HADAMARD_END, "return y.reshape(x.shape)")],
+     "Count your rounds and your divisions"),
+    ("hadamard", "b - a where a - b belongs",
+     [("torch.stack((a + b, a - b), dim=2)", "torch.stack((a + b, b - a), dim=2)")], "b - a where a - b belongs"),
+    ("hadamard", "a - b and a + b in each other's places",
+     [("torch.stack((a + b, a - b), dim=2)", "torch.stack((a - b, a + b), dim=2)")],
+     "right values in the wrong positions"),
+    ("hadamard", "sqrt(2) in every round, rounded each time",
+     [("        h *= 2\n    " + HADAMARD_END,
+       "        y = y / math.sqrt(2)\n        h *= 2\n    return y.reshape(x.shape)")], "does not match the reference"),
+    ("rotate_qk", "k rotated without the signs", [(ROTATE, "return hadamard(q * signs), hadamard(k)")],
+     "k is rotated without the signs"),
+    ("rotate_qk", "q rotated without the signs", [(ROTATE, "return hadamard(q), hadamard(k * signs)")],
+     "q is rotated without the signs"),
+    ("fp8_error_table", "the seed ignored", [("table_inputs(seed)", "table_inputs(0)")], "the one of seed 0"),
+    ("fp8_error_table", "two rows swapped",
+     [(FLASH_FP8, FLASH_FP8.replace("signs", "None")), (NO_INCOHERENT, NO_INCOHERENT.replace("None", "signs"))],
+     "rows are swapped"),
+    ("fp8_error_table", "flash_fp16 through naive attention",
+     [('"flash_fp16": flash_forward(q, k, v)[0]', '"flash_fp16": naive_attention(q, k, v)[0]')],
+     "your flash_fp16 equals your baseline_fp16"),
 ]
+# What a mistake must never be told: a rounding matter is no wrong pairing or length.
+NEVER = {"sqrt(2) in every round, rounded each time": ("keeps lengths", "times as long")}
+# The error table's mutants run its public case only (a case takes about a second), except the one
+# that only a hidden seed can show.
+SEEDS = {"fp8_error_table": (), "the seed ignored": (11,)}
+MUTANTS = [Mutant(exercise, mistake, edits, words, seeds=SEEDS.get(mistake, SEEDS.get(exercise)),
+                  public=mistake != "the seed ignored", never=NEVER.get(mistake, ()))
+           for exercise, mistake, edits, words in CASES]
 
 
-@pytest.mark.parametrize("exercise, mistake, edits, words", MUTANTS, ids=[m[1] for m in MUTANTS])
-def test_mutant_fails_with_its_diagnosis(exercise, mistake, edits, words):
-    results = results_for(exercise, solution_namespace(edits, EXERCISES[exercise].function))
+@pytest.mark.parametrize("mutant", mutant_params(MUTANTS))
+def test_mutant_fails_with_its_diagnosis(mutant):
     # A summary hint speaks for every failing case (it is only given when they all share its cause).
-    failing = assert_diagnosed(EXERCISES[exercise], results, mistake, words, hint_speaks_for_each_case=True)
-    if words.startswith("fa_lab.fp8."):
+    failing = LAB.assert_mutant_diagnosed(mutant, hint_speaks_for_each_case=True)
+    if mutant.words.startswith("fa_lab.fp8."):
         assert all(FORBIDDEN in v.message for _, v in failing)
 
 
@@ -216,3 +243,13 @@ TABLE_ROWS = {"baseline_fp16": 3e-4, "flash_fp16": 2e-4, "baseline_fp8": 2e-2, "
 def test_wrong_return_values_are_explained(exercise, returned, said):
     results = run_exercise(EXERCISES[exercise], returned, EXERCISES[exercise].cases()[:3])
     assert all(not v.passed and said in v.message for _, v in results), [v.message for _, v in results]
+
+
+def test_a_non_contiguous_input_whose_blocks_divide_it_is_judged():
+    """The judge quantizes a contiguous copy: fa_lab.fp8.quantize_e4m3 views its input as blocks."""
+    from fa_lab.grading.labs.lab04 import quantize_case
+    case = quantize_case("non-contiguous, 128 rows in blocks of 64", (1, 2, 128, 16), 64,
+                         torch.Generator().manual_seed(0), strided=True)
+    assert not case.args[0].is_contiguous()
+    [(_, verdict)] = run_exercise(EXERCISES["quantize_blocks"], solution_namespace()["quantize_blocks"], [case])
+    assert verdict.passed, verdict.message

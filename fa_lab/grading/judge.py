@@ -6,11 +6,15 @@ course's one tolerance rule). When it fails, the diagnosis tries, in order:
 1. what went wrong before any number was compared (a forbidden call, an
    exception, a wrong type, shape or dtype);
 2. *candidates*: the outputs of known mistakes on the same inputs (computed by
-   the lab module). Matching one names the mistake ("you did not rescale l");
-3. *detectors*: invariants a lab checks itself (NaN only in rows that see no key,
-   overflow on large scores, errors only in the last partial block, ...);
+   the lab module). Matching one names the mistake ("you did not rescale l"); when
+   several mistakes give the learner's numbers on this case, all of them are named,
+   since the case cannot tell them apart;
+3. *detectors*: invariants a lab checks itself (errors only in the rows that see no
+   key, exp overflowing exactly in the rows whose scores pass 88.7, ...). A detector
+   names a cause only when it has tested it; otherwise it says what it observed;
 
-and always ends with where the largest error is (which tensor, which index).
+and always ends with where the largest error is (which tensor, which index). A
+verdict that found no cause is marked ``explained=False``.
 """
 from __future__ import annotations
 
@@ -130,21 +134,34 @@ def matches(actual: dict, candidate: dict, comparisons: dict, scaled: bool = Tru
                and not wrong_positions(actual[n], candidate[n], bound(n)).any() for n in comparisons)
 
 
-def first_matching(candidates: Iterable[Candidate], actual: dict, expected: dict,
-                   comparisons: dict) -> str | None:
-    """The message of the first known mistake whose outputs the learner's match.
+def matching_mistakes(candidates: Iterable[Candidate], actual: dict, expected: dict,
+                      comparisons: dict) -> list[str]:
+    """The messages of every known mistake whose outputs the learner's match, in order, once each.
 
-    A candidate that the reference itself would match (the mistake changes nothing
-    on this case) is skipped. A candidate may return None when it does not apply.
+    A candidate that the reference itself would match (the mistake changes nothing on
+    this case) is skipped, and so is one that returns None (it does not apply). Several
+    candidates may share a message (simulations of one mistake in different forms).
     """
     references = {name: spec.reference for name, spec in expected.items()}
+    found = []
     for message, make in candidates:
+        if message in found:
+            continue
         outputs = make()
         if outputs is None or matches(references, outputs, comparisons, scaled=False):
             continue
         if matches(actual, outputs, comparisons):
-            return message
-    return None
+            found.append(message)
+    return found
+
+
+def mistakes_message(found: list[str]) -> str:
+    """One mistake's message, or all of them when this case cannot tell them apart."""
+    if len(found) == 1:
+        return found[0]
+    listed = " ".join(f"({i}) {message}" for i, message in enumerate(found, 1))
+    return (f"on this case {len(found)} different mistakes give exactly your outputs, so it cannot tell "
+            f"which one you made (the other cases may): {listed}")
 
 
 def _format_index(index: tuple[int, ...], dims: tuple[str, ...]) -> str:
@@ -166,18 +183,21 @@ def largest_error(actual: dict, expected: dict, comparisons: dict) -> str:
 
 
 def diagnose(actual: dict, expected: dict, comparisons: dict,
-             candidates: Iterable[Candidate] = (), detectors: Iterable[Detector] = ()) -> str:
-    """The message for outputs that fail the rule: a named mistake or invariant, then the largest error."""
-    message = first_matching(candidates, actual, expected, comparisons)
+             candidates: Iterable[Candidate] = (), detectors: Iterable[Detector] = ()) -> Verdict:
+    """The failing verdict for outputs that miss the rule: the named mistakes, else the first
+    detector's finding, else how far they are (``explained=False``); then the largest error."""
+    found = matching_mistakes(candidates, actual, expected, comparisons)
+    message = mistakes_message(found) if found else None
     for detector in detectors:
         if message is not None:
             break
         message = detector(actual, expected, comparisons)
+    explained = message is not None
     if message is None:
         failing = [c for c in comparisons.values() if not c.ok]
         message = "does not match the reference: " + "; ".join(
             f"{c.name} max-abs error {c.error:.3g} > bound {c.bound:.3g}" for c in failing) + "."
-    return f"{message} {largest_error(actual, expected, comparisons)}"
+    return Verdict(False, f"{message} {largest_error(actual, expected, comparisons)}", explained)
 
 
 def judge_outputs(case: Case, outcome: dict, names: tuple[str, ...], expected: Callable[[], dict], *,
@@ -202,7 +222,7 @@ def judge_outputs(case: Case, outcome: dict, names: tuple[str, ...], expected: C
     comparisons = compare_all(actual, specs)
     if all(c.ok for c in comparisons.values()):
         return over_limit(case, outcome, limit_message) or PASS
-    return Verdict(False, diagnose(actual, specs, comparisons, candidates(), detectors))
+    return diagnose(actual, specs, comparisons, candidates(), detectors)
 
 
 def checked_outputs(outcome: dict, names: tuple[str, ...], expected: Callable[[], dict],
@@ -232,10 +252,16 @@ def over_limit(case: Case, outcome: dict, limit_message: str) -> Verdict | None:
 
 
 def only_some_fail(results: list[tuple[Case, Verdict]], has_property: Callable[[Case], bool],
-                   hint: str) -> str | None:
-    """``hint`` when every failing case has the property and at least one case without it passes."""
-    failing = [case for case, verdict in results if not verdict.passed]
+                   hint: str, unexplained_only: bool = False) -> str | None:
+    """``hint`` when every failing case has the property and at least one case without it passes.
+
+    unexplained_only: give it only when no failing case's diagnosis found a cause (a hint
+    about where to look must not contradict a mistake the diagnoses named).
+    """
+    failing = [(case, verdict) for case, verdict in results if not verdict.passed]
     passing = [case for case, verdict in results if verdict.passed]
-    if failing and all(has_property(c) for c in failing) and any(not has_property(c) for c in passing):
+    if unexplained_only and any(verdict.explained for _, verdict in failing):
+        return None
+    if failing and all(has_property(c) for c, _ in failing) and any(not has_property(c) for c in passing):
         return hint
     return None

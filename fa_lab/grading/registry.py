@@ -24,8 +24,9 @@ class Case:
 
     args: the positional arguments (tensors, lists of tensors, numbers, bools, None:
         what ``torch.save`` can carry to the grading kernel).
-    tensor_limit: when set, the call may create no floating-point tensor with more
-        elements (a tiled algorithm never builds the full score matrix).
+    tensor_limit: when set, the call may create no tensor with more elements, as
+        :class:`fa_lab.grading.harness.TensorProbe` counts them (a tiled algorithm never
+        builds the full score matrix).
     """
 
     name: str
@@ -36,10 +37,15 @@ class Case:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The judgement of one case: passed, and a message (the diagnosis when it failed)."""
+    """The judgement of one case: passed, and a message (the diagnosis when it failed).
+
+    explained: False when the diagnosis found no cause (it only says how far the outputs
+    are from the reference); a summary hint about where to look is given only then.
+    """
 
     passed: bool
     message: str
+    explained: bool = True
 
 
 @dataclass(frozen=True)
@@ -73,10 +79,11 @@ class Exercise:
 
     def cases(self, seed: int | None = None) -> list[Case]:
         """The public cases, followed by the hidden ones drawn from ``seed`` when it is given."""
-        cases = list(self.public_cases())
-        if seed is not None:
-            cases += [replace(c, hidden=True) for c in self.hidden_cases(case_generator(seed, self.name))]
-        return cases
+        return list(self.public_cases()) + (self.hidden(seed) if seed is not None else [])
+
+    def hidden(self, seed: int) -> list[Case]:
+        """The hidden cases drawn from ``seed`` (marked hidden)."""
+        return [replace(c, hidden=True) for c in self.hidden_cases(case_generator(seed, self.name))]
 
 
 @dataclass(frozen=True)

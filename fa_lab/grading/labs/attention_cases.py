@@ -45,17 +45,24 @@ class Shape:
 
     @property
     def name(self) -> str:
+        return self.label()
+
+    def label(self, blocks: bool = True) -> str:
+        """The case's name; blocks=False leaves out the tile sizes, and a note about tiles, for a
+        function that takes no tile sizes."""
         parts = ["causal" if self.causal else "full",
                  f"Nq={self.seqlen_q} Nk={self.seqlen_k} d={self.head_dim}",
-                 f"B={self.batch} H={self.heads}", DTYPE_NAMES[self.dtype],
-                 f"blocks {self.block_q}x{self.block_k}"]
+                 f"B={self.batch} H={self.heads}", DTYPE_NAMES[self.dtype]]
+        if blocks:
+            parts.append(f"blocks {self.block_q}x{self.block_k}")
         if self.scale is not None:
             parts.append(f"scale {self.scale}")
         if self.gain != 1.0:
             parts.append(f"q x {self.gain:g}")
         if self.strided:
             parts.append("non-contiguous")
-        return ", ".join(parts) + (f": {self.note}" if self.note else "")
+        note = self.note if blocks or not any(word in self.note for word in ("tile", "block")) else ""
+        return ", ".join(parts) + (f": {note}" if note else "")
 
     @property
     def tensor_limit(self) -> int | None:
@@ -91,7 +98,7 @@ def autograd_case(shape: Shape, generator) -> Case:
     q, k, v = shape.qkv(generator)
     dout = torch.randn((shape.batch, shape.heads, shape.seqlen_q, shape.head_dim),
                        generator=generator).to(shape.dtype)
-    return Case(shape.name, (q, k, v, shape.causal, shape.scale, dout))
+    return Case(shape.label(blocks=False), (q, k, v, shape.causal, shape.scale, dout))
 
 
 PUBLIC_SHAPES = (
@@ -102,7 +109,8 @@ PUBLIC_SHAPES = (
     Shape(1, 1, 20, 7, 16, True, 8, 4, note="the first 13 queries see no key"),
     Shape(1, 2, 24, 40, 16, False, 8, 8, gain=60.0, note="scores far above 88"),
     Shape(1, 2, 24, 24, 32, True, 8, 8, dtype=torch.bfloat16),
-    Shape(1, 1, 512, 512, 16, False, 64, 64, tiles_only=True, note="tiles only, no 512 x 512 tensor"),
+    Shape(1, 1, 512, 512, 16, True, 64, 64, tiles_only=True,
+          note="tiles only, no 512 x 512 tensor"),
 )
 # The backward and the autograd.Function are checked on fewer shapes (one of each kind).
 BACKWARD_PUBLIC = (1, 2, 3, 4, 6, 7)
@@ -158,8 +166,8 @@ def draw_shape(generator, causal: bool, relation: str, **options) -> Shape:
 
 def draw_tiles_only_shape(generator) -> Shape:
     n = draw_int(generator, 300, 500)
-    return Shape(1, 1, n, n, 16, False, draw_choice(generator, (32, 64)), draw_choice(generator, (32, 64)),
-                 tiles_only=True)
+    return Shape(1, 1, n, n, 16, draw_choice(generator, (False, True)), draw_choice(generator, (32, 64)),
+                 draw_choice(generator, (32, 64)), tiles_only=True)
 
 
 def hidden_attention_cases(make, generator, large_scores: bool = True, count: int = 8) -> list[Case]:

@@ -1,22 +1,24 @@
-"""Judges for attention functions: a forward, a backward, an autograd.Function.
+"""Judges for attention forwards, and what the gradient judges share with them.
 
-Each judge takes a case whose arguments follow :mod:`.attention_cases` (block
-sizes at the end are optional: a kernel with its own tiling is judged without the
-tiling-dependent mistakes) and the harness's outcome, compares with the float64
-reference under the tolerance rule, and names the mistake when it recognizes one:
-wrong causal masks, wrong scales, missing rescales, a log2 LSE, a missing D term,
-gradients in the wrong order, NaN in rows that see no key, overflow, ...
+A forward judge takes a case whose arguments follow :mod:`.attention_cases` (block sizes at the
+end are optional: a kernel with its own tiling is judged without the tiling-dependent mistakes)
+and the harness's outcome, compares with the float64 reference under the tolerance rule, and names
+the mistake when a simulation of it reproduces the learner's outputs: wrong causal masks (whole,
+inside the tiles, in tile coordinates), key loops that end too early, a last query block that is
+never computed, wrong scales, missing rescales, a running max never updated, a log2 LSE, ...
+Detectors then look at invariants (errors only in the rows that see no key, exp overflowing in
+exactly the rows whose scores pass 88.7, NaN). The backward's and the autograd.Function's judges
+are in :mod:`.attention_gradients`.
 """
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
 from ...block_info import BlockInfo
 from ...reference import naive_attention, reference_attention
-from ...testing import LSE_FLOOR
+from ...testing import LSE_FLOOR, compare
 from ..judge import Expected, judge_outputs, only_some_fail, wrong_positions
 from . import attention_mistakes as mistakes
 from .attention_cases import FLOAT32_EXP_LIMIT
@@ -25,57 +27,116 @@ OUT_DIMS = ("batch", "head", "query", "dim")
 KEY_DIMS = ("batch", "head", "key", "dim")
 LSE_DIMS = ("batch", "head", "query")
 TILES_ONLY = ("FlashAttention never holds more than a (block_q, block_k) tile of scores or "
-              "probabilities; build S and P tile by tile, never the whole (Nq, Nk) matrix.")
+              "probabilities (or of the mask); build S, P and the causal mask tile by tile, never "
+              "for the whole (Nq, Nk) matrix.")
 
 
 def resolve_scale(q, scale) -> float:
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
+def block_info(q, k, causal) -> BlockInfo:
+    return BlockInfo(q.shape[-2], k.shape[-2], causal=bool(causal))
+
+
 def _mask(q, k, causal, offset_shift=0, top_left=False):
     """The causal mask (None without causal); offset_shift / top_left give the wrong ones."""
     if not causal:
         return None
-    info = BlockInfo(q.shape[-2], k.shape[-2], causal=True)
+    info = block_info(q, k, True)
     if not (offset_shift or top_left):
         return info.mask()
     offset = 0 if top_left else info.offset
     return mistakes.causal_mask_with_offset(info.seqlen_q, info.seqlen_k, offset + offset_shift)
 
 
-def _visited_keys_mask(seqlen_q, seqlen_k, block_q, block_k) -> torch.Tensor:
-    """(Nq, Nk) bool: every key of the key blocks that a causal loop visits for each query's block
-    (up to the last visible key), that is the causal mask without masking inside the tiles."""
-    info = BlockInfo(seqlen_q, seqlen_k, causal=True)
-    block_start = torch.arange(seqlen_q) // block_q * block_q
-    key_end = info.key_end(torch.clamp(block_start + block_q, max=seqlen_q) - 1)  # the block's last row's
-    visited_end = torch.clamp((key_end + block_k - 1) // block_k * block_k, max=seqlen_k)
-    return torch.arange(seqlen_k)[None, :] < visited_end[:, None]
+def visited(q, k, causal, blocks, end=None) -> torch.Tensor:
+    """(Nq, Nk) bool: the keys whose blocks a tiled loop visits. Right: each query block's key loop
+    runs up to one past the last key its last row sees; ``end(info, i0, i1)`` gives another end."""
+    info = block_info(q, k, causal)
+    end = end or (lambda info, i0, i1: info.key_end(i1 - 1))
+    return mistakes.visited_keys(info.seqlen_q, info.seqlen_k, *blocks, lambda i0, i1: end(info, i0, i1))
+
+
+def _rule(q, k) -> str:
+    offset = k.shape[-2] - q.shape[-2]
+    shift = f" {'+' if offset > 0 else '-'} {abs(offset)}" if offset else ""
+    return f"query i sees keys j <= i + Nk - Nq, here j <= i{shift}" if offset else "query i sees keys j <= i"
 
 
 def mask_candidates(q, k, causal, make, blocks=None):
     """The wrong causal masks, as (message, thunk) with make(mask) -> outputs.
-    blocks: (block_q, block_k) when the function tiles with them."""
+
+    blocks: (block_q, block_k) when the function tiles with them; then each wrong mask is also
+    tried as a tile mask under a right key loop (the tiles past the diagonal skipped)."""
     if not causal:
         return
-    seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
-    offset = seqlen_k - seqlen_q
-    shift = f" {'+' if offset > 0 else '-'} {abs(offset)}" if offset else ""
-    rule = f"query i sees keys j <= i + Nk - Nq, here j <= i{shift}" if offset else "query i sees keys j <= i"
-    first = max(0, -offset)  # the first query that sees a key
-    yield f"the causal mask is not applied: with causal=True, {rule}.", lambda: make(None)
+    info = block_info(q, k, True)
+    offset, rule = info.offset, _rule(q, k)
+    first = info.first_query(0)  # the first query that sees a key
+    right_loop = visited(q, k, True, blocks) if blocks else None
+
+    def wrong(mask):
+        yield lambda: make(mask)
+        if right_loop is not None and mask is not None:
+            yield lambda: make(mask & right_loop)
+
+    masks = [(f"the causal mask is not applied: with causal=True, {rule}.", None)]
+    if info.seqlen_q != info.seqlen_k:
+        masks.append(("the causal mask is aligned top-left (query i sees keys j <= i). The course aligns it "
+                      f"bottom-right: {rule}, so the last query sees every key.", _mask(q, k, True, top_left=True)))
+    inverted = (f"your causal mask is inverted: it hides the keys a query sees and shows the ones past its "
+                f"diagonal. True must mark the keys a query sees: {rule}.")
+    masks += [(inverted, ~info.mask()), (inverted, ~_mask(q, k, True, -1))]
+    masks += [
+        (f"causal mask off by one: query {first} sees key {first + offset + 1}, but it may see keys up to "
+         f"{first + offset} only ({rule}).", _mask(q, k, True, 1)),
+        (f"causal mask off by one: each query misses the key on its diagonal (query {first} must see key "
+         f"{first + offset}; {rule}).", _mask(q, k, True, -1)),
+    ]
+    for message, mask in masks:
+        for thunk in wrong(mask):
+            yield message, thunk
     if blocks:
         yield ("the causal mask is not applied inside the tiles: skipping the key blocks past the "
                "diagonal is not enough, the tiles that cross it must mask the keys a query may not see.",
-               lambda: make(_visited_keys_mask(seqlen_q, seqlen_k, *blocks)))
-    if seqlen_q != seqlen_k:
-        yield ("the causal mask is aligned top-left (query i sees keys j <= i). The course aligns it "
-               f"bottom-right: {rule}, so the last query sees every key.",
-               lambda: make(_mask(q, k, True, top_left=True)))
-    yield (f"causal mask off by one: query {first} sees key {first + offset + 1}, but it may see keys "
-           f"up to {first + offset} only ({rule}).", lambda: make(_mask(q, k, True, 1)))
-    yield (f"causal mask off by one: each query misses the key on its diagonal (query {first} must "
-           f"see key {first + offset}; {rule}).", lambda: make(_mask(q, k, True, -1)))
+               lambda: make(right_loop))
+        local = mistakes.tile_local_mask(info.seqlen_q, info.seqlen_k, *blocks, offset)
+        yield ("your tile mask compares positions inside the tile (counted from 0 in each tile), not "
+               "positions in the sequence: in the tile of queries [i0, i1) and keys [j0, j1), query "
+               f"i0 + a sees key j0 + b when j0 + b <= i0 + a + Nk - Nq ({rule}).",
+               lambda: make(local & right_loop))
+
+
+def key_loop_candidates(q, k, causal, blocks, make):
+    """Key loops that end too early, as (message, thunk) with make(visited) -> outputs, where visited
+    is the (Nq, Nk) bool of the keys whose blocks the wrong loop visits (the masks stay right)."""
+    block_k = blocks[1]
+    right = "one past the last key that the block's last row, i1 - 1, sees"
+    end = f"({'i1 + Nk - Nq, clamped to [0, Nk]' if causal else 'Nk'})"
+
+    def loop(wrong_end):
+        return lambda: make(visited(q, k, causal, blocks, wrong_end))
+
+    whole = ("your key loop never visits a last key block that is shorter than block_k: when the loop's end "
+             "is not a multiple of block_k its last block holds fewer keys, but they count. Loop with "
+             "range(0, end, block_k) and take the keys [j0, min(j0 + block_k, Nk)).")
+    yield whole, loop(lambda info, i0, i1: info.key_end(i1 - 1) // block_k * block_k)
+    yield whole, loop(lambda info, i0, i1: min(info.key_end(i1 - 1), info.seqlen_k // block_k * block_k))
+    yield (f"the key loop of a query block [i0, i1) ends one key too early: it must end {right} {end}; one "
+           "less drops that key whenever it is the first of a key block.",
+           loop(lambda info, i0, i1: info.key_end(i1 - 1) - 1))
+    if causal:
+        message = (f"the key loop of a query block [i0, i1) ends where its first row's keys end, but the "
+                   f"block's last row sees the most keys: the loop must end {right} {end}.")
+        yield message, loop(lambda info, i0, i1: info.key_end(i0))
+        yield message, loop(lambda info, i0, i1: info.key_end(i0 - 1))
+
+
+def last_query_block(seqlen_q: int, block_q: int) -> int | None:
+    """The first query of a last query block that is shorter than block_q (None when there is none)."""
+    first = seqlen_q - seqlen_q % block_q
+    return first if first < seqlen_q else None
 
 
 def scale_candidates(q, scale, make):
@@ -90,25 +151,39 @@ def scale_candidates(q, scale, make):
                f"scale={scale}.", lambda: make(default, default))
 
 
-def overflow_detector(largest_score: float):
-    """Non-finite outputs on a case whose scores overflow exp in float32."""
+def row_max_scores(q, k, scale, causal) -> torch.Tensor:
+    """(B, H, Nq) float64: the largest score each query sees (-inf for one that sees no key)."""
+    return mistakes.scores(q, k, resolve_scale(q, scale), _mask(q, k, causal)).amax(dim=-1)
+
+
+def overflow_detector(row_max: torch.Tensor, names_and_dims):
+    """exp overflowing in float32, tested: the outputs are non-finite (where the reference is finite)
+    in every row whose largest score passes 89, and only in rows whose largest score passes 88.
+
+    row_max: the largest score of each row, shaped as the outputs' dims up to their row dim;
+    names_and_dims: (output name, its row dim) pairs.
+    """
     def overflow(actual, expected, comparisons):
-        blown = any((~torch.isfinite(actual[n]) & torch.isfinite(expected[n].reference)).any()
-                    for n in actual)
-        if blown and largest_score > FLOAT32_EXP_LIMIT:
-            return (f"exp overflowed: scores in this case reach {largest_score:.0f}, and exp(x) is inf in "
-                    "float32 above 88.7. Subtract the running max m before exp, so that every "
-                    "exponent is <= 0.")
-        return None
+        blown = torch.zeros(row_max.shape, dtype=torch.bool)
+        for name, row_dim in names_and_dims:
+            bad = ~torch.isfinite(actual[name]) & torch.isfinite(expected[name].reference)
+            trailing = tuple(range(row_dim % bad.ndim + 1, bad.ndim))
+            blown |= bad.any(dim=trailing) if trailing else bad
+        must, may = row_max > FLOAT32_EXP_LIMIT + 0.3, row_max > FLOAT32_EXP_LIMIT - 0.7
+        if not blown.any() or not bool((blown <= may).all()) or not bool((must <= blown).all()):
+            return None
+        return (f"exp overflowed: your outputs are inf or NaN in exactly the rows whose scores pass 88.7 (up to "
+                f"{float(row_max[torch.isfinite(row_max)].max()):.0f} here), and exp(x) is inf in float32 "
+                "above 88.7. Subtract the running max m before exp, so that every exponent is <= 0.")
     return overflow
 
 
 def nan_detector(actual, expected, comparisons):
     """NaN where the reference is finite (after the more specific detectors had their say)."""
     if any((torch.isnan(actual[n]) & ~torch.isnan(expected[n].reference)).any() for n in actual):
-        return ("NaN where the reference has a number. Usual causes: a rescale factor with the wrong "
-                "sign, exp(m_new - m_old), which is inf while m_old = -inf (and inf * 0 = NaN); or "
-                "exp(-inf - (-inf)) for a row whose running max is still -inf.")
+        return ("NaN where the reference has a number. A NaN is born from inf - inf, 0 * inf or 0 / 0 "
+                "(exp(-inf - (-inf)) is one), and spreads to everything computed from it: find the first "
+                "place where one of your values becomes inf, -inf or NaN.")
     return None
 
 
@@ -122,72 +197,54 @@ def wrong_rows(actual, expected, comparisons, names_and_dims) -> set[int]:
     return rows
 
 
-def row_detectors(q, k, causal, block_q, names_and_dims):
-    """Detectors for errors only in the rows that see no key, NaN, or errors only in the last
-    (shorter) query block. names_and_dims: (output name, its query dim) pairs."""
-    mask = _mask(q, k, causal)
-    empty = set() if mask is None else set(torch.nonzero(~mask.any(dim=-1)).flatten().tolist())
-    seqlen_q = q.shape[-2]
-    partial_rows = seqlen_q % block_q if block_q else 0
-    has_last_block = partial_rows and seqlen_q > block_q
-    last_block = set(range(seqlen_q - partial_rows, seqlen_q)) if has_last_block else set()
+def empty_rows(q, k, causal) -> set[int]:
+    """The queries that see no key (the first Nq - Nk when causal and Nq > Nk)."""
+    info = block_info(q, k, causal)
+    return set(range(info.first_query(0))) if causal and info.seqlen_k else set()
+
+
+def only_empty_rows_detector(q, k, causal, names_and_dims, message):
+    """``message(rows)`` when the only wrong rows are queries that see no key."""
+    empty = empty_rows(q, k, causal)
 
     def only_empty_rows(actual, expected, comparisons):
         rows = wrong_rows(actual, expected, comparisons, names_and_dims)
-        if empty and rows and rows <= empty:
-            return (f"only the queries that see no key are wrong (queries 0 to {max(empty)} here, "
-                    "since Nq > Nk). Such a row has no visible score: it must give out = 0 and "
-                    "lse = -inf, and gradients 0, never NaN. Guard the division by l = 0, and use 0 "
-                    "in place of a running max (or lse) of -inf.")
-        return None
-
-    def only_last_block(actual, expected, comparisons):
-        rows = wrong_rows(actual, expected, comparisons, names_and_dims)
-        if last_block and rows and rows <= last_block:
-            return (f"only the last query block is wrong (queries {min(last_block)} to "
-                    f"{max(last_block)}): when Nq is not a multiple of block_q, the last block is "
-                    "shorter. Loop with range(0, Nq, block_q) and slice up to min(start + block_q, Nq).")
-        return None
-
-    return (only_empty_rows, nan_detector, only_last_block)
+        return message(max(empty)) if empty and rows and rows <= empty else None
+    return only_empty_rows
 
 
-def _largest_score(q, k, scale, causal) -> float:
-    s = mistakes.scores(q, k, resolve_scale(q, scale), _mask(q, k, causal))
-    finite = s[torch.isfinite(s)]
-    return float(finite.abs().max()) if finite.numel() else 0.0
+def _forward_empty_rows(last: int) -> str:
+    return (f"only the queries that see no key are wrong (queries 0 to {last} here, since Nq > Nk). Such a "
+            "row has no visible score: it must give out = 0 and lse = -inf, never NaN. Guard the division "
+            "by l = 0, and use 0 in place of a running max of -inf.")
 
 
 def forward_expected(q, k, v, causal, scale) -> dict:
-    """out and lse: the float64 reference, naive attention in q's dtype as the baseline."""
+    """out and lse: the float64 reference, and as the baseline plain attention in q's dtype, with the
+    scale applied to S (naive attention) or to q first (as kernels do, ``reorder_ops``), whichever
+    errs more: with large scores the rounding of S alone differs between the two orders, and either
+    order is a right answer."""
     ref_out, ref_lse = reference_attention(q, k, v, causal, scale)
-    base_out, base_lse = naive_attention(q, k, v, causal, scale)
-    return {"out": Expected(ref_out, base_out, q.dtype, OUT_DIMS),
-            "lse": Expected(ref_lse, base_lse, torch.float32, LSE_DIMS, LSE_FLOOR)}
+    orders = (naive_attention(q, k, v, causal, scale),
+              reference_attention(q, k, v, causal, scale, upcast=False, reorder_ops=True))
 
-
-def gradient_expected(q, k, v, causal, scale, dout) -> dict:
-    """out and (dq, dk, dv) for the upstream gradient dout: float64 reference, dtype baseline."""
-    def run(attention, tensors, grad):
-        leaves = [t.detach().clone().requires_grad_() for t in tensors]
-        out, _ = attention(*leaves, causal, scale)
-        return (out.detach(), *torch.autograd.grad(out, leaves, grad))
-    # float64 leaves: gradients of bfloat16 leaves would come back rounded to bfloat16
-    reference = run(reference_attention, (q.double(), k.double(), v.double()), dout.double())
-    baseline = run(naive_attention, (q, k, v), dout)
-    dims = (OUT_DIMS, OUT_DIMS, KEY_DIMS, KEY_DIMS)
-    return {name: Expected(r, b, q.dtype, d)
-            for name, r, b, d in zip(("out", "dq", "dk", "dv"), reference, baseline, dims, strict=True)}
+    def worse(i, reference):
+        return max((order[i] for order in orders), key=lambda b: compare("", b, reference, b).error)
+    return {"out": Expected(ref_out, worse(0, ref_out), q.dtype, OUT_DIMS),
+            "lse": Expected(ref_lse, worse(1, ref_lse), torch.float32, LSE_DIMS, LSE_FLOOR)}
 
 
 def summarize(results, causal_index: int):
-    """A hint when only the causal cases, or only the float16 / bfloat16 ones, fail."""
+    """A hint when only the causal cases, or only the float16 / bfloat16 ones, fail, and no failing
+    case's diagnosis found a cause."""
     return (only_some_fail(results, lambda c: c.args[causal_index],
                            "Every failing case is causal and the non-causal ones pass: look at your "
-                           "causal mask (which keys each query sees, which blocks you skip).")
+                           "causal mask (which keys each query sees, which blocks you skip).",
+                           unexplained_only=True)
             or only_some_fail(results, lambda c: c.args[0].dtype != torch.float32,
                               "Only the float16 / bfloat16 cases fail: compute each tile in float32 "
-                              "and cast the result back to the input dtype at the end."))
+                              "and cast the result back to the input dtype at the end.",
+                              unexplained_only=True))
 
 
 def forward_candidates(q, k, v, causal, scale, blocks=()):
@@ -195,21 +252,26 @@ def forward_candidates(q, k, v, causal, scale, blocks=()):
     as (message, thunk) pairs; blocks: (block_q, block_k) when the function tiles with them."""
     used = resolve_scale(q, scale)
     correct = _mask(q, k, causal)
+    qk = mistakes.product(q, k)
+    loop = visited(q, k, causal, blocks) if blocks else None
 
     def exact(mask, score_scale=used):
-        out, lse = mistakes.attention(q, k, v, score_scale, mask)
+        out, lse = mistakes.attention(q, k, v, score_scale, mask, qk)
         return {"out": out, "lse": lse}
 
     def tiled(**mistake):
-        out, lse = mistakes.tiled_forward(q, k, v, used, correct, blocks[1], **mistake)
+        out, lse = mistakes.tiled_forward(q, k, v, used, correct, blocks[1], visited=loop, qk=qk, **mistake)
         return {"out": out, "lse": lse}
 
     yield from mask_candidates(q, k, causal, exact, blocks)
+    if blocks:
+        yield from key_loop_candidates(q, k, causal, blocks,
+                                       lambda keys: exact(keys if correct is None else correct & keys))
     yield from scale_candidates(q, scale, lambda score_scale, _: exact(correct, score_scale))
     if blocks:
         yield from _tiling_candidates(tiled)
     reference = exact(correct)
-    row_max = mistakes.scores(q, k, used, correct).amax(dim=-1)
+    row_max = mistakes.scores(q, k, used, correct, qk).amax(dim=-1)
     yield ("lse is in log base 2, but the course's lse is a natural log: lse = m + ln(l). If you "
            "worked with exp2, multiply by ln 2 at the end.",
            lambda: {**reference, "lse": reference["lse"] / math.log(2)})
@@ -217,20 +279,23 @@ def forward_candidates(q, k, v, causal, scale, blocks=()):
     yield ("lse is missing the running max: it must be m + log(l), not log(l).",
            lambda: {**reference, "lse": torch.where(torch.isinf(row_max), reference["lse"],
                                                     reference["lse"] - row_max)})
-    seqlen_k = k.shape[-2]
-    if blocks and seqlen_k % blocks[1] and seqlen_k > blocks[1]:
-        full = seqlen_k - seqlen_k % blocks[1]
-        kept = torch.arange(seqlen_k)[None, :] < full
-        yield (f"the last key block is ignored (keys {full} to {seqlen_k - 1}): when Nk is not a "
-               "multiple of block_k the last block is shorter, but it still counts.",
-               lambda: exact(kept if correct is None else correct & kept))
+    first = last_query_block(q.shape[-2], blocks[0]) if blocks else None
+    if first is not None:
+        def unwritten():
+            out, lse = reference["out"].clone(), reference["lse"].clone()
+            out[..., first:, :], lse[..., first:] = 0.0, 0.0
+            return {"out": out, "lse": lse}
+        yield (f"the last query block (queries {first} to {q.shape[-2] - 1}) is never computed: its rows "
+               "keep the zeros out and lse start with. When Nq is not a multiple of block_q the last block "
+               "is shorter, but it still needs its turn: loop with range(0, Nq, block_q) and take the "
+               "queries [i0, min(i0 + block_q, Nq)).", unwritten)
 
 
-def forward_detectors(q, k, causal, scale, block_q=None):
-    """The detectors for a forward's (out, lse): overflow, rows that see no key, NaN, and (with
-    block_q) errors only in the last, shorter query block."""
-    return (overflow_detector(_largest_score(q, k, scale, causal)),
-            *row_detectors(q, k, causal, block_q, (("out", -2), ("lse", -1))))
+def forward_detectors(q, k, causal, scale):
+    """The detectors for a forward's (out, lse): overflow, rows that see no key, NaN."""
+    rows = (("out", -2), ("lse", -1))
+    return (overflow_detector(row_max_scores(q, k, scale, causal), rows),
+            only_empty_rows_detector(q, k, causal, rows, _forward_empty_rows), nan_detector)
 
 
 def judge_forward(case, outcome):
@@ -238,8 +303,7 @@ def judge_forward(case, outcome):
     q, k, v, causal, scale, *blocks = case.args
     return judge_outputs(case, outcome, ("out", "lse"), lambda: forward_expected(q, k, v, causal, scale),
                          candidates=lambda: forward_candidates(q, k, v, causal, scale, blocks),
-                         detectors=forward_detectors(q, k, causal, scale, blocks[0] if blocks else None),
-                         limit_message=TILES_ONLY)
+                         detectors=forward_detectors(q, k, causal, scale), limit_message=TILES_ONLY)
 
 
 def _tiling_candidates(tiled):
@@ -255,90 +319,8 @@ def _tiling_candidates(tiled):
     yield ("the rescale factor has the wrong sign: you used exp(m_new - m_old) instead of "
            "exp(m_old - m_new). It must be <= 1; at the start m_old = -inf, so the wrong factor is "
            "inf, and inf * 0 = NaN.", lambda: tiled(flip=True))
+    yield ("the running max m is never updated (m = m_new is missing): m stays -inf, so "
+           "alpha = exp(m - m_new) is 0 at every key block, each block throws away l and acc, only the "
+           "last block counts, and lse = m + log(l) is -inf.", lambda: tiled(update_max=False))
     yield ("out is not normalized: divide the accumulator by l once, after the last key block.",
            lambda: tiled(normalize=False))
-
-
-def judge_backward(case, outcome):
-    """fn(q, k, v, out, lse, dout, causal, scale[, block_q, block_k]) -> (dq, dk, dv)."""
-    q, k, v, out, lse, dout, causal, scale, *blocks = case.args
-    used = resolve_scale(q, scale)
-    correct = _mask(q, k, causal)
-
-    def expected():
-        specs = gradient_expected(q, k, v, causal, scale, dout)
-        return {name: specs[name] for name in ("dq", "dk", "dv")}
-
-    def grads(mask=correct, score_scale=used, grad_scale=used, **mistake):
-        dq, dk, dv = mistakes.recompute_backward(q, k, v, out, lse, dout, mask, score_scale, grad_scale,
-                                                 **mistake)
-        return {"dq": dq, "dk": dk, "dv": dv}
-
-    def candidates():
-        yield ("the D term is missing: dS = P * (dP - D), where D = rowsum(dO * O) holds one number "
-               "per query row (it comes from the softmax's normalization).",
-               lambda: grads(use_delta=False))
-        yield from mask_candidates(q, k, causal, lambda mask: grads(mask=mask), blocks)
-        yield ("dq and dk miss the softmax scale: S = scale * q k^T, so dq = scale * dS K and "
-               "dk = scale * dS^T Q.", lambda: grads(grad_scale=1.0))
-        yield ("the scale is applied twice in dq and dk: multiply dS K and dS^T Q by the scale once.",
-               lambda: grads(grad_scale=used * used))
-        yield from scale_candidates(q, scale, lambda score_scale, grad_scale: grads(
-            score_scale=score_scale, grad_scale=grad_scale))
-        yield ("rows that see no key give NaN: their lse is -inf, so exp(S - lse) computes "
-               "exp(-inf - (-inf)) = NaN. Give those rows P = 0 (for example, use +inf in place of "
-               "their lse).", lambda: grads(guard=False))
-
-    detectors = row_detectors(q, k, causal, blocks[0] if blocks else None, (("dq", -2),))
-    return judge_outputs(case, outcome, ("dq", "dk", "dv"), expected, candidates=candidates,
-                         detectors=detectors, limit_message=TILES_ONLY)
-
-
-_GRADIENTS = ("dq", "dk", "dv")
-_AUTOGRAD_HINTS = (
-    ("incorrect number of gradients",
-     "backward must return one value per input of forward: dq, dk, dv, and None for each "
-     "non-tensor input (causal, scale)."),
-    ("returned an invalid gradient at index",
-     "backward returns the gradients in a different order from forward's inputs, or of other "
-     "shapes: return (dq, dk, dv, ...) in the order of forward(ctx, q, k, v, ...)."),
-)
-
-
-def judge_autograd(case, outcome):
-    """Function.apply(q, k, v, causal, scale), then out.backward(dout): (out, dq, dk, dv)."""
-    q, k, v, causal, scale, dout = case.args
-    used = resolve_scale(q, scale)
-    correct = _mask(q, k, causal)
-
-    def candidates():
-        ref_out, ref_lse = mistakes.attention(q, k, v, used, correct)
-
-        def backward(mask=correct, bwd_scale=used, grad=dout):
-            grads = mistakes.recompute_backward(q, k, v, ref_out, ref_lse, grad, mask, bwd_scale, bwd_scale)
-            return {"out": ref_out, **dict(zip(_GRADIENTS, grads, strict=True))}
-
-        def reordered(order):
-            grads = backward()
-            if any(grads[a].shape != grads[b].shape for a, b in zip(_GRADIENTS, order, strict=True)):
-                return None
-            return {"out": ref_out, **{a: grads[b] for a, b in zip(_GRADIENTS, order, strict=True)}}
-
-        for order in (("dk", "dq", "dv"), ("dq", "dv", "dk"), ("dv", "dk", "dq"), ("dk", "dv", "dq"),
-                      ("dv", "dq", "dk")):
-            yield ("backward returns the gradients in a different order from forward's inputs: return "
-                   "them as (dq, dk, dv, ...) to match forward(ctx, q, k, v, ...).",
-                   partial(reordered, order))
-        yield ("backward ignores its grad_out argument (your gradients are those of out.sum()): pass "
-               "the incoming gradient to flash_backward as dout.",
-               lambda: backward(grad=torch.ones_like(dout)))
-        if causal:
-            yield ("backward does not get causal=True: save causal on ctx in forward and pass it to "
-                   "flash_backward.", lambda: backward(mask=None))
-        if scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5):
-            yield ("backward does not get the scale: save it on ctx in forward and pass it to "
-                   "flash_backward.", lambda: backward(bwd_scale=q.shape[-1] ** -0.5))
-
-    return judge_outputs(case, outcome, ("out", *_GRADIENTS),
-                         lambda: gradient_expected(q, k, v, causal, scale, dout),
-                         candidates=candidates, error_hints=_AUTOGRAD_HINTS)

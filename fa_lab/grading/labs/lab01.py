@@ -4,14 +4,23 @@
 exercise           the learner's function, as the harness calls it
 =================  =========================================================================
 online_softmax     online_softmax_stats(score_blocks) -> (m, l)
+causal_tile_mask   causal_tile_mask(i0, i1, j0, j1, seqlen_q, seqlen_k) -> (i1 - i0, j1 - j0) bool
+key_end            key_end(i1, seqlen_q, seqlen_k, causal) -> int
 flash_forward      flash_forward(q, k, v, causal, scale, block_q, block_k) -> (out, lse)
 flash_backward     flash_backward(q, k, v, out, lse, dout, causal, scale, block_q, block_k)
                    -> (dq, dk, dv)
 autograd_function  FlashAttentionFunction.apply(q, k, v, causal, scale), then backward
 =================  =========================================================================
 
-The attention exercises use the shared cases and judges of :mod:`.attention_cases`
-and :mod:`.attention_judges`; the online softmax's are here.
+The attention exercises use the shared cases and judges of :mod:`.attention_cases`,
+:mod:`.attention_judges` and :mod:`.attention_gradients`; the two helpers' are in
+:mod:`.lab01_helpers`, the online softmax's here.
+
+How the online softmax is checked to be online: one case (public, and one hidden per seed)
+streams many blocks and lets the call create no tensor larger than a quarter of the whole row
+of scores (:class:`fa_lab.grading.harness.TensorProbe`), so ``torch.cat(score_blocks)`` with a
+``logsumexp`` fails it however it is written, while folding block by block into (m, l) never
+holds more than a block.
 """
 from __future__ import annotations
 
@@ -24,16 +33,22 @@ from ...testing import LSE_FLOOR
 from ..judge import Expected, judge_outputs
 from ..registry import Case, Exercise, Lab
 from . import attention_cases as cases
+from . import attention_gradients as gradients
 from . import attention_judges as judges
 from . import attention_mistakes as mistakes
+from . import lab01_helpers as helpers
+
+ONLINE = ("online softmax keeps only (m, l) between blocks: fold each block into them as it comes, "
+          "never the whole row of scores (torch.cat of the blocks is that row).")
 
 
 def score_blocks_case(generator, rows: int, widths, gain: float, drift: float, masked: float,
-                      name: str, empty_rows=()) -> Case:
+                      name: str, empty_rows=(), online=False) -> Case:
     """online_softmax_stats(score_blocks): float32 blocks (rows, width) of N(0, gain) scores.
 
     drift shifts block j by drift * j (a max that grows block by block); masked is
-    the share of scores set to -inf; rows in empty_rows are -inf everywhere.
+    the share of scores set to -inf; rows in empty_rows are -inf everywhere. online: the
+    call may create no tensor larger than a quarter of the (rows, sum of widths) row.
     """
     blocks = []
     for j, width in enumerate(widths):
@@ -42,7 +57,7 @@ def score_blocks_case(generator, rows: int, widths, gain: float, drift: float, m
         if empty_rows:
             hide[list(empty_rows)] = True
         blocks.append(block.masked_fill(hide, float("-inf")))
-    return Case(name, (blocks,))
+    return Case(name, (blocks,), rows * sum(widths) // 4 if online else None)
 
 
 def public_stats_cases() -> list[Case]:
@@ -54,6 +69,8 @@ def public_stats_cases() -> list[Case]:
              name="ragged blocks of 5, 1, 12, 3 with masked (-inf) scores; row 3 sees nothing"),
         dict(rows=3, widths=(16, 16), gain=300.0, drift=0.0, masked=0.0,
              name="large scores (up to about 1000)"),
+        dict(rows=8, widths=(16,) * 16, gain=2.0, drift=0.5, masked=0.1, online=True,
+             name="16 blocks of 16: fold them one at a time, never the whole row of 256"),
     ]
     return [score_blocks_case(torch.Generator().manual_seed(2000 + i), **s) for i, s in enumerate(specs)]
 
@@ -68,6 +85,11 @@ def hidden_stats_cases(generator) -> list[Case]:
         empty = (rows - 1,) if i == 2 else ()
         drawn.append(score_blocks_case(generator, rows, widths, gain, drift, masked,
                                        f"{rows} rows, blocks of {', '.join(map(str, widths))}", empty))
+    rows, count = cases.draw_int(generator, 4, 8), cases.draw_int(generator, 12, 20)
+    width = cases.draw_int(generator, 8, 16)
+    drawn.append(score_blocks_case(generator, rows, (width,) * count, 2.0, 0.5, 0.1,
+                                   f"{count} blocks of {width}: never the whole row of {count * width}",
+                                   online=True))
     return drawn
 
 
@@ -81,7 +103,6 @@ def _judge_stats(case, outcome):
     (blocks,) = case.args
     s = torch.cat(blocks, dim=-1)
     dims = ("row",) if s.ndim == 2 else ("batch", "row")
-    finite = s[torch.isfinite(s)]
 
     def expected():
         m = Expected(s.double().amax(dim=-1), s.amax(dim=-1), torch.float32, dims)
@@ -102,15 +123,29 @@ def _judge_stats(case, outcome):
         yield ("you summed exp(s) without subtracting the running max: l is the sum of exp(s - m). "
                "Besides, exp(s) overflows float32 as soon as a score passes 88.7.",
                lambda: make(subtract_max=False))
+        yield ("the block's terms are measured against the old max: after m_new = max(m, rowmax(block)), "
+               "both the rescale and the new terms use m_new: l = exp(m - m_new) * l + sum(exp(s - m_new)).",
+               lambda: make(terms_old_max=True))
         yield ("m is the max of the latest block only: it must be the running max over every "
                "block seen so far.", lambda: make(running_max=False))
+        yield ("m starts at 0 instead of -inf: a row whose scores are all below 0 (or all -inf) ends with "
+               "m = 0, which is not its largest score. Start from m = -inf and l = 0.",
+               lambda: make(m_start=0.0))
         yield ("rows whose first blocks are fully masked (-inf) give NaN: while m is still -inf, "
                "exp(m_old - m_new) is exp(-inf - (-inf)) = NaN. Use 0 in place of an m_new of -inf "
                "(nothing has been seen yet, so nothing needs rescaling).", lambda: make(guard=False))
 
-    largest = float(finite.abs().max()) if finite.numel() else 0.0
+        def lse_as_l():
+            m, l, _ = mistakes.stream_softmax(blocks)
+            return _stats_view({"m": m, "l": m + torch.log(l)})
+        yield ("you returned m + log(l), the log-sum-exp, in place of l: return l itself, the sum of "
+               "exp(s - m) (the LSE is m + log(l)).", lse_as_l)
+
+    row_max = s.double().amax(dim=-1)
+    rows = (("m", -1), ("m + log(l)", -1))
     return judge_outputs(case, outcome, ("m", "l"), expected, view=_stats_view, candidates=candidates,
-                         detectors=[judges.overflow_detector(largest)])
+                         detectors=[judges.overflow_detector(row_max, rows), judges.nan_detector],
+                         limit_message=ONLINE)
 
 
 LAB = Lab(
@@ -120,19 +155,23 @@ LAB = Lab(
     exercises=(
         Exercise("online_softmax", "online_softmax_stats", 2, public_stats_cases, hidden_stats_cases,
                  _judge_stats),
-        Exercise("flash_forward", "flash_forward", 3,
+        Exercise("causal_tile_mask", "causal_tile_mask", 0.5, helpers.public_mask_cases,
+                 helpers.hidden_mask_cases, helpers.judge_mask, forbidden=helpers.FORBIDDEN),
+        Exercise("key_end", "key_end", 0.5, helpers.public_end_cases, helpers.hidden_end_cases,
+                 helpers.judge_key_end, forbidden=helpers.FORBIDDEN),
+        Exercise("flash_forward", "flash_forward", 2.5,
                  partial(cases.public_attention_cases, cases.forward_case),
                  partial(cases.hidden_attention_cases, cases.forward_case),
                  judges.judge_forward, summarize=partial(judges.summarize, causal_index=3)),
-        Exercise("flash_backward", "flash_backward", 3,
+        Exercise("flash_backward", "flash_backward", 2.5,
                  partial(cases.public_attention_cases, cases.backward_case, cases.BACKWARD_PUBLIC),
                  partial(cases.hidden_attention_cases, cases.backward_case, large_scores=False),
-                 judges.judge_backward, summarize=partial(judges.summarize, causal_index=6)),
+                 gradients.judge_backward, summarize=partial(judges.summarize, causal_index=6)),
         Exercise("autograd_function", "FlashAttentionFunction", 2,
                  partial(cases.public_attention_cases, cases.autograd_case, cases.AUTOGRAD_PUBLIC),
                  partial(cases.hidden_attention_cases, cases.autograd_case, large_scores=False,
                          count=5),
-                 judges.judge_autograd, calling="autograd",
+                 gradients.judge_autograd, calling="autograd",
                  summarize=partial(judges.summarize, causal_index=3)),
     ),
 )

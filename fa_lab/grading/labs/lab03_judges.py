@@ -4,14 +4,16 @@ A case calls ``flash_forward_triton(q, k, v, causal, scale, block_m, block_n) ->
 :func:`judge_kernel` applies the tolerance rule and, on a failure, tries the shared forward
 mistakes (:func:`.attention_judges.forward_candidates`: masks, scales, rescaling, the LSE) and
 the mistakes of a kernel that tiles with ``block_m`` x ``block_n``: padding keys of a ragged
-last key tile that keep a score of 0, a causal mask applied only in a program's last key tile,
-and a grid that never computes the last, partial query tile.
+last key tile that keep a score of 0, a causal mask applied only in a program's last key tile;
+then detectors for a last, partial query tile that is wrong in every row (a grid too small) and
+for pointers that are not moved to each (batch, head) pair.
 
 Block skipping is judged on cases whose V holds NaN from some key tile on
 (:func:`poisoned_rows`): see :func:`judge_skipping`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -25,11 +27,13 @@ from ..judge import (
     judge_outputs,
     largest_error,
     only_some_fail,
+    wrong_positions,
 )
 from . import attention_judges as judges
 from . import attention_mistakes as mistakes
 
 NAMES = ("out", "lse")
+LOG2_E = 1.4426950408889634
 ROWS = (("out", -2), ("lse", -1))
 NOT_IMPLEMENTED = ("not implemented yet: your kernel, or a @triton.jit function it calls (causal_key_end, "
                    "causal_visible), still raises NotImplementedError.")
@@ -77,6 +81,15 @@ def kernel_candidates(q, k, v, causal, scale, block_m, block_n):
         if padding > 1:
             yield (f"key {seqlen_k}, one past the last, counts with a score of 0: the real keys are "
                    "offs_n < seqlen_k, not offs_n <= seqlen_k.", lambda: _padding_keys(q, k, v, used, 1))
+    def exp_of_base2_scores():
+        s = mistakes.scores(q, k, used * LOG2_E, judges._mask(q, k, causal))  # the scores in base-2 units
+        p, lse = softmax_with_lse(s)  # tl.exp of them: a softmax at a temperature log2(e) too high
+        row_max = s.amax(dim=-1)
+        stored = torch.where(torch.isinf(row_max), lse, lse - row_max * (1 - math.log(2)))  # ln 2 (m + log2 l)
+        return {"out": torch.matmul(p, v.double()), "lse": stored}
+    yield ("your scores are in base-2 units (the scale times log2(e)), but you take tl.exp of them: with "
+           "log2(e) folded into the scale every exponential must be tl.math.exp2 (alpha and p alike); or "
+           "keep the plain scale and use tl.exp, with lse = m + log(l).", exp_of_base2_scores)
     if causal:
         mask = _mask_in_last_tile_only(seqlen_q, seqlen_k, block_m, block_n)
         yield ("the causal mask is applied only in the last key tile of each program, but the diagonal "
@@ -87,19 +100,37 @@ def kernel_candidates(q, k, v, causal, scale, block_m, block_n):
 
 
 def partial_tile_detector(seqlen_q: int, block_m: int):
-    """Errors only in the rows of the last query tile, when it is partial (a grid too small)."""
+    """Every row of the last, partial query tile wrong, in out and in lse, and no other row: that tile's
+    programs ran wrong or not at all (a grid too small, or loads and stores masked wrong)."""
     first = seqlen_q // block_m * block_m
 
     def only_partial_tile(actual, expected, comparisons):
-        rows = judges.wrong_rows(actual, expected, comparisons, ROWS)
-        if first == seqlen_q or not rows or min(rows) < first:
+        if first in (0, seqlen_q):  # no partial tile, or no full tile to compare it with
+            return None
+        tile = set(range(first, seqlen_q))
+        if any(judges.wrong_rows(actual, expected, comparisons, (row,)) != tile for row in ROWS):
             return None
         which = f"query {first} is" if first == seqlen_q - 1 else f"queries {first} to {seqlen_q - 1} are"
-        return (f"only {which} wrong: the rows of the last query tile, which "
-                f"is partial (Nq = {seqlen_q} is not a multiple of BLOCK_M = {block_m}). Launch "
-                "triton.cdiv(seqlen_q, BLOCK_M) programs along the grid's first axis (seqlen_q // BLOCK_M "
-                "drops this tile), and mask its loads and stores with offs_m < seqlen_q.")
+        return (f"only {which} wrong, in out and in lse: every row of the last query tile, which is partial "
+                f"(Nq = {seqlen_q} is not a multiple of BLOCK_M = {block_m}), while the full tiles are right. "
+                "Launch triton.cdiv(seqlen_q, BLOCK_M) programs along the grid's first axis (seqlen_q // "
+                "BLOCK_M drops this tile), and mask its loads and stores with offs_m < seqlen_q.")
     return only_partial_tile
+
+
+def pair_offset_detector(actual, expected, comparisons):
+    """(batch 0, head 0) right and every other pair wrong: the per-pair pointer offsets are wrong."""
+    pairs = None
+    for name, _ in ROWS:
+        wrong = wrong_positions(actual[name], expected[name].reference, comparisons[name].bound)
+        wrong = wrong.flatten(2).any(dim=-1)  # (batch, head)
+        pairs = wrong if pairs is None else pairs | wrong
+    pairs = pairs.flatten()
+    if pairs.numel() < 2 or pairs[0] or not pairs[1:].all():
+        return None
+    return ("(batch 0, head 0) is right and every other (batch, head) pair is wrong: each program must move "
+            "its pointers to its own pair bh = tl.program_id(1), q_ptr and out_ptr by bh * seqlen_q * head_dim, "
+            "k_ptr and v_ptr by bh * seqlen_k * head_dim, lse_ptr by bh * seqlen_q.")
 
 
 def first_nan_key(v) -> int | None:
@@ -166,7 +197,7 @@ def _judge(case, outcome, lse_only: bool = False) -> Verdict:
         yield from judges.forward_candidates(q, k, v, causal, scale, (block_m, block_n))
         yield from kernel_candidates(q, k, v, causal, scale, block_m, block_n)
 
-    detectors = () if lse_only else (partial_tile_detector(q.shape[-2], block_m),
+    detectors = () if lse_only else (partial_tile_detector(q.shape[-2], block_m), pair_offset_detector,
                                      *judges.forward_detectors(q, k, causal, scale))
     return judge_outputs(case, outcome, NAMES, lambda: judges.forward_expected(q, k, v, causal, scale),
                          view=(lambda outputs: {"lse": outputs["lse"]}) if lse_only else None,
@@ -191,8 +222,9 @@ def summarize(results) -> str | None:
                 results, lambda c: not all(t.is_contiguous() for t in c.args[:3]),
                 "Only the non-contiguous cases fail: pointer arithmetic with seqlen * head_dim assumes "
                 "contiguous tensors, so call .contiguous() on q, k and v in the launcher (or pass their "
-                "strides to the kernel).")
+                "strides to the kernel).", unexplained_only=True)
             or only_some_fail(
                 results, lambda c: not _power_of_two(c.args[0].shape[-1]),
                 "Only the cases whose head_dim is not a power of two fail: HEAD_DIM must be the next power "
-                "of two, and every load and store must mask the columns offs_d >= head_dim."))
+                "of two, and every load and store must mask the columns offs_d >= head_dim.",
+                unexplained_only=True))

@@ -3,8 +3,9 @@
 Each judge compares the learner's outputs with :mod:`fa_lab.fp8` (computed here, in
 the grader's process) and, when they differ, names the mistake: one scale for all
 blocks, a scale of amax instead of amax / 448, a multiply where a divide belongs,
-blocks that are not runs of consecutive rows, a transform that is not normalized
-or pairs the wrong elements, signs applied after the transform, K left unrotated...
+blocks that are not runs of consecutive rows, a transform that is not normalized,
+pairs the wrong elements or runs a round short, signs applied after the transform or
+left out on one side, K left unrotated...
 """
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def _scale_mistakes(x, block, expected):
            "uses a small part of e4m3's range (values below 2^-6 lose bits).", amax)
     yield ("your scales are 448 / amax, the inverse of amax / 448: the scale is what data is multiplied "
            "by to get x back (x = data * scale).", E4M3_MAX / amax)
+    signed = torch.nn.functional.pad(x32, (0, 0, 0, num_blocks * block - seqlen), value=float("-inf"))
+    largest = signed.reshape(batch, heads, num_blocks, block * head_dim).amax(dim=-1)
+    yield ("your scales come from the largest value, not the largest magnitude: amax is the max of |x| "
+           "over the block, so that its most negative values fit into [-448, 448] too.",
+           torch.where(largest != 0, largest / E4M3_MAX, 1.0))
     padded = torch.nn.functional.pad(x32.abs(), (0, 0, 0, num_blocks * block - seqlen))
     strided = padded.reshape(batch, heads, block, num_blocks, head_dim).amax(dim=(2, 4))
     yield (f"your blocks are not runs of consecutive rows: block j must hold rows j * {block} to "
@@ -183,22 +189,30 @@ def judge_quantize(case, outcome) -> Verdict:
 # ----------------------------------------------------------------------------- hadamard
 
 
-def butterflies(x: torch.Tensor, pairing: str = "right") -> torch.Tensor:
-    """x H / sqrt(d) by log2(d) rounds of butterflies, or with a wrong pairing. x: (..., d), float64.
+def butterflies(x: torch.Tensor, pairing: str = "right", rounds: int | None = None) -> torch.Tensor:
+    """x H / sqrt(d) by log2(d) rounds of butterflies, or with a mistake. x: (..., d), float64.
 
     pairing "neighbours": every round pairs elements 2i and 2i + 1 (the stride never grows);
-    "interleaved": pairs x[i] and x[i + h] but writes a + b and a - b next to each other.
+    "interleaved": pairs x[i] and x[i + h] but writes a + b and a - b next to each other;
+    "reversed": writes b - a where a - b belongs. rounds: how many rounds run (None: log2(d)).
     """
     head_dim = x.shape[-1]
     y = x.reshape(-1, head_dim)
-    half = 1
-    while half < head_dim:
+    half, done = 1, 0
+    while half < head_dim and (rounds is None or done < rounds):
         width = 1 if pairing == "neighbours" else half
         pairs = y.reshape(-1, head_dim // (2 * width), 2, width)
         a, b = pairs[:, :, 0], pairs[:, :, 1]
-        y = torch.stack((a + b, a - b), dim=-1 if pairing == "interleaved" else 2).reshape(-1, head_dim)
-        half *= 2
+        difference = b - a if pairing == "reversed" else a - b
+        y = torch.stack((a + b, difference), dim=-1 if pairing == "interleaved" else 2).reshape(-1, head_dim)
+        half, done = half * 2, done + 1
     return (y / math.sqrt(head_dim)).reshape(x.shape)
+
+
+def _far(actual, expected) -> bool:
+    """True when y misses the reference by more than 5% of its length (not a rounding matter)."""
+    y, reference = actual["y"].double(), expected["y"].reference
+    return bool(torch.isfinite(y).all()) and float((y - reference).norm()) > 0.05 * float(reference.norm())
 
 
 def _transform_detectors(x):
@@ -207,6 +221,8 @@ def _transform_detectors(x):
     def permuted(actual, expected, comparisons):
         y, reference = actual["y"].double(), expected["y"].reference
         bound = comparisons["y"].bound
+        if not _far(actual, expected):
+            return None
         if (y.sort(dim=-1).values - reference.sort(dim=-1).values).abs().max() <= bound:
             return ("your outputs hold the right values in the wrong positions: the butterflies pair "
                     "the right elements but write a + b and a - b to other places. In the round with "
@@ -218,12 +234,14 @@ def _transform_detectors(x):
         y = actual["y"].double()
         ratio = y.norm(dim=-1) / x64.norm(dim=-1)
         ratio = ratio[torch.isfinite(ratio)]
-        if not ratio.numel() or (ratio.max() - ratio.min()) > 1e-2 * ratio.mean():
+        if not _far(actual, expected) or not ratio.numel() or (ratio.max() - ratio.min()) > 1e-2 * ratio.mean():
             return None
         factor = ratio.mean().item()
         if abs(factor - 1) > 1e-2:
-            return (f"every row comes out {factor:.3g} times as long as it went in: x H / sqrt(d) keeps "
-                    "lengths (H H^T = d I), so divide by sqrt(d) exactly once.")
+            return (f"every row comes out {factor:.3g} times as long as it went in, but x H / sqrt(d) keeps "
+                    "lengths (H H^T = d I): each round of butterflies makes a row sqrt(2) times longer, so "
+                    "log2(d) rounds (h = 1, 2, ..., d / 2) and one division by sqrt(d) keep it. Count your "
+                    "rounds and your divisions.")
         return ("your transform keeps lengths, but it is not x H / sqrt(d) with Sylvester's H: check "
                 "which elements each round pairs (stride h = 1, 2, 4, ..., d / 2). hadamard(torch.eye(d)) "
                 "* sqrt(d) must give H, where H_1 = [1] and H_2n = [[H_n, H_n], [H_n, -H_n]].")
@@ -255,6 +273,15 @@ def judge_hadamard(case, outcome) -> Verdict:
         yield ("your butterflies write a + b and a - b next to each other: in the round with stride h, "
                "a + b goes to position i and a - b to position i + h, where a = x[i] and b = x[i + h].",
                lambda: {"y": butterflies(x64, "interleaved")})
+        yield ("your butterflies compute b - a where a - b belongs: in the round with stride h, a = x[i] and "
+               "b = x[i + h] become a + b at i and a - b at i + h.", lambda: {"y": butterflies(x64, "reversed")})
+        rounds = head_dim.bit_length() - 1
+        if rounds >= 1:
+            strides = ", ".join(str(2 ** i) for i in range(rounds)) if rounds <= 4 else \
+                f"1, 2, ..., d / 2 = {head_dim // 2}"
+            yield (f"one round of butterflies is missing: d = {head_dim} takes log2(d) = {rounds} "
+                   f"round{'s' if rounds > 1 else ''}, with strides h = {strides} (while h < d, not while "
+                   "2 h < d).", lambda: {"y": butterflies(x64, rounds=rounds - 1)})
 
     return judge_outputs(case, _as_tuple(outcome), ("y",), expected, candidates=candidates,
                          detectors=_transform_detectors(x), error_hints=[NON_CONTIGUOUS_HINT],
@@ -345,6 +372,12 @@ def judge_rotate(case, outcome) -> Verdict:
         yield ("the signs are ignored: M = diag(signs) H / sqrt(d). Without the random signs the rotation "
                "is always the same, and an outlier pattern aligned with H is not spread.",
                lambda: {"qm": hadamard_transform(q64), "km": hadamard_transform(k64)})
+        yield ("k is rotated without the signs (hadamard(k), not hadamard(k * signs)): Q and K must be "
+               "multiplied by the same M = diag(signs) H / sqrt(d), or (QM)(KM)^T is no longer QK^T.",
+               lambda: {"qm": qm, "km": hadamard_transform(k64)})
+        yield ("q is rotated without the signs (hadamard(q), not hadamard(q * signs)): Q and K must be "
+               "multiplied by the same M = diag(signs) H / sqrt(d), or (QM)(KM)^T is no longer QK^T.",
+               lambda: {"qm": hadamard_transform(q64), "km": km})
         yield ("your rotation is not normalized (q H instead of q H / sqrt(d)): is your hadamard "
                "dividing by sqrt(d)?", lambda: {"qm": qm * root_d, "km": km * root_d})
         if q.shape == k.shape:

@@ -71,8 +71,29 @@ def _close(a: float, b: float, tolerance: float = 0.05) -> bool:
     return abs(a / b - 1) < tolerance
 
 
-def _named_mistake(values: dict, ratios: dict, off: list[str]) -> str | None:
+def _all_close(values: dict, table: dict) -> bool:
+    return all(1 / ROW_TOLERANCE <= values[row] / table[row] <= ROW_TOLERANCE for row in table)
+
+
+def _swapped(values: dict, reference: dict, off: list[str]) -> tuple[str, str] | None:
+    """Two rows off whose values are each other's (within 5%)."""
+    for i, a in enumerate(off):
+        for b in off[i + 1:]:
+            if _close(values[a], reference[b]) and _close(values[b], reference[a]):
+                return a, b
+    return None
+
+
+def _named_mistake(values: dict, ratios: dict, off: list[str], seed: int) -> str | None:
     """The mistake that the pattern of rows off (and how far off) points to, if any."""
+    reference = {row: values[row] / ratios[row] for row in values}
+    if seed != 0 and _all_close(values, fa_lab_table(0)):
+        return ("your table is the one of seed 0, whatever the seed: draw the data with "
+                "table_inputs(seed), from the seed argument.")
+    pair = _swapped(values, reference, off)
+    if pair:
+        return (f"your {pair[0]} and {pair[1]} rows are swapped: each holds the other's RMSE (check which "
+                "output goes under which name).")
     if len(off) == len(values) and (max(ratios.values()) < 1 or min(ratios.values()) > 1):
         return (f"every row is off, all in the same direction (x{min(ratios.values()):.2f} to "
                 f"x{max(ratios.values()):.2f} of fa_lab's): look at how you measure. Each RMSE is the square "
@@ -99,6 +120,10 @@ def _named_mistake(values: dict, ratios: dict, off: list[str]) -> str | None:
     if "baseline_fp16" in off and _close(values["baseline_fp16"], values["flash_fp16"]):
         return ("your baseline_fp16 equals your flash_fp16: the baseline is standard attention with S and "
                 "P in fp16 (naive_attention on the fp16 inputs).")
+    if "flash_fp16" in off and _close(values["flash_fp16"], values["baseline_fp16"]):
+        return ("your flash_fp16 equals your baseline_fp16: flash_fp16 is FlashAttention in fp16 "
+                "(flash_forward: a float32 softmax, O rounded to fp16 once), while the baseline rounds S "
+                "and P to fp16 too.")
     return None
 
 
@@ -115,7 +140,7 @@ def judge_table(case, outcome) -> Verdict:
     ratios = {row: values[row] / reference[row] for row in values}
     off = [row for row, ratio in ratios.items() if not 1 / ROW_TOLERANCE <= ratio <= ROW_TOLERANCE]
     if off:
-        mistake = _named_mistake(values, ratios, off)
+        mistake = _named_mistake(values, ratios, off, seed)
         listing = "; ".join(f"{row}: yours {values[row]:.2e}, fa_lab's {reference[row]:.2e} "
                             f"(x{ratios[row]:.2f})" for row in off)
         return Verdict(False, f"{mistake + ' ' if mistake else ''}Rows more than "
