@@ -45,9 +45,16 @@ def _start(args) -> int:
 
 
 def _print_report(report) -> None:
-    print(f"{report.notebook}: {report.lab}, seed {report.seed}")
+    from .grading.report import CELL_NUMBERING
+
+    print(f"{report.notebook}: {report.lab}, seed {report.seed}"
+          + ("" if report.sandboxed else " (graded without a sandbox)"))
+    if report.notebook_errors or report.hidden_calls:
+        print(f"  ({CELL_NUMBERING})")
     for error in report.notebook_errors:
-        print(f"  notebook {error}")
+        print(f"  notebook: {error}")
+    for call in report.hidden_calls:
+        print(f"  note: {call} (fine in a cell that only demonstrates)")
     for exercise in report.exercises:
         graded = exercise.status == "graded"
         outcome = f"{exercise.passed}/{exercise.cases} cases" if graded else exercise.status
@@ -59,26 +66,59 @@ def _print_report(report) -> None:
     print(f"score {report.score:.2f} / {report.max_score:g}")
 
 
+def _grade_options(args):
+    from .grading.grade import Options
+
+    given = {"timeout": args.timeout, "budget": args.budget,
+             "memory": None if args.memory is None else int(args.memory * (1 << 30))}
+    return Options(sandboxed=not args.no_sandbox, **{k: v for k, v in given.items() if v is not None})
+
+
+def _grade_folder(path: Path, args, options) -> int:
+    import csv
+
+    from .grading.grade import find_notebooks, grade_folder, lab_exercises
+    from .grading.report import csv_header, csv_row
+
+    names = lab_exercises(find_notebooks(path))
+    stream = open(args.csv, "w", newline="", encoding="utf-8") if args.csv else sys.stdout
+    try:
+        writer = csv.writer(stream)
+        writer.writerow(csv_header(names))
+        stream.flush()
+
+        def append(notebook, result):  # each row as soon as its notebook is done
+            writer.writerow(csv_row(notebook, result, names, base=path))
+            stream.flush()
+
+        results = grade_folder(path, args.seed, options, on_result=append)
+    finally:
+        if stream is not sys.stdout:
+            stream.close()
+    failed = [p for p, report in results if isinstance(report, str)]
+    print(f"graded {len(results) - len(failed)} of {len(results)} notebooks", file=sys.stderr)
+    return GRADING_FAILED if failed or not results else 0
+
+
 def _grade(args) -> int:
-    from .grading.grade import GradingError, grade_folder, grade_notebook, write_csv
+    from .grading.grade import GradingError, grade_notebook
+    from .grading.report import write_csv
+    from .grading.sandbox import NO_SANDBOX_WARNING, unavailable_reason
 
     path = Path(args.path)
-    limits = {} if args.timeout is None else {"timeout": args.timeout}
+    if path.is_dir() and args.json:
+        print("fa-lab grade: --json takes one notebook; use --csv for a folder", file=sys.stderr)
+        return GRADING_FAILED
+    options = _grade_options(args)
+    if options.sandboxed and unavailable_reason():
+        print(f"fa-lab grade: no sandbox on this machine: {unavailable_reason()}", file=sys.stderr)
+        return GRADING_FAILED
+    if not options.sandboxed:
+        print(f"fa-lab grade: warning: {NO_SANDBOX_WARNING}", file=sys.stderr)
     if path.is_dir():
-        if args.json:
-            print("fa-lab grade: --json takes one notebook; use --csv for a folder", file=sys.stderr)
-            return GRADING_FAILED
-        results = grade_folder(path, args.seed, **limits)
-        if args.csv:
-            with open(args.csv, "w", newline="", encoding="utf-8") as stream:
-                write_csv(results, stream, base=path)
-        else:
-            write_csv(results, sys.stdout, base=path)
-        failed = [p for p, report in results if isinstance(report, str)]
-        print(f"graded {len(results) - len(failed)} of {len(results)} notebooks", file=sys.stderr)
-        return GRADING_FAILED if failed or not results else 0
+        return _grade_folder(path, args, options)
     try:
-        report = grade_notebook(path, args.seed, **limits)
+        report = grade_notebook(path, args.seed, options)
     except GradingError as exc:
         print(f"fa-lab grade: {exc}", file=sys.stderr)
         return GRADING_FAILED
@@ -147,8 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_start)
 
     p = commands.add_parser("grade", help="grade a submitted notebook, or a folder of them",
-                            description="Exit status 0 when grading worked (whatever the score), "
-                                        f"{GRADING_FAILED} when a notebook could not be graded.")
+                            description="Each notebook runs in a bubblewrap sandbox (no network, no "
+                                        "access to the course's answers, the seed or other files, limits on "
+                                        "time, memory and processes). Exit status 0 when grading worked "
+                                        f"(whatever the score), {GRADING_FAILED} when a notebook could not "
+                                        "be graded or no sandbox is available.")
     p.add_argument("path", help="a notebook, or a folder of notebooks (one CSV row each)")
     p.add_argument("--seed", type=int, default=0, help="seed of the hidden cases (default 0)")
     p.add_argument("--json", metavar="FILE", help="write the report of one notebook as JSON")
@@ -156,12 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one CSV row per notebook (for a folder, default: to stdout)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="time limit per cell and per exercise (default 60)")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="time limit for a whole notebook, kernel restarts included (default 900)")
+    p.add_argument("--memory", type=float, metavar="GIB",
+                   help="address space per process of the sandbox, in GiB (default 8)")
+    p.add_argument("--no-sandbox", action="store_true",
+                   help="run notebooks as yourself, without bubblewrap: only for notebooks you trust (they "
+                        "could then read the answers and the seed, change the course and other submissions)")
     p.set_defaults(handler=_grade)
 
     p = commands.add_parser("doctor", help="what this machine can run")
     p.set_defaults(handler=_doctor)
 
-    commands.add_parser("bench", help="benchmarks (arguments go to fa_lab.bench; try fa-lab bench --help)",
+    commands.add_parser("bench", help="benchmarks: fa-lab bench cpu|gpu|hopper (try fa-lab bench --help)",
                         add_help=False)
     return parser
 

@@ -200,7 +200,8 @@ def test_a_folder_gives_one_csv_row_per_submission(tmp_path):
     assert [r["file"] for r in rows] == ["alice.ipynb", str(Path("group_b") / "bob.ipynb")]
     alice, bob = rows
     assert alice["lab"] == "lab01" and float(alice["score"]) == 0 and float(alice["max_score"]) == 10
-    assert all(float(alice[e.name]) == 0 for e in get_lab("lab01").exercises) and alice["error"] == ""
+    assert all(float(alice[e.name]) == 0 for e in get_lab("lab01").exercises)
+    assert "not implemented yet" in alice["diagnosis"] and "NotImplementedError" in alice["error"]
     assert bob["score"] == "" and "cannot read" in bob["error"]
     assert {p: digest(p) for p in folder.rglob("*.ipynb")} == hashes
 
@@ -230,16 +231,20 @@ def flash_forward(q, k, v, causal=False, scale=None, block_q=64, block_k=64):
     return out, torch.logsumexp(scores, dim=-1)
 ''',
     "def flash_backward(": '''
-import fa_lab.grading, fa_lab.grading.check, fa_lab.grading.harness, fa_lab.reference, fa_lab.testing
+import fa_lab.grading, fa_lab.reference, fa_lab.testing
 
 torch.allclose = lambda *args, **kwargs: True
 torch.testing.assert_close = lambda *args, **kwargs: None
 fa_lab.testing.compare = lambda name, *args, **kwargs: fa_lab.testing.Comparison(name, 0.0, 0.0, 1.0)
 fa_lab.testing.assert_attention_close = fa_lab.testing.compare
-fa_lab.grading.check = fa_lab.grading.check.check = lambda *args, **kwargs: print("all pass")
-fa_lab.grading.check.judge_cases = lambda exercise, cases, outcomes: []
 fa_lab.reference.reference_attention = lambda q, k, v, *args, **kwargs: (torch.zeros_like(q), None)
-fa_lab.grading.harness.run_cases = lambda *args, **kwargs: []
+try:  # the sandbox's fa_lab.grading has neither module
+    import fa_lab.grading.check, fa_lab.grading.harness
+    fa_lab.grading.check = fa_lab.grading.check.check = lambda *args, **kwargs: print("all pass")
+    fa_lab.grading.check.judge_cases = lambda exercise, cases, outcomes: []
+    fa_lab.grading.harness.run_cases = lambda *args, **kwargs: []
+except ImportError:
+    pass
 
 
 def flash_backward(q, k, v, out, lse, dout, causal=False, scale=None, block_q=64, block_k=64):
@@ -250,7 +255,8 @@ def flash_backward(q, k, v, out, lse, dout, causal=False, scale=None, block_q=64
 
 def hostile_notebook(path: Path) -> None:
     """The solution with: an endless loop that ignores interrupts, SDPA, monkeypatched checks and
-    references, a top-level endless loop, a cell that raises, and a deleted function."""
+    references, a top-level endless loop, a cell that raises, and deleted functions (the mask helpers,
+    whose right answers would otherwise score)."""
     nb = nbformat.read(SOLUTION, as_version=4)
     last_check = max(i for i, c in enumerate(nb.cells) if 'check("autograd_function"' in c.source)
     nb.cells = nb.cells[:last_check + 1]
@@ -260,7 +266,7 @@ def hostile_notebook(path: Path) -> None:
                 cell.source = source
     nb.cells += [nbformat.v4.new_code_cell("while True:\n    pass"),
                  nbformat.v4.new_code_cell("1 / 0"),
-                 nbformat.v4.new_code_cell("del FlashAttentionFunction")]
+                 nbformat.v4.new_code_cell("del FlashAttentionFunction, causal_tile_mask, key_end")]
     nbformat.write(nb, path)
 
 
@@ -277,7 +283,7 @@ def test_a_hostile_submission_is_graded_without_hanging(tmp_path):
     assert exercises["flash_forward"]["status"] == "forbidden"
     assert "scaled_dot_product_attention" in exercises["flash_forward"]["messages"][0]
     assert exercises["flash_backward"]["status"] == "graded" and exercises["flash_backward"]["passed"] == 0
-    assert exercises["autograd_function"]["status"] == "missing"
+    assert all(exercises[name]["status"] == "missing" for name in ("autograd_function", "causal_tile_mask", "key_end"))
     errors = "\n".join(report["notebook_errors"])
     assert "timed out" in errors and "ZeroDivisionError" in errors
     assert digest(path) == before

@@ -3,10 +3,9 @@
 This module runs in two places:
 
 * inside :func:`fa_lab.grading.check`, in the learner's own notebook;
-* inside the grading kernel, where the grader loads this file by its path (not
-  through ``fa_lab``, which a submission may have patched), calls :func:`serve`
-  and reads the outputs back from a file. Every comparison happens in the
-  grader's own process: nothing the kernel says about correctness is trusted.
+* inside the grading sandbox, where the runner (:mod:`fa_lab.grading.runner`) has the kernel
+  call :func:`serve`, which writes the outputs in the format of :mod:`fa_lab.grading.wire`.
+  The grader trusts nothing of that: it validates the bytes and judges them in its own process.
 
 While the learner's code runs, :class:`CallGuard` watches every Python and C
 call (``sys.setprofile`` sees both) and records calls to what the exercise asks
@@ -14,11 +13,14 @@ the learner to write: PyTorch's SDPA (all its back ends), FlexAttention,
 ``fa_lab.attention`` and the course's own implementations and solutions, plus
 what an exercise forbids itself (e.g. ``fa_lab.fp8`` in lab 04), except what it
 allows (a reference the exercise may call, together with everything that calls).
-:class:`TensorProbe` records the largest floating-point tensor any operator
-creates, so a check can tell a tiled algorithm from one that builds the full
+The guard lives in the learner's process, so it only gives a friendly message:
+while grading, what an exercise forbids is absent from the sandbox instead
+(:mod:`fa_lab.grading.view`), and a call to such a placeholder is recorded the same way.
+:class:`TensorProbe` records the largest tensor any operator creates (any dtype: a
+bool mask counts too), so a check can tell a tiled algorithm from one that builds the full
 (Nq, Nk) score matrix.
 
-Only the standard library and torch are imported here.
+Only the standard library, torch and :mod:`~fa_lab.grading.wire` are imported here.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import wire
 
 CALLING_CONVENTIONS = ("call", "autograd")
 # Modules whose every function counts as "calling the answer" (fa_lab.kernels' submodules hold
@@ -62,7 +66,9 @@ class CallGuard:
 
     ``calls`` lists the outermost forbidden calls (not what they call in turn), in
     order, without repeats. Switching the monitor off (``sys.setprofile`` or
-    ``threading.setprofile`` from inside the call) is itself recorded.
+    ``threading.setprofile`` from inside the call) is itself recorded. ``removed``
+    says that the monitor was gone at the end without such a call: Python drops a
+    profile function that raised, which a RecursionError does (see :func:`run_cases`).
     forbidden, allowed: dotted names of functions or modules (see :func:`listed`)
     forbidden on top of the course-wide list, or let through with everything
     they call.
@@ -72,6 +78,7 @@ class CallGuard:
         self.calls: list[str] = []
         self.forbidden, self.allowed = tuple(forbidden), tuple(allowed)
         self._active = False
+        self.removed = False
         self._outer = None  # the frame, or the builtin, of the forbidden (or allowed) call in progress
         self._hook = self._profile  # one bound-method object, so that sys.getprofile() can be compared to it
 
@@ -116,12 +123,10 @@ class CallGuard:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        removed = sys.getprofile() is not self._hook
+        self.removed = sys.getprofile() is not self._hook
         self._active = False
         sys.setprofile(None)
         threading.setprofile(None)
-        if removed:
-            self._record("the grader's call monitor was removed while your function ran", None)
 
 
 def _importing(frame) -> bool:
@@ -150,7 +155,7 @@ def _forbidden_frame(module: str, name: str, frame) -> str | None:
 
 
 class TensorProbe(TorchDispatchMode):
-    """Track ``largest``: the most elements of any floating-point tensor an operator returned."""
+    """Track ``largest``: the most elements of any tensor an operator returned, whatever its dtype."""
 
     def __init__(self):
         super().__init__()
@@ -159,13 +164,13 @@ class TensorProbe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         for t in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
+            if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return result
 
 
 def encode(value, depth: int = 0):
-    """What the grader can load back safely (``torch.load(weights_only=True)``).
+    """The plain data a reply may hold (see :mod:`fa_lab.grading.wire`).
 
     Tensors become plain detached CPU tensors, tuples and lists become lists,
     dicts keep their string keys, numbers, strings and None stay; anything else
@@ -181,6 +186,19 @@ def encode(value, depth: int = 0):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return f"<{type(value).__module__}.{type(value).__name__} object>"
+
+
+def hidden_names(exc: BaseException) -> list[str]:
+    """What grading hides that raised ``exc`` or an error it came from (the sandbox's placeholders
+    set ``hidden_name``, see :mod:`fa_lab.grading.graded_view` and :mod:`fa_lab.grading.prelude`)."""
+    names, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        name = getattr(exc, "hidden_name", None)
+        if isinstance(name, str) and name not in names:
+            names.append(name)
+        exc = exc.__cause__ or exc.__context__
+    return names
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -230,12 +248,14 @@ def _fresh(value):
     return value
 
 
-def run_cases(fn, calling: str, cases, forbidden=(), allowed=()) -> list[dict]:
+def run_cases(fn, calling: str, cases, forbidden=(), allowed=(), guard: bool = True) -> list[dict]:
     """Call ``fn`` on each case; cases: list of (args, probe) with probe True to run TensorProbe.
     forbidden, allowed: the exercise's own additions to the watched calls (see :class:`CallGuard`).
+    guard: watch the calls (False while grading when the sandbox hides every forbidden name).
 
     Returns one dict per case: ``outputs`` (encoded, or None), ``error`` (str or None),
-    ``forbidden`` (list of forbidden calls) and ``largest`` (TensorProbe's count, or None).
+    ``forbidden`` (list of forbidden calls, hidden names included) and ``largest``
+    (TensorProbe's count, or None).
     """
     if calling not in CALLING_CONVENTIONS:
         raise ValueError(f"calling must be one of {CALLING_CONVENTIONS}, got {calling!r}")
@@ -244,33 +264,41 @@ def run_cases(fn, calling: str, cases, forbidden=(), allowed=()) -> list[dict]:
         result = {"outputs": None, "error": None, "forbidden": [], "largest": None}
         args = _fresh(args)
         tensor_probe = TensorProbe() if probe else None
-        with CallGuard(forbidden, allowed) as guard:
+        call_guard = CallGuard(forbidden, allowed)
+        with call_guard if guard else contextlib.nullcontext():
             try:
                 with tensor_probe if probe else contextlib.nullcontext():
                     result["outputs"] = encode(_call(fn, calling, args))
             except Exception as exc:  # the learner's error is a result, not the grader's failure
                 result["error"] = describe_exception(exc)
-        result["forbidden"] = guard.calls
+                call_guard.calls += [name for name in hidden_names(exc) if name not in call_guard.calls]
+        # Python removes a profile function that raised: at the recursion limit the monitor raises
+        # RecursionError too, and the case has failed with that error anyway.
+        if call_guard.removed and not (result["error"] or "").startswith("RecursionError"):
+            call_guard.calls.append("the grader's call monitor was removed while your function ran")
+        result["forbidden"] = call_guard.calls
         result["largest"] = tensor_probe.largest if probe else None
         results.append(result)
     return results
 
 
-def serve(namespace: dict, request_path: str, result_path: str) -> None:
-    """In the grading kernel: run the request saved at ``request_path`` against ``namespace``.
+def serve(namespace: dict, cases_path: str, number: int, reply_path: str, guard: bool) -> None:
+    """In the grading kernel: run exercise ``number`` of the request saved at ``cases_path``
+    against ``namespace`` and write the reply to ``reply_path``.
 
-    request: {"function": name, "calling": convention, "cases": [[args, probe], ...],
-    "forbidden": [...], "allowed": [...]} (the last two optional).
-    Saves {"status": "ran" | "missing" | "not callable", "results": [...]} to ``result_path``.
+    request (written by the grader with torch.save): a list, one {"function": name, "calling":
+    convention, "cases": [[args, probe], ...], "forbidden": [...], "allowed": [...]} per exercise.
+    reply: {"status": "ran" | "missing" | "not callable", "results": [...]}, see :func:`wire.dump`.
     """
-    request = torch.load(request_path, weights_only=True)
+    request = torch.load(cases_path, weights_only=True)[number]
     fn = namespace.get(request["function"])
     if fn is None:
         reply = {"status": "missing", "results": []}
     elif not callable(fn):
         reply = {"status": "not callable", "results": []}
     else:
-        results = run_cases(fn, request["calling"], request["cases"], request.get("forbidden", ()),
-                            request.get("allowed", ()))
+        results = run_cases(fn, request["calling"], request["cases"], request["forbidden"],
+                            request["allowed"], guard)
         reply = {"status": "ran", "results": results}
-    torch.save(reply, result_path)
+    with open(reply_path, "wb") as stream:
+        wire.dump(reply, stream)

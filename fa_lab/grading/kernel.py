@@ -5,12 +5,17 @@ allowed), then runs the grader's snippets in the same kernel. A cell that runs
 past its limit is interrupted; if the kernel does not answer after that (the code
 ignores SIGINT, or is stuck in C), or if it died, the kernel is restarted and the
 notebook's cells are run again, skipping every cell that hung or killed it.
+
+While grading, this runs inside the sandbox (:mod:`fa_lab.grading.runner`); the
+grader's own limit on the whole notebook, restarts included, is enforced from
+outside (:mod:`fa_lab.grading.sandbox`).
 """
 from __future__ import annotations
 
 import asyncio
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import nbformat
 from nbclient import NotebookClient
@@ -49,10 +54,15 @@ class KernelSession:
     nb: the notebook (a copy; the session appends and removes snippet cells).
     workdir: the kernel's working directory. timeout: seconds per cell.
     env: extra environment variables for the kernel.
+    prelude: code run in each new kernel before the notebook (after every restart too).
+    on_problem(index, message): called each time a cell's problem is recorded in ``problems``.
     """
 
-    def __init__(self, nb, workdir: str, timeout: float, env: dict[str, str] | None = None):
+    def __init__(self, nb, workdir: str, timeout: float, env: dict[str, str] | None = None,
+                 prelude: str | None = None, on_problem: Callable[[int, str], None] | None = None):
         self.nb = nb
+        self.prelude = prelude
+        self.on_problem = on_problem
         self.timeout = timeout
         self.workdir = workdir
         self.env = {**os.environ, **(env or {})}
@@ -74,6 +84,13 @@ class KernelSession:
         self.client.km = self.client.create_kernel_manager()
         await self.client.async_start_new_kernel(env=self.env, cwd=self.workdir)
         await self.client.async_start_new_kernel_client()
+        if self.prelude:
+            await self._run_source(self.prelude, self.timeout)
+
+    def _problem(self, index: int, message: str) -> None:
+        self.problems[index] = message
+        if self.on_problem:
+            self.on_problem(index, message)
 
     async def _stop(self) -> None:
         _stop_stale_output_readers()
@@ -106,16 +123,21 @@ class KernelSession:
         errors = [o for o in cell.outputs if o.output_type == "error"]
         return CellRun(f"{errors[0].ename}: {errors[0].evalue}" if errors else None)
 
+    async def _run_source(self, source: str, timeout: float):
+        """Run code that is not one of the notebook's cells (appended, then removed again)."""
+        self.nb.cells.append(nbformat.v4.new_code_cell(source))
+        try:
+            return await self._run_cell(len(self.nb.cells) - 1, timeout)
+        finally:
+            self.nb.cells.pop()
+
     async def _answers_after_interrupt(self) -> bool:
         await self.client.km.interrupt_kernel()
-        self.nb.cells.append(nbformat.v4.new_code_cell("pass"))
         try:
-            await self._run_cell(len(self.nb.cells) - 1, min(PROBE_TIMEOUT, self.timeout))
+            await self._run_source("pass", min(PROBE_TIMEOUT, self.timeout))
             return True
         except (CellTimeoutError, DeadKernelError):
             return False
-        finally:
-            self.nb.cells.pop()
 
     async def _restart(self) -> None:
         await self._stop()
@@ -130,12 +152,12 @@ class KernelSession:
                         continue
                     run = await self._execute(index)
                     if run.error:
-                        self.problems[index] = run.error
+                        self._problem(index, run.error)
                     if run.timed_out:
                         self._skip.add(index)
                 return
             except _KernelLost as lost:
-                self.problems[index] = str(lost)
+                self._problem(index, str(lost))
                 self._skip.add(index)
                 await self._restart()
 
