@@ -60,10 +60,20 @@ def _header_with(**tensor) -> bytes:
     (_header_with(shape=[3]), "do not match"),
     (_header_with(offset=4), "do not match"),
     (_header_with(shape=[-2, -1]), "not a list of sizes"),
+    (_header_with(shape=[0, 1 << 62], nbytes=0), "not a list of sizes"),
+    (_header_with()[:-8] + bytes(12), "belong to no tensor"),
 ])
 def test_replies_that_break_the_format_are_refused(data, said):
     with pytest.raises(wire.BadReply, match=said):
         wire.loads(data, 1 << 20)
+
+
+def test_tensors_may_not_share_bytes():
+    """Many tensors pointing at the same bytes would multiply the reply's size in the grader's memory."""
+    spec = {"dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}
+    header = json.dumps({"value": [{"__tensor__": i} for i in range(1000)], "tensors": [spec] * 1000}).encode()
+    with pytest.raises(wire.BadReply, match="do not follow"):
+        wire.loads(len(header).to_bytes(8, "little") + header + bytes(8), 1 << 20)
 
 
 def test_a_pickle_or_an_oversized_reply_is_never_loaded():
@@ -114,14 +124,15 @@ def test_more_than_the_total_breaks_the_channel():
 ANSWERS = {  # what each lab asks for, and so must hide
     "lab01": ("fa_lab.attention", "fa_lab.flash_torch.flash_forward", "fa_lab.flash_torch.flash_backward",
               "fa_lab.flash_torch.FlashAttentionFunction", "fa_lab.online_softmax.online_softmax_update",
-              "fa_lab.reference.naive_attention", "fa_lab.reference.reference_attention"),
+              "fa_lab.reference.naive_attention", "fa_lab.reference.reference_attention",
+              "fa_lab.reference.causal_mask", "fa_lab.block_info.BlockInfo"),
     "lab03": ("fa_lab.attention", "fa_lab.kernels.triton_attention", "fa_lab.reference.reference_attention",
               "fa_lab.flash_torch.flash_forward"),
     "lab04": ("fa_lab.fp8.quantize_e4m3", "fa_lab.fp8.hadamard_transform", "fa_lab.fp8.incoherent_rotation",
               "fa_lab.fp8.reproduce_error_table", "fa_lab.fp8.fp8_attention_forward", "fa_lab.attention"),
 }
 # What the lab notebooks import and use outside the graded functions (their first cell and helpers).
-KEPT = {"lab01": ("fa_lab.reference.causal_mask", "fa_lab.testing.make_qkv"),
+KEPT = {"lab01": ("fa_lab.testing.make_qkv", "fa_lab.reference.softmax_with_lse"),
         "lab03": ("fa_lab.kernels.load_triton", "fa_lab.reference.causal_mask", "fa_lab.testing.make_qkv"),
         "lab04": ("fa_lab.flash_torch.flash_forward", "fa_lab.fp8.outlier_qkv", "fa_lab.fp8.random_signs",
                   "fa_lab.fp8.rmse", "fa_lab.reference.reference_attention")}
@@ -165,18 +176,18 @@ from fa_lab.reference import causal_mask, naive_attention, reference_attention
 from fa_lab.testing import make_qkv
 assert fa_lab.__file__.startswith(%r), fa_lab.__file__
 check("flash_forward", None)
-try:
-    naive_attention(*make_qkv())
-except RuntimeError as exc:
-    print(type(exc).__name__, exc.hidden_name)
-print(causal_mask(2, 2).tolist())
+for answer in (lambda: naive_attention(*make_qkv()), lambda: causal_mask(2, 2)):
+    try:
+        answer()
+    except RuntimeError as exc:
+        print(type(exc).__name__, exc.hidden_name)
 """ % str(tmp_path)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["check('flash_forward') skipped: the grader runs its own cases.",
                                         "HiddenWhileGrading fa_lab.reference.naive_attention",
-                                        "[[True, False], [True, True]]"]
+                                        "HiddenWhileGrading fa_lab.reference.causal_mask"]
 
 
 # ---- torch's attention in the grading kernel, the guard's RecursionError -----------------------
@@ -359,3 +370,34 @@ def test_no_sandbox_grades_and_warns(tmp_path, capsys):
     assert report["sandboxed"] is False and report["score"] == 0
     assert {e["status"] for e in report["exercises"]} == {"missing"}
     assert "can read the answers" in capsys.readouterr().err
+
+
+def test_a_judge_that_raises_costs_its_exercise_only(monkeypatch):
+    """A reply no judge foresaw (say a division by zero in a judge) fails that exercise, with the reason."""
+    from fa_lab.grading import grade
+    from fa_lab.grading.registry import get_lab
+
+    exercise = get_lab("lab04").exercises[-1]
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr(grade, "_score", broken)
+    report = grade._judged(exercise, [], None, "", False)
+    assert report.status == "failed" and report.points == 0
+    assert "ZeroDivisionError" in report.messages[0] and exercise.function in report.messages[0]
+
+
+def test_a_kernel_whose_prelude_fails_grades_nothing(tmp_path):
+    """Without its prelude (torch's attention blocked) the kernel must not grade: the session refuses."""
+    import asyncio
+
+    nbformat = pytest.importorskip("nbformat")
+    from fa_lab.grading.kernel import KernelSession
+
+    async def start():
+        async with KernelSession(nbformat.v4.new_notebook(), str(tmp_path), 60.0, prelude="1 / 0"):
+            pass
+
+    with pytest.raises(RuntimeError, match="prelude failed: ZeroDivisionError"):
+        asyncio.run(start())

@@ -183,10 +183,20 @@ def _failed(exercise: Exercise, cases, status: str, message: str) -> ExerciseRep
                           cases=len(cases), messages=[message])
 
 
-def _score(exercise: Exercise, cases, frame: Frame | None, limit: int, ended: str) -> ExerciseReport:
+def _judged(exercise: Exercise, cases, frame: Frame | None, ended: str, budget_exceeded: bool) -> ExerciseReport:
+    """:func:`_score`, where a reply that breaks the grader's own code costs that exercise only."""
+    try:
+        return _score(exercise, cases, frame, _reply_limit(cases), ended, budget_exceeded)
+    except Exception as exc:  # a reply no judge foresaw: this exercise fails, the others are graded
+        return _failed(exercise, cases, "failed", f"the grader could not judge what {exercise.function} "
+                                                  f"returned ({type(exc).__name__}: {str(exc)[:200]}).")
+
+
+def _score(exercise: Exercise, cases, frame: Frame | None, limit: int, ended: str,
+           budget_exceeded: bool) -> ExerciseReport:
     """The report of one exercise from its frame (None: the run ended before it; ``ended`` says how)."""
     if frame is None:
-        return _failed(exercise, cases, "timed out" if "budget" in ended else "failed",
+        return _failed(exercise, cases, "timed out" if budget_exceeded else "failed",
                        f"{exercise.function} was not graded: {ended}.")
     header = frame.header
     if not header.get("replied"):
@@ -280,7 +290,7 @@ def grade_notebook(path, seed: int = 0, options: Options = Options()) -> GradeRe
             replies.setdefault(number, frame)
     finished = any(f.header.get("type") == "done" for f in frames)
     ended = "" if finished else _how_it_ended(outcome, options)
-    reports = [_score(e, cases, replies.get(n), _reply_limit(cases), ended)
+    reports = [_judged(e, cases, replies.get(n), ended, outcome.budget_exceeded)
                for n, (e, cases) in enumerate(exercise_cases)]
     errors, hidden = [], []
     for index, problem in sorted(problems.items()):

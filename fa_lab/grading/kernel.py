@@ -84,8 +84,11 @@ class KernelSession:
         self.client.km = self.client.create_kernel_manager()
         await self.client.async_start_new_kernel(env=self.env, cwd=self.workdir)
         await self.client.async_start_new_kernel_client()
-        if self.prelude:
-            await self._run_source(self.prelude, self.timeout)
+        if self.prelude:  # it must run, or the kernel would grade without what it sets up
+            cell = await self._run_source(self.prelude, self.timeout)
+            errors = [o for o in cell.outputs if o.output_type == "error"]
+            if errors:
+                raise RuntimeError(f"the grading kernel's prelude failed: {errors[0].ename}: {errors[0].evalue}")
 
     def _problem(self, index: int, message: str) -> None:
         self.problems[index] = message

@@ -56,7 +56,7 @@ NO_SANDBOX_WARNING = (
     "grading without a sandbox (--no-sandbox): each notebook runs as you, with your files, network "
     "and processes. It can read the answers and the hidden cases' seed, change the course, the "
     "installed package and other submissions, and leave processes behind; only the time budget and "
-    "the per-process limits still hold. Grade only notebooks you trust this way.")
+    "the per-process limits (on Linux) still hold. Grade only notebooks you trust this way.")
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install "
                 "bubblewrap; `make setup` does it as root), or pass --no-sandbox (see fa-lab grade --help)")
 
@@ -373,7 +373,9 @@ def _teardown(process: subprocess.Popen, init: int | None, uid: int | None) -> N
 
 def _run_plain(command: list[str], env: dict[str, str], chdir: str, limits: Limits,
                reader: FrameReader) -> Outcome:
-    process = subprocess.Popen([*limits.prlimit(processes=False), *command], cwd=chdir, env=env,
+    # util-linux's prlimit is Linux's; elsewhere (macOS) only the wall-clock budget holds
+    bounded = [*limits.prlimit(processes=False), *command] if shutil.which("prlimit") else command
+    process = subprocess.Popen(bounded, cwd=chdir, env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                start_new_session=True)
     try:

@@ -7,12 +7,13 @@ writes it as::
     8 bytes: n, the header's length (little-endian)
     n bytes: JSON {"value": ..., "tensors": [{"dtype", "shape", "offset", "nbytes"}, ...]}
              where each tensor in the value is {"__tensor__": its index in "tensors"}
-    the tensors' bytes, each one contiguous, at its offset
+    the tensors' bytes, each one contiguous, end to end in the order of "tensors"
 
 :func:`loads` runs in the grader on bytes from the sandbox. It never unpickles and
 checks everything before it builds a tensor: the total size, the header's size
-(:data:`MAX_HEADER`) and nesting, each dtype (a fixed list), shape, offset and byte count; strings are cut
-to :data:`MAX_STRING` characters. A reply that breaks a rule raises
+(:data:`MAX_HEADER`) and nesting, each dtype (a fixed list), shape and byte count, and that the
+tensors lie end to end and fill the rest exactly (so no two share bytes, and all the tensors together
+take no more memory than the reply); strings are cut to :data:`MAX_STRING` characters. A reply that breaks a rule raises
 :class:`BadReply`. The tensors it returns are plain, fresh CPU tensors.
 
 Only the standard library and torch are imported here.
@@ -32,6 +33,7 @@ DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
 MAX_HEADER = 1 << 20  # bytes of JSON: numbers and messages (tensors lie outside it)
 MAX_DEPTH = 8  # lists and dicts within each other (harness.encode makes at most 3)
 MAX_DIMS = 8
+MAX_SIZE = 1 << 40  # elements along one dimension (an empty tensor's other sizes stay bounded too)
 MAX_STRING = 20_000
 _LENGTH = struct.Struct("<Q")
 _TENSOR = "__tensor__"
@@ -94,27 +96,34 @@ def loads(data: bytes, limit: int):
     if not isinstance(header, dict) or set(header) != {"value", "tensors"} or not isinstance(header["tensors"], list):
         raise BadReply("the reply's header does not have the expected keys")
     blob = memoryview(data)[_LENGTH.size + length:]
-    tensors = [_tensor(spec, blob) for spec in header["tensors"]]
+    tensors, end = [], 0
+    for spec in header["tensors"]:
+        tensor, end = _tensor(spec, blob, end)
+        tensors.append(tensor)
+    if end != len(blob):
+        raise BadReply("the reply holds bytes that belong to no tensor")
     return _value(header["value"], tensors, 0)
 
 
-def _tensor(spec, blob: memoryview) -> torch.Tensor:
+def _tensor(spec, blob: memoryview, start: int) -> tuple[torch.Tensor, int]:
+    """The tensor ``spec`` describes, whose bytes must begin at ``start`` of ``blob``; and where they end."""
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "offset", "nbytes"}:
         raise BadReply("a tensor's description does not have the expected keys")
     dtype, shape, offset, nbytes = spec["dtype"], spec["shape"], spec["offset"], spec["nbytes"]
     if dtype not in DTYPES:
         raise BadReply(f"a tensor has an unsupported dtype {str(dtype)[:40]!r}")
     if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-            or not all(type(n) is int and n >= 0 for n in shape)):
+            or not all(type(n) is int and 0 <= n <= MAX_SIZE for n in shape)):
         raise BadReply("a tensor's shape is not a list of sizes")
     dtype = DTYPES[dtype]
-    if (type(offset) is not int or type(nbytes) is not int or offset < 0
+    if (type(offset) is not int or type(nbytes) is not int or offset != start
             or nbytes != math.prod(shape) * dtype.itemsize or offset + nbytes > len(blob)):
-        raise BadReply("a tensor's bytes do not match its shape and dtype, or lie outside the reply")
+        raise BadReply("a tensor's bytes do not match its shape and dtype, or do not follow the previous "
+                       "tensor's within the reply")
     if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype), offset
     raw = torch.frombuffer(bytearray(blob[offset:offset + nbytes]), dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)
+    return raw.view(dtype).reshape(shape), offset + nbytes
 
 
 def _value(item, tensors: list[torch.Tensor], depth: int):

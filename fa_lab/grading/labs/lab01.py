@@ -20,7 +20,8 @@ How the online softmax is checked to be online: one case (public, and one hidden
 streams many blocks and lets the call create no tensor larger than a quarter of the whole row
 of scores (:class:`fa_lab.grading.harness.TensorProbe`), so ``torch.cat(score_blocks)`` with a
 ``logsumexp`` fails it however it is written, while folding block by block into (m, l) never
-holds more than a block.
+holds more than a block. The probe runs in the learner's kernel: it catches honest shortcuts, and
+a notebook that sets out to fool it can (the limit is not a guarantee of the sandbox).
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ LAB = Lab(
     notebook="lab01_flash_attention_cpu.ipynb",
     exercises=(
         Exercise("online_softmax", "online_softmax_stats", 2, public_stats_cases, hidden_stats_cases,
-                 _judge_stats),
+                 _judge_stats, forbidden=helpers.FORBIDDEN),
         Exercise("causal_tile_mask", "causal_tile_mask", 0.5, helpers.public_mask_cases,
                  helpers.hidden_mask_cases, helpers.judge_mask, forbidden=helpers.FORBIDDEN),
         Exercise("key_end", "key_end", 0.5, helpers.public_end_cases, helpers.hidden_end_cases,
@@ -162,16 +163,18 @@ LAB = Lab(
         Exercise("flash_forward", "flash_forward", 2.5,
                  partial(cases.public_attention_cases, cases.forward_case),
                  partial(cases.hidden_attention_cases, cases.forward_case),
-                 judges.judge_forward, summarize=partial(judges.summarize, causal_index=3)),
+                 judges.judge_forward, summarize=partial(judges.summarize, causal_index=3),
+                 forbidden=helpers.FORBIDDEN),
         Exercise("flash_backward", "flash_backward", 2.5,
                  partial(cases.public_attention_cases, cases.backward_case, cases.BACKWARD_PUBLIC),
                  partial(cases.hidden_attention_cases, cases.backward_case, large_scores=False),
-                 gradients.judge_backward, summarize=partial(judges.summarize, causal_index=6)),
+                 gradients.judge_backward, summarize=partial(judges.summarize, causal_index=6),
+                 forbidden=helpers.FORBIDDEN),
         Exercise("autograd_function", "FlashAttentionFunction", 2,
                  partial(cases.public_attention_cases, cases.autograd_case, cases.AUTOGRAD_PUBLIC),
                  partial(cases.hidden_attention_cases, cases.autograd_case, large_scores=False,
                          count=5),
                  gradients.judge_autograd, calling="autograd",
-                 summarize=partial(judges.summarize, causal_index=3)),
+                 summarize=partial(judges.summarize, causal_index=3), forbidden=helpers.FORBIDDEN),
     ),
 )
