@@ -23,9 +23,10 @@ case "$step" in
            2>&1 | tee "$out/bench.log" | grep -v "^bench" ;;
   hopper) $bench hopper --json "$out/h200_hopper.json" --plot "$out/h200_hopper.png" \
            --log "$out/h200_hopper_variants.json" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
-  tests) tests="python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=30 ${*:-tests}"
+  tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
+         tests=(python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=30 "${targets[@]}")
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
-             "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): $tests"
-           $tests 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
+             "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
+           "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
   *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -47,7 +47,8 @@ class QueryBlocks(NamedTuple):
     end: int
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints."""
     return -(-a // b)
 
 
@@ -157,11 +158,11 @@ class BlockInfo:
         """The query loop of the key tile that starts at key ``start_n`` (the dK/dV kernel): the
         masked tiles first, then the full ones. Rows past seqlen_q (the last tile's padding) count
         as full; their probabilities are zero."""
-        end = _cdiv(self.seqlen_q, block_m) * block_m
+        end = cdiv(self.seqlen_q, block_m) * block_m
         if not self.causal:
             return QueryBlocks(0, 0, end)
         # Row i sees key j when i >= j - offset: tiles above the first such row are skipped.
         begin = min(max(start_n - self.offset, 0) // block_m * block_m, end)
         last_key = start_n + block_n - 1  # the tile's last key, padding included
-        full_begin = min(_cdiv(max(last_key - self.offset, 0), block_m) * block_m, end)
+        full_begin = min(cdiv(max(last_key - self.offset, 0), block_m) * block_m, end)
         return QueryBlocks(begin, full_begin, end)

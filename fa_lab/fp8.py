@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .block_info import cdiv
 from .flash_torch import flash_forward
 from .inputs import check_block_size, check_qkv, resolve_scale
 from .online_softmax import SoftmaxState, online_softmax_update
@@ -110,7 +111,7 @@ def quantize_e4m3(x: torch.Tensor, block: int | None = None, floor_ratio: float 
         amax = x.abs().amax().expand(batch, heads, 1)
     else:
         check_block_size("block", block)
-        num_blocks = -(-seqlen // block)
+        num_blocks = cdiv(seqlen, block)
         padded = torch.nn.functional.pad(x, (0, 0, 0, num_blocks * block - seqlen))
         amax = padded.abs().reshape(batch, heads, num_blocks, block * head_dim).amax(dim=-1)
         amax = torch.maximum(amax, floor_ratio * amax.amax(dim=-1, keepdim=True))

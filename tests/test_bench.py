@@ -90,7 +90,7 @@ def test_table_shows_bandwidth_columns_for_memory_bound_rows():
     (lambda r: r.pop("date"), "date"),
     (lambda r: r["rows"][0].pop("fwd_ms"), "keys"),
     (lambda r: r["rows"][0].update(extra=1), "keys"),
-    (lambda r: r["rows"][0].update(seqlen=1024), "keys"),  # the old single length is not a row key
+    (lambda r: r["rows"][0].update(seqlen=1024), "keys"),  # a row has seqlen_q and seqlen_k, no key "seqlen"
     (lambda r: r["rows"][1].update(seqlen_q="1K"), "seqlen_q"),
     (lambda r: r["rows"][1].update(seqlen_k=None), "seqlen_k"),
     (lambda r: r["rows"][1].update(fwd_ms="fast"), "fwd_ms"),

@@ -225,7 +225,7 @@ def test_gpu_persistent_kernel_computes_what_one_tile_per_cta_computes(fp8, swit
     options = {persistent: HopperOptions(persistent=persistent, **switches) for persistent in (False, True)}
     if fp8:  # one quantization for both kernels
         q8, k8, vt8, descales = quantize_for_kernel(q, k, v, GLUON_TILES, True, gluon=True)
-        outs = [fp8_forward(q8, k8, vt8, descales, seqlen_k, causal, head_dim ** -0.5, GLUON_TILES, q.dtype,
+        outs = [fp8_forward(q8, k8, vt8, descales, causal, head_dim ** -0.5, GLUON_TILES, q.dtype,
                             head_dim, options[persistent]) for persistent in (False, True)]
     else:
         outs = [triton_hopper_attention(q, k, v, causal, None, options=options[persistent])

@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from ..block_info import causal_visible
 from ..iomodel import AttentionShape, attention_flops
 from ..memory import peak_memory
 from .schema import empty_row, environment, save_results
@@ -42,6 +43,9 @@ def sdpa_impl(backend_name: str):
     backend = getattr(SDPBackend, backend_name)
 
     def run(q, k, v, causal):
+        if causal and q.shape[2] != k.shape[2]:
+            raise ValueError(f"SDPA's is_causal aligns the mask top-left, but the course's is bottom-right: "
+                             f"causal needs seqlen_q == seqlen_k here, got {q.shape[2]} and {k.shape[2]}")
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return run
@@ -50,9 +54,8 @@ def sdpa_impl(backend_name: str):
 def flex_impl():
     """FlexAttention under torch.compile, with a causal BlockMask per shape.
 
-    Compiled for static shapes (one compile per shape): a first run with
-    ``dynamic=True`` (one compile per head_dim) was about 20% slower at d=128, 8K,
-    which would flatter every kernel compared with it.
+    Compiled for static shapes (one compile per shape): ``dynamic=True`` (one compile
+    per head_dim) runs slower, which would flatter every kernel compared with it.
     """
     import torch._dynamo
     import torch._functorch.config
@@ -63,15 +66,15 @@ def flex_impl():
     compiled = torch.compile(flex_attention, dynamic=False)
     masks = {}
 
-    def causal_mod(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
+    def causal_mod(offset):
+        return lambda b, h, q_idx, kv_idx: causal_visible(q_idx, kv_idx, offset)
 
     def run(q, k, v, causal):
         mask = None
         if causal:
             key = (q.shape[2], k.shape[2])
             if key not in masks:
-                masks[key] = create_block_mask(causal_mod, None, None, *key, device=q.device)
+                masks[key] = create_block_mask(causal_mod(key[1] - key[0]), None, None, *key, device=q.device)
             mask = masks[key]
         return compiled(q, k, v, block_mask=mask)
     return run

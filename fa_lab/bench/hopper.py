@@ -87,7 +87,7 @@ def fp8_kernel_fn(config, options=FP8_OPTIONS, rotate=True):
             with torch.no_grad():
                 cache[key] = quantize_for_kernel(q, k, v, tiles, rotate, gluon=uses_gluon(q, options))
         q8, k8, vt8, descales = cache[key]
-        return fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, q.shape[-1] ** -0.5, tiles,
+        return fp8_forward(q8, k8, vt8, descales, causal, q.shape[-1] ** -0.5, tiles,
                            q.dtype, q.shape[-1], options)[0]
     return run
 

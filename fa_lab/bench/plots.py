@@ -1,6 +1,7 @@
 """Plots of a results file: a metric against the sequence length, one line per impl."""
 from __future__ import annotations
 
+from ..block_info import cdiv
 from ..memory import use_byte_ticks, use_seqlen_ticks
 from .report import describe
 
@@ -27,7 +28,7 @@ def plot_results(results: dict, metrics=("fwd_tflops", "bwd_tflops"), impls=None
     if not panels:
         raise ValueError(f"no row has any of the metrics {list(metrics)}")
     columns = min(4, len(panels))
-    grid_rows = -(-len(panels) // columns)
+    grid_rows = cdiv(len(panels), columns)
     fig = Figure(figsize=(panel_size[0] * columns, panel_size[1] * grid_rows + 0.5), dpi=dpi)
     axes = fig.subplots(grid_rows, columns, squeeze=False).ravel()
     for ax in axes[len(panels):]:

@@ -1,4 +1,4 @@
-"""What every kernel family shares: constants, cdiv, and the host-side preparation of operands.
+"""What every kernel family shares: constants, cdiv (the core's), and the host-side preparation of operands.
 
 Host code only: this module does not import triton (the jit modules wrap the constants they use
 as constexprs). The FP8 constants belong to the FP8 emulation of the core (:mod:`fa_lab.fp8`),
@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..block_info import cdiv
 from ..fp8 import E4M3_MAX, P_SCALE
 from . import interpreting
 
@@ -23,11 +24,6 @@ __all__ = ["E4M3_MAX", "LN2", "LOG2E", "P_SCALE", "SUPPORTED", "cdiv", "check_tr
 LOG2E = math.log2(math.e)  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2E)
 LN2 = math.log(2.0)  # and their lse comes back from base 2: lse = LN2 * (m + log2 l)
 SUPPORTED = (torch.float16, torch.bfloat16)
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints."""
-    return -(-a // b)
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from ...inputs import resolve_scale
 from ...reference import naive_attention, reference_attention
 from ..judge import Expected, judge_outputs
 from . import attention_mistakes as mistakes
@@ -23,12 +24,11 @@ from .attention_judges import (
     KEY_DIMS,
     OUT_DIMS,
     TILES_ONLY,
-    _mask,
+    causal_mask_for,
     key_loop_candidates,
     last_query_block,
     mask_candidates,
     nan_detector,
-    resolve_scale,
     scale_candidates,
     visited,
 )
@@ -74,8 +74,8 @@ def gradients_detector(actual, expected, comparisons):
 def backward_candidates(q, k, v, out, lse, dout, causal, scale, blocks=()):
     """The known mistakes of a backward, as (message, thunk) pairs; blocks: (block_q, block_k) when
     the function tiles with them."""
-    used = resolve_scale(q, scale)
-    correct = _mask(q, k, causal)
+    used = resolve_scale(scale, q.shape[-1])
+    correct = causal_mask_for(q, k, causal)
     loop = visited(q, k, causal, blocks) if blocks else None
     qk, dp = mistakes.product(q, k), mistakes.product(dout, v)
 
@@ -152,8 +152,8 @@ _AUTOGRAD_HINTS = (
 
 def autograd_candidates(q, k, v, causal, scale, dout):
     """The known mistakes of an autograd.Function, as (message, thunk) pairs of {out, dq, dk, dv}."""
-    used, default = resolve_scale(q, scale), q.shape[-1] ** -0.5
-    correct = _mask(q, k, causal)
+    used, default = resolve_scale(scale, q.shape[-1]), resolve_scale(None, q.shape[-1])
+    correct = causal_mask_for(q, k, causal)
 
     def run(mask=correct, fwd_scale=used, bwd_mask=correct, bwd_scale=used, grad=dout):
         out, lse = mistakes.attention(q, k, v, fwd_scale, mask)

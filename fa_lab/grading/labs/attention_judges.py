@@ -17,6 +17,7 @@ import math
 import torch
 
 from ...block_info import BlockInfo
+from ...inputs import resolve_scale
 from ...reference import naive_attention, reference_attention
 from ...testing import LSE_FLOOR, compare
 from ..judge import Expected, judge_outputs, only_some_fail, wrong_positions
@@ -31,15 +32,11 @@ TILES_ONLY = ("FlashAttention never holds more than a (block_q, block_k) tile of
               "for the whole (Nq, Nk) matrix.")
 
 
-def resolve_scale(q, scale) -> float:
-    return q.shape[-1] ** -0.5 if scale is None else scale
-
-
 def block_info(q, k, causal) -> BlockInfo:
     return BlockInfo(q.shape[-2], k.shape[-2], causal=bool(causal))
 
 
-def _mask(q, k, causal, offset_shift=0, top_left=False):
+def causal_mask_for(q, k, causal, offset_shift=0, top_left=False):
     """The causal mask (None without causal); offset_shift / top_left give the wrong ones."""
     if not causal:
         return None
@@ -58,12 +55,6 @@ def visited(q, k, causal, blocks, end=None) -> torch.Tensor:
     return mistakes.visited_keys(info.seqlen_q, info.seqlen_k, *blocks, lambda i0, i1: end(info, i0, i1))
 
 
-def _rule(q, k) -> str:
-    offset = k.shape[-2] - q.shape[-2]
-    shift = f" {'+' if offset > 0 else '-'} {abs(offset)}" if offset else ""
-    return f"query i sees keys j <= i + Nk - Nq, here j <= i{shift}" if offset else "query i sees keys j <= i"
-
-
 def mask_candidates(q, k, causal, make, blocks=None):
     """The wrong causal masks, as (message, thunk) with make(mask) -> outputs.
 
@@ -72,7 +63,7 @@ def mask_candidates(q, k, causal, make, blocks=None):
     if not causal:
         return
     info = block_info(q, k, True)
-    offset, rule = info.offset, _rule(q, k)
+    offset, rule = info.offset, mistakes.causal_rule(info.seqlen_q, info.seqlen_k)
     first = info.first_query(0)  # the first query that sees a key
     right_loop = visited(q, k, True, blocks) if blocks else None
 
@@ -84,15 +75,16 @@ def mask_candidates(q, k, causal, make, blocks=None):
     masks = [(f"the causal mask is not applied: with causal=True, {rule}.", None)]
     if info.seqlen_q != info.seqlen_k:
         masks.append(("the causal mask is aligned top-left (query i sees keys j <= i). The course aligns it "
-                      f"bottom-right: {rule}, so the last query sees every key.", _mask(q, k, True, top_left=True)))
+                      f"bottom-right: {rule}, so the last query sees every key.",
+                      causal_mask_for(q, k, True, top_left=True)))
     inverted = (f"your causal mask is inverted: it hides the keys a query sees and shows the ones past its "
                 f"diagonal. True must mark the keys a query sees: {rule}.")
-    masks += [(inverted, ~info.mask()), (inverted, ~_mask(q, k, True, -1))]
+    masks += [(inverted, ~info.mask()), (inverted, ~causal_mask_for(q, k, True, -1))]
     masks += [
         (f"causal mask off by one: query {first} sees key {first + offset + 1}, but it may see keys up to "
-         f"{first + offset} only ({rule}).", _mask(q, k, True, 1)),
+         f"{first + offset} only ({rule}).", causal_mask_for(q, k, True, 1)),
         (f"causal mask off by one: each query misses the key on its diagonal (query {first} must see key "
-         f"{first + offset}; {rule}).", _mask(q, k, True, -1)),
+         f"{first + offset}; {rule}).", causal_mask_for(q, k, True, -1)),
     ]
     for message, mask in masks:
         for thunk in wrong(mask):
@@ -141,8 +133,8 @@ def last_query_block(seqlen_q: int, block_q: int) -> int | None:
 
 def scale_candidates(q, scale, make):
     """The wrong scales, as (message, thunk) with make(score_scale, grad_scale) -> outputs."""
-    used = resolve_scale(q, scale)
-    default = q.shape[-1] ** -0.5
+    used = resolve_scale(scale, q.shape[-1])
+    default = resolve_scale(None, q.shape[-1])
     yield ("the scale is applied twice (scale^2 * q k^T): scale q or S, not both.",
            lambda: make(used * used, used))
     yield "the softmax scale is missing: S = scale * q k^T.", lambda: make(1.0, used)
@@ -153,7 +145,7 @@ def scale_candidates(q, scale, make):
 
 def row_max_scores(q, k, scale, causal) -> torch.Tensor:
     """(B, H, Nq) float64: the largest score each query sees (-inf for one that sees no key)."""
-    return mistakes.scores(q, k, resolve_scale(q, scale), _mask(q, k, causal)).amax(dim=-1)
+    return mistakes.scores(q, k, resolve_scale(scale, q.shape[-1]), causal_mask_for(q, k, causal)).amax(dim=-1)
 
 
 def overflow_detector(row_max: torch.Tensor, names_and_dims):
@@ -250,8 +242,8 @@ def summarize(results, causal_index: int):
 def forward_candidates(q, k, v, causal, scale, blocks=()):
     """The known mistakes of a forward fn(q, k, v, causal, scale[, block_q, block_k]) -> (out, lse),
     as (message, thunk) pairs; blocks: (block_q, block_k) when the function tiles with them."""
-    used = resolve_scale(q, scale)
-    correct = _mask(q, k, causal)
+    used = resolve_scale(scale, q.shape[-1])
+    correct = causal_mask_for(q, k, causal)
     qk = mistakes.product(q, k)
     loop = visited(q, k, causal, blocks) if blocks else None
 

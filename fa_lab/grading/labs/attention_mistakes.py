@@ -15,13 +15,27 @@ from ...block_info import causal_visible
 from ...reference import softmax_with_lse
 
 
+def causal_rule(seqlen_q: int, seqlen_k: int, formula: bool = False) -> str:
+    """The causal rule in words for these lengths; formula=True spells out j <= i + Nk - Nq even when Nq = Nk."""
+    offset = seqlen_k - seqlen_q
+    if not (offset or formula):
+        return "query i sees keys j <= i"
+    shift = f" {'+' if offset > 0 else '-'} {abs(offset)}" if offset else ""
+    return f"query i sees keys j <= i + Nk - Nq, here j <= i{shift}"
+
+
+def offset_mask(rows: torch.Tensor, cols: torch.Tensor, offset: int) -> torch.Tensor:
+    """(len(rows), len(cols)) bool: query rows[a] sees key cols[b] when cols[b] <= rows[a] + offset."""
+    return causal_visible(rows[:, None], cols[None, :], offset)
+
+
 def causal_mask_with_offset(seqlen_q: int, seqlen_k: int, offset: int) -> torch.Tensor:
     """(Nq, Nk) bool: query i sees key j when j <= i + offset.
 
     offset = Nk - Nq is the course's bottom-right mask; 0 is top-left; +1 / -1 are
     the off-by-one masks.
     """
-    return causal_visible(torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None, :], offset)
+    return offset_mask(torch.arange(seqlen_q), torch.arange(seqlen_k), offset)
 
 
 def tile_local_mask(seqlen_q: int, seqlen_k: int, block_q: int, block_k: int, offset: int) -> torch.Tensor:

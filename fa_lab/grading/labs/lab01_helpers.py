@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from ...block_info import BlockInfo, causal_visible
+from ...block_info import BlockInfo
 from ..judge import PASS, describe, mistakes_message, outcome_problem
 from ..registry import Case, Verdict
 from .attention_cases import draw_choice, draw_int, draw_seqlens
+from .attention_mistakes import causal_rule, offset_mask
 
-# fa_lab's own answers to both helpers: the mask and the loop bounds of BlockInfo.
+# fa_lab's own answers to both helpers (the mask and the loop bounds of BlockInfo): forbidden in every
+# exercise of the lab, since the loops use the helpers, and so absent while grading.
 FORBIDDEN = ("fa_lab.block_info", "fa_lab.reference.causal_mask")
-
-
-def _rule(seqlen_q: int, seqlen_k: int) -> str:
-    offset = seqlen_k - seqlen_q
-    shift = f" {'+' if offset > 0 else '-'} {abs(offset)}" if offset else ""
-    return f"query i sees keys j <= i + Nk - Nq, here j <= i{shift}"
 
 
 # ----------------------------------------------------------------------------- causal_tile_mask
@@ -61,30 +57,27 @@ def hidden_mask_cases(generator) -> list[Case]:
     return cases
 
 
-def _mask(rows, cols, offset) -> torch.Tensor:
-    return causal_visible(rows[:, None], cols[None, :], offset)
-
-
 def _mask_mistakes(i0, i1, j0, j1, seqlen_q, seqlen_k):
     """(message, wrong mask) for the typical wrong tile masks."""
-    offset, rule = seqlen_k - seqlen_q, _rule(seqlen_q, seqlen_k)
+    offset, rule = seqlen_k - seqlen_q, causal_rule(seqlen_q, seqlen_k, formula=True)
     rows, cols = torch.arange(i0, i1), torch.arange(j0, j1)
     yield (f"your mask is True where the key is hidden: it must be True where the query sees the key "
-           f"({rule}), the keys it may attend to.", ~_mask(rows, cols, offset))
+           f"({rule}), the keys it may attend to.", ~offset_mask(rows, cols, offset))
     yield (f"off by one: your mask lets each query see one key past its diagonal ({rule}).",
-           _mask(rows, cols, offset + 1))
+           offset_mask(rows, cols, offset + 1))
     yield (f"off by one: your mask hides the key on each query's diagonal ({rule}: j = i + Nk - Nq is "
-           "visible).", _mask(rows, cols, offset - 1))
+           "visible).", offset_mask(rows, cols, offset - 1))
     if offset:
         yield ("your mask is aligned top-left (query i sees keys j <= i). The course aligns it bottom-right: "
-               f"{rule}, so the last query sees every key.", _mask(rows, cols, 0))
-        yield (f"the offset has the wrong sign: you used j <= i + Nq - Nk, but {rule}.", _mask(rows, cols, -offset))
+               f"{rule}, so the last query sees every key.", offset_mask(rows, cols, 0))
+        yield (f"the offset has the wrong sign: you used j <= i + Nq - Nk, but {rule}.",
+               offset_mask(rows, cols, -offset))
     yield ("your mask compares positions inside the tile (torch.arange(i1 - i0) and torch.arange(j1 - j0)), "
            f"not positions in the sequence: row a is query i0 + a and column b is key j0 + b ({rule}).",
-           _mask(torch.arange(i1 - i0), torch.arange(j1 - j0), offset))
+           offset_mask(torch.arange(i1 - i0), torch.arange(j1 - j0), offset))
     if i1 - i0 == j1 - j0:
         yield ("rows and columns are swapped (your mask is the right one transposed): rows are the queries "
-               f"[i0, i1), columns the keys [j0, j1) ({rule}).", _mask(rows, cols, offset).T)
+               f"[i0, i1), columns the keys [j0, j1) ({rule}).", offset_mask(rows, cols, offset).T)
 
 
 def judge_mask(case, outcome) -> Verdict:
@@ -112,7 +105,8 @@ def judge_mask(case, outcome) -> Verdict:
     a, b = (int(x) for x in torch.nonzero(mask != expected)[0])
     where = (f"First wrong entry: query {i0 + a}, key {j0 + b} (row {a}, column {b}) is "
              f"{bool(mask[a, b])}, expected {bool(expected[a, b])}.")
-    message = mistakes_message(found) if found else f"the mask is wrong ({_rule(seqlen_q, seqlen_k)})."
+    rule = causal_rule(seqlen_q, seqlen_k, formula=True)
+    message = mistakes_message(found) if found else f"the mask is wrong ({rule})."
     return Verdict(False, f"{message} {where}", explained=bool(found))
 
 
@@ -156,7 +150,7 @@ def _end_mistakes(i1, seqlen_q, seqlen_k, causal):
         yield ("with causal=False every query sees every key: the loop runs over all of them, up to seqlen_k.",
                _clamp(i1 + seqlen_k - seqlen_q, seqlen_k))
         return
-    offset, rule = seqlen_k - seqlen_q, _rule(seqlen_q, seqlen_k)
+    offset, rule = seqlen_k - seqlen_q, causal_rule(seqlen_q, seqlen_k, formula=True)
     end = i1 + offset
     last = f"the block's last query, i1 - 1, sees keys up to i1 - 1 + Nk - Nq ({rule})"
     yield f"one too far: {last}, so one past it is i1 + Nk - Nq, not one more.", _clamp(end + 1, seqlen_k)
@@ -194,6 +188,6 @@ def judge_key_end(case, outcome) -> Verdict:
     call = f"key_end({i1}, {seqlen_q}, {seqlen_k}, {causal}) returned {value}, expected {expected}"
     if found:
         return Verdict(False, f"{call}: {mistakes_message(found)}")
+    rule = causal_rule(seqlen_q, seqlen_k, formula=True) if causal else "every key, without causal"
     return Verdict(False, f"{call}: the end is one past the last key that query i1 - 1 sees, clamped to "
-                          f"[0, seqlen_k] ({_rule(seqlen_q, seqlen_k) if causal else 'every key, without causal'}).",
-                   explained=False)
+                          f"[0, seqlen_k] ({rule}).", explained=False)

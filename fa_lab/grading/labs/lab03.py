@@ -9,12 +9,14 @@ causal_kernel   flash_forward_triton(q, k, v, True, scale, block_m, block_n) -> 
 
 q, k, v are float16 or bfloat16 CPU tensors, so the learner's kernel runs in Triton's
 interpreter, one program after another. The interpreter makes thousands of Python calls
-per tile step, and the grader's call guard (a ``sys.setprofile`` hook, see
-:mod:`fa_lab.grading.harness`) sees every one of them: measured on a 2-core CPU, a tile
-step costs about 5 ms unguarded and four to six times that guarded. Every case still runs
-guarded (a launcher could call something forbidden for some shapes only), so the cases
-stay small: lengths up to 64 (about 100 in the skipping cases), head_dim up to 64, one or
-two (batch, head) pairs, 16- and 32-row tiles. check() takes a few seconds per exercise.
+per tile step, and the call guard (a ``sys.setprofile`` hook, see
+:mod:`fa_lab.grading.harness`) sees every one of them, which makes a guarded tile step
+several times slower. In the grading sandbox the guard is off for this lab: the view of
+fa_lab hides every name that lab03's exercises forbid (:mod:`fa_lab.grading.view`), so there
+is nothing left to guard. ``check()`` cells run in the learner's own kernel, with everything
+visible, so there every case runs guarded (a launcher could call something forbidden for
+some shapes only). So the cases stay small: lengths up to 64 (about 100 in the skipping
+cases), head_dim up to 64, one or two (batch, head) pairs, 16- and 32-row tiles.
 
 How block skipping is checked: on ordinary inputs a kernel that visits the key tiles past
 the diagonal and masks them computes the same numbers as one that skips them. So one

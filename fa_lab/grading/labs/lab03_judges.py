@@ -19,6 +19,8 @@ from dataclasses import replace
 import torch
 
 from ...block_info import BlockInfo
+from ...inputs import resolve_scale
+from ...kernels.common import LOG2E
 from ...reference import softmax_with_lse
 from ..judge import (
     Verdict,
@@ -33,7 +35,6 @@ from . import attention_judges as judges
 from . import attention_mistakes as mistakes
 
 NAMES = ("out", "lse")
-LOG2_E = 1.4426950408889634
 ROWS = (("out", -2), ("lse", -1))
 NOT_IMPLEMENTED = ("not implemented yet: your kernel, or a @triton.jit function it calls (causal_key_end, "
                    "causal_visible), still raises NotImplementedError.")
@@ -69,7 +70,7 @@ def _mask_in_last_tile_only(seqlen_q: int, seqlen_k: int, block_m: int, block_n:
 
 def kernel_candidates(q, k, v, causal, scale, block_m, block_n):
     """The mistakes of a tiled kernel, as (message, thunk) pairs; thunks return {out, lse} in float64."""
-    used = judges.resolve_scale(q, scale)
+    used = resolve_scale(scale, q.shape[-1])
     seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
     padding = -seqlen_k % block_n
     if not causal and padding:  # with causal=True the diagonal hides the padding keys anyway
@@ -82,7 +83,7 @@ def kernel_candidates(q, k, v, causal, scale, block_m, block_n):
             yield (f"key {seqlen_k}, one past the last, counts with a score of 0: the real keys are "
                    "offs_n < seqlen_k, not offs_n <= seqlen_k.", lambda: _padding_keys(q, k, v, used, 1))
     def exp_of_base2_scores():
-        s = mistakes.scores(q, k, used * LOG2_E, judges._mask(q, k, causal))  # the scores in base-2 units
+        s = mistakes.scores(q, k, used * LOG2E, judges.causal_mask_for(q, k, causal))  # the scores in base-2 units
         p, lse = softmax_with_lse(s)  # tl.exp of them: a softmax at a temperature log2(e) too high
         row_max = s.amax(dim=-1)
         stored = torch.where(torch.isinf(row_max), lse, lse - row_max * (1 - math.log(2)))  # ln 2 (m + log2 l)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ...block_info import cdiv
 from ...fp8 import outlier_qkv, random_signs
 from ..judge import only_some_fail
 from ..registry import Case, Exercise, Lab
@@ -50,7 +51,7 @@ def quantize_case(name, shape, block, generator, exponents=(0.0, 0.0), per_row=F
     batch, heads, seqlen, head_dim = shape
     x = torch.randn(shape, generator=generator)
     low, high = exponents
-    groups = seqlen if per_row else -(-seqlen // block)
+    groups = seqlen if per_row else cdiv(seqlen, block)
     gains = 10 ** (low + (high - low) * torch.rand(batch, heads, groups, generator=generator))
     x = x * (gains if per_row else gains.repeat_interleave(block, dim=-1)[..., :seqlen])[..., None]
     if zero_block is not None:

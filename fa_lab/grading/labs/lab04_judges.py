@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ...block_info import cdiv
 from ...fp8 import E4M3_MAX, hadamard_transform, incoherent_rotation, quantize_e4m3, round_to_e4m3
 from ..judge import PASS, Expected, judge_outputs, outcome_problem, structure_problem, unpack
 from ..registry import Verdict
@@ -143,12 +144,12 @@ def _data_diagnosis(x, block, data, expected) -> str | None:
 def _shape_mistake(x, block, scales) -> str | None:
     """A message for scales whose shape says which dimension the blocks were taken along."""
     batch, heads, seqlen, head_dim = x.shape
-    num_blocks = -(-seqlen // block)
+    num_blocks = cdiv(seqlen, block)
     shape = tuple(scales.shape) if isinstance(scales, torch.Tensor) else None
     if shape is None or shape == (batch, heads, num_blocks):
         return None
     known = {
-        (batch, heads, seqlen, -(-head_dim // block)): "you made blocks along head_dim (the last dim)",
+        (batch, heads, seqlen, cdiv(head_dim, block)): "you made blocks along head_dim (the last dim)",
         (batch, heads, num_blocks, head_dim): "you took one scale per column of each block",
         (batch, heads, seqlen): "you took one scale per row",
         (batch, heads, seqlen // block): "the last, shorter block has no scale (N / block rounded down)",

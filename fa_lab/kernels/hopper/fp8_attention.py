@@ -70,7 +70,7 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon:
     return kernel_operand(q8.data), kernel_operand(k8.data), vt8, descales
 
 
-def fp8_forward(q8, k8, vt8, descales, seqlen_k, causal, scale, config: TileConfig, out_dtype, head_dim,
+def fp8_forward(q8, k8, vt8, descales, causal, scale, config: TileConfig, out_dtype, head_dim,
                 options: HopperOptions = FP8_OPTIONS):
     """The FP8 kernel on quantized operands: (out: (B, H, Nq, d) in out_dtype, lse).
 
@@ -119,8 +119,7 @@ def triton_hopper_fp8_attention(q, k, v, causal, scale, config: TileConfig | Non
     with torch.no_grad():
         q8, k8, vt8, descales = quantize_for_kernel(q, k, v, config, rotate, gluon=gluon)
         with on_device(q):
-            out, lse = fp8_forward(q8, k8, vt8, descales, k.shape[2], causal, scale, config, q.dtype, head_dim,
-                                   options)
+            out, lse = fp8_forward(q8, k8, vt8, descales, causal, scale, config, q.dtype, head_dim, options)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out = _ForwardOnly.apply(out, q, k, v)
     return out, lse

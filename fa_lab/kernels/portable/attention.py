@@ -69,7 +69,7 @@ def triton_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
 
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
-    config = config or backward_config(head_dim, causal, interpreting())
+    config = config or backward_config(head_dim, interpreting())
     grad_out = grad_out.contiguous()
     rows = batch * heads * seqlen_q
     delta = torch.empty_like(lse)

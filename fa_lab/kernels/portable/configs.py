@@ -50,7 +50,7 @@ def forward_config(head_dim: int, causal: bool, interpret: bool) -> TileConfig:
     return FWD_CUDA[head_dim_bucket(head_dim)][int(causal)]
 
 
-def backward_config(head_dim: int, causal: bool, interpret: bool) -> TileConfig:
+def backward_config(head_dim: int, interpret: bool) -> TileConfig:
     if interpret:
         return INTERPRETER
     return BWD_CUDA[head_dim_bucket(head_dim)]
