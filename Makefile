@@ -27,7 +27,7 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 # ruff covers all the Python that ships: the package, the tests, and any scripts under benchmarks/ and docs/.
 LINT_PATHS := fa_lab tests $(wildcard benchmarks docs)
 
-.PHONY: lab test test-fast test-gpu setup assign lint bench clean
+.PHONY: lab test test-fast test-gpu setup sandbox-tool assign lint bench clean
 
 setup: $(STAMP) sandbox-tool
 
@@ -41,7 +41,6 @@ $(STAMP): pyproject.toml
 
 # fa-lab grade runs each notebook in a bubblewrap sandbox (and its tests need it): install bwrap
 # where this machine lets us (root with apt-get, as on CI), else say how.
-.PHONY: sandbox-tool
 sandbox-tool:
 	@command -v bwrap >/dev/null 2>&1 || { \
 	if [ "$(UNAME)" = "Linux" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \

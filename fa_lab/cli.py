@@ -174,6 +174,8 @@ def _doctor(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .grading.sandbox import Limits  # the standard library only: light enough for every command
+
     parser = argparse.ArgumentParser(prog="fa-lab", description="FlashAttention Lab: labs, grading, checks.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -200,9 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="time limit per cell and per exercise (default 60)")
     p.add_argument("--budget", type=float, metavar="SECONDS",
-                   help="time limit for a whole notebook, kernel restarts included (default 900)")
+                   help="time limit for a whole notebook, kernel restarts included "
+                        f"(default {Limits.budget:g})")
     p.add_argument("--memory", type=float, metavar="GIB",
-                   help="address space per process of the sandbox, in GiB (default 8)")
+                   help=f"address space per process of the sandbox, in GiB (default {Limits.memory >> 30})")
     p.add_argument("--no-sandbox", action="store_true",
                    help="run notebooks as yourself, without bubblewrap: only for notebooks you trust (they "
                         "could then read the answers and the seed, change the course and other submissions)")

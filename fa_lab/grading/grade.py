@@ -34,7 +34,6 @@ from .report import ExerciseReport, GradeReport, cell_label
 from .view import write_view
 
 DEFAULT_TIMEOUT = 60.0
-DEFAULT_BUDGET = 900.0
 MAX_NOTEBOOK_BYTES = 64 << 20
 TOOLS = ("runner", "kernel", "harness", "wire", "channel", "prelude")  # what the sandbox runs, as _fa_lab_grader
 HIDDEN_ERRORS = ("HiddenWhileGrading:", "TorchAttentionHidden:")
@@ -52,7 +51,7 @@ class Options:
     sandbox's per-process limits, and whether to use the sandbox at all."""
 
     timeout: float = DEFAULT_TIMEOUT
-    budget: float = DEFAULT_BUDGET
+    budget: float = sandbox.Limits.budget
     memory: int = sandbox.Limits.memory
     sandboxed: bool = True
 

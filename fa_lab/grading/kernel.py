@@ -53,24 +53,21 @@ class KernelSession:
 
     nb: the notebook (a copy; the session appends and removes snippet cells).
     workdir: the kernel's working directory. timeout: seconds per cell.
-    env: extra environment variables for the kernel.
     prelude: code run in each new kernel before the notebook (after every restart too).
-    on_problem(index, message): called each time a cell's problem is recorded in ``problems``.
+    on_problem(index, message): called each time a cell goes wrong (it raised, timed out, or killed the kernel).
     """
 
-    def __init__(self, nb, workdir: str, timeout: float, env: dict[str, str] | None = None,
+    def __init__(self, nb, workdir: str, timeout: float,
                  prelude: str | None = None, on_problem: Callable[[int, str], None] | None = None):
         self.nb = nb
         self.prelude = prelude
         self.on_problem = on_problem
         self.timeout = timeout
         self.workdir = workdir
-        self.env = {**os.environ, **(env or {})}
         self.client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
                                      interrupt_on_timeout=False, record_timing=False,
                                      resources={"metadata": {"path": workdir}})
         self.notebook_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-        self.problems: dict[int, str] = {}  # cell index -> what went wrong there
         self._skip: set[int] = set()  # cells that hung or killed the kernel: not run again
 
     async def __aenter__(self) -> "KernelSession":
@@ -82,7 +79,7 @@ class KernelSession:
 
     async def _start(self) -> None:
         self.client.km = self.client.create_kernel_manager()
-        await self.client.async_start_new_kernel(env=self.env, cwd=self.workdir)
+        await self.client.async_start_new_kernel(env=dict(os.environ), cwd=self.workdir)
         await self.client.async_start_new_kernel_client()
         if self.prelude:  # it must run, or the kernel would grade without what it sets up
             cell = await self._run_source(self.prelude, self.timeout)
@@ -91,7 +88,6 @@ class KernelSession:
                 raise RuntimeError(f"the grading kernel's prelude failed: {errors[0].ename}: {errors[0].evalue}")
 
     def _problem(self, index: int, message: str) -> None:
-        self.problems[index] = message
         if self.on_problem:
             self.on_problem(index, message)
 
