@@ -34,6 +34,14 @@ CASES = [
     ("forward_kernel", "grid misses the partial query tile",
      [(LAUNCHER, "grid = (triton.cdiv(seqlen_q, block_m), batch * heads)",
        "grid = (seqlen_q // block_m, batch * heads)")], "triton.cdiv(seqlen_q, BLOCK_M)"),
+    # The rows no program writes hold what the allocator gave: pin that down both ways (NaN, zeros).
+    *[("forward_kernel", f"grid misses the partial query tile, outputs start as {fill}",
+       [(LAUNCHER, "grid = (triton.cdiv(seqlen_q, block_m), batch * heads)",
+         "grid = (seqlen_q // block_m, batch * heads)"),
+        (LAUNCHER, "out = torch.empty_like(q)", f"out = torch.full_like(q, {fill})"),
+        (LAUNCHER, "lse = torch.empty((batch, heads, seqlen_q),",
+         f"lse = torch.full((batch, heads, seqlen_q), {fill},")], "triton.cdiv(seqlen_q, BLOCK_M)")
+      for fill in ("float('nan')", "0.0")],
     ("forward_kernel", "q, k, v not made contiguous",
      [(LAUNCHER, "q, k, v = q.contiguous(), k.contiguous(), v.contiguous()", "")], "non-contiguous"),
     ("forward_kernel", "lse in log2",

@@ -239,9 +239,13 @@ def summarize(results, causal_index: int):
                               unexplained_only=True))
 
 
-def forward_candidates(q, k, v, causal, scale, blocks=()):
+LAST_BLOCK_LOOP_FIX = "loop with range(0, Nq, block_q) and take the queries [i0, min(i0 + block_q, Nq))."
+
+
+def forward_candidates(q, k, v, causal, scale, blocks=(), last_block_fix=LAST_BLOCK_LOOP_FIX):
     """The known mistakes of a forward fn(q, k, v, causal, scale[, block_q, block_k]) -> (out, lse),
-    as (message, thunk) pairs; blocks: (block_q, block_k) when the function tiles with them."""
+    as (message, thunk) pairs; blocks: (block_q, block_k) when the function tiles with them.
+    last_block_fix: how to give a short last query block its turn (a loop's bounds by default)."""
     used = resolve_scale(scale, q.shape[-1])
     correct = causal_mask_for(q, k, causal)
     qk = mistakes.product(q, k)
@@ -278,9 +282,9 @@ def forward_candidates(q, k, v, causal, scale, blocks=()):
             out[..., first:, :], lse[..., first:] = 0.0, 0.0
             return {"out": out, "lse": lse}
         yield (f"the last query block (queries {first} to {q.shape[-2] - 1}) is never computed: its rows "
-               "keep the zeros out and lse start with. When Nq is not a multiple of block_q the last block "
-               "is shorter, but it still needs its turn: loop with range(0, Nq, block_q) and take the "
-               "queries [i0, min(i0 + block_q, Nq)).", unwritten)
+               f"keep the zeros out and lse start with. When Nq is not a multiple of the query block size "
+               f"({blocks[0]}) the last block is shorter, but it still needs its turn: {last_block_fix}",
+               unwritten)
 
 
 def forward_detectors(q, k, causal, scale):
