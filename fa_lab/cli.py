@@ -45,7 +45,7 @@ def _start(args) -> int:
 
 
 def _print_report(report) -> None:
-    from .grading.report import CELL_NUMBERING
+    from .grading.report import CELL_NUMBERING, IN_KERNEL_CHECKS
 
     print(f"{report.notebook}: {report.lab}, seed {report.seed}"
           + ("" if report.sandboxed else " (graded without a sandbox)"))
@@ -63,6 +63,11 @@ def _print_report(report) -> None:
             print(f"      {message}")
         if len(exercise.messages) > 3:
             print(f"      ... and {len(exercise.messages) - 3} more (see --json)")
+    checks = [name for name in IN_KERNEL_CHECKS
+              if any(name in e.in_kernel_checks and e.points > 0 for e in report.exercises)]
+    if checks:
+        print("  note: these checks ran in the notebook's own kernel, so a notebook written to fool them "
+              "could: " + "; ".join(f"{name} ({IN_KERNEL_CHECKS[name]})" for name in checks))
     print(f"score {report.score:.2f} / {report.max_score:g}")
 
 

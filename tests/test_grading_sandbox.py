@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from fa_lab import cli
-from fa_lab.grading import sandbox, wire
+from fa_lab.grading import grade, sandbox, wire
 from fa_lab.grading.channel import ChannelBroken, FrameReader, write_frame
 from fa_lab.grading.check import run_exercise
 from fa_lab.grading.registry import get_lab, lab_ids
-from fa_lab.grading.report import ExerciseReport, GradeReport, cell_label, write_csv
+from fa_lab.grading.report import IN_KERNEL_CHECKS, ExerciseReport, GradeReport, cell_label, write_csv
 from fa_lab.grading.view import plan_view, write_view
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,6 +160,24 @@ def test_the_guard_stays_on_only_where_a_forbidden_name_must_stay_visible():
     lab04 = plan_view(get_lab("lab04"), PACKAGE).unguarded
     assert "fa_lab.flash_torch.flash_forward" in lab04["quantize_blocks"]
     assert "fa_lab.flash_torch.flash_forward" not in lab04["fp8_error_table"]
+
+
+def test_the_report_names_the_checks_that_ran_in_the_kernel():
+    def checks(lab_id, options):
+        lab = get_lab(lab_id)
+        cases = [(e, e.cases(0)) for e in lab.exercises]
+        guards = grade._guards(lab, cases, options)
+        return {e.name: grade._in_kernel_checks(e, c, g) for (e, c), g in zip(cases, guards, strict=True)}
+
+    lab01 = checks("lab01", grade.Options())
+    assert "tensor sizes" in lab01["flash_forward"] and "tensor sizes" in lab01["online_softmax"]
+    assert not any("call guard" in found for found in lab01.values())
+    lab04 = checks("lab04", grade.Options())
+    assert "call guard" in lab04["quantize_blocks"] and "tensor sizes" in lab04["hadamard"]
+    unsandboxed = checks("lab01", grade.Options(sandboxed=False))
+    assert all("call guard" in found for found in unsandboxed.values())
+    for found in [*lab01.values(), *lab04.values()]:
+        assert set(found) <= set(IN_KERNEL_CHECKS) and "torch attention" in found
 
 
 def test_the_view_is_importable_and_holds_no_answer(tmp_path):

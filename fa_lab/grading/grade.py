@@ -31,7 +31,7 @@ from .check import GRADING_ENV, harness_cases, judge_cases, points, summary_hint
 from .judge import forbidden_message
 from .registry import Exercise, Lab, UnknownLab, get_lab
 from .report import ExerciseReport, GradeReport, cell_label
-from .view import write_view
+from .view import plan_view, write_view
 
 DEFAULT_TIMEOUT = 60.0
 MAX_NOTEBOOK_BYTES = 64 << 20
@@ -138,11 +138,26 @@ def _binds(folder: Path, package: Path) -> list[tuple[str, str]]:
     return binds + [(str(folder / "view" / "fa_lab"), copy) for copy in _package_copies()]
 
 
-def _run(folder: Path, data: bytes, lab: Lab, exercise_cases, options: Options):
-    """Run the notebook and the exercises; returns the sandbox's Outcome."""
+def _guards(lab: Lab, exercise_cases, options: Options) -> list[bool]:
+    """Per exercise: whether the in-process call guard watches it (without a sandbox, always; in one,
+    only where the view must show a name the exercise forbids)."""
+    if not options.sandboxed:
+        return [True] * len(exercise_cases)
+    unguarded = plan_view(lab, Path(__file__).resolve().parents[1]).unguarded
+    return [bool(unguarded[e.name]) for e, _ in exercise_cases]
+
+
+def _in_kernel_checks(exercise: Exercise, cases, guard: bool) -> list[str]:
+    """The keys of :data:`~.report.IN_KERNEL_CHECKS` that this exercise's points rest on."""
+    checks = ["tensor sizes"] if any(case.tensor_limit is not None for case in cases) else []
+    return checks + (["call guard"] if guard else []) + ["torch attention"]
+
+
+def _run(folder: Path, data: bytes, lab: Lab, exercise_cases, guards: list[bool], options: Options):
+    """Run the notebook and the exercises (guards: :func:`_guards`); returns the sandbox's Outcome."""
     package = Path(__file__).resolve().parents[1]
-    view = write_view(lab, package, folder / "view" / "fa_lab") if options.sandboxed else None
-    guards = [not options.sandboxed or bool(view.unguarded[e.name]) for e, _ in exercise_cases]
+    if options.sandboxed:
+        write_view(lab, package, folder / "view" / "fa_lab")
     _prepare(folder, data, exercise_cases, guards, options.timeout)
     _readable(folder)
     limits = [_reply_limit(cases) for _, cases in exercise_cases]
@@ -267,9 +282,10 @@ def grade_notebook(path, seed: int = 0, options: Options = Options()) -> GradeRe
     except UnknownLab as exc:
         raise GradingError(str(exc)) from exc
     exercise_cases = [(e, e.cases(seed)) for e in lab.exercises]
+    guards = _guards(lab, exercise_cases, options)
     with tempfile.TemporaryDirectory(prefix="fa-lab-grade-") as tmp:
         try:
-            outcome = _run(Path(tmp), data, lab, exercise_cases, options)
+            outcome = _run(Path(tmp), data, lab, exercise_cases, guards, options)
         except sandbox.SandboxUnavailable as exc:
             raise GradingError(f"no sandbox on this machine: {exc}") from None
         except GradingError:
@@ -291,6 +307,8 @@ def grade_notebook(path, seed: int = 0, options: Options = Options()) -> GradeRe
     ended = "" if finished else _how_it_ended(outcome, options)
     reports = [_judged(e, cases, replies.get(n), ended, outcome.budget_exceeded)
                for n, (e, cases) in enumerate(exercise_cases)]
+    for report, (exercise, cases), guard in zip(reports, exercise_cases, guards, strict=True):
+        report.in_kernel_checks = _in_kernel_checks(exercise, cases, guard)
     errors, hidden = [], []
     for index, problem in sorted(problems.items()):
         line = f"{cell_label(nb.cells, index)}: {problem}"

@@ -14,6 +14,13 @@ import csv
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# The checks that can only run in the learner's process, because they ask how an answer is computed,
+# not what it is (docs/design.md, section 7, says why no outside measurement can take their place).
+IN_KERNEL_CHECKS = {
+    "tensor sizes": "the largest tensor the function creates (the tiles-only and online cases)",
+    "call guard": "calls of course functions that the exercise forbids but the sandbox must show",
+    "torch attention": "torch's own attention operators, made to raise in the kernel",
+}
 CELL_NUMBERING = "cells are counted from 1 at the top of the notebook, markdown cells included"
 CSV_FIXED = ("file", "lab", "score", "max_score")
 CSV_TRAILING = ("diagnosis", "error")
@@ -21,7 +28,9 @@ CSV_TRAILING = ("diagnosis", "error")
 
 @dataclass
 class ExerciseReport:
-    """Points of one exercise. status: graded, forbidden, missing, not callable, timed out or failed."""
+    """Points of one exercise. status: graded, forbidden, missing, not callable, timed out or failed.
+    in_kernel_checks: the checks behind its points that ran in the notebook's own kernel
+    (:data:`IN_KERNEL_CHECKS`), which a notebook written to fool them can."""
 
     name: str
     function: str
@@ -31,6 +40,7 @@ class ExerciseReport:
     passed: int = 0
     cases: int = 0
     messages: list[str] = field(default_factory=list)
+    in_kernel_checks: list[str] = field(default_factory=list)
 
 
 @dataclass
