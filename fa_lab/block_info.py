@@ -10,6 +10,9 @@ ring steps) extend this class rather than adding a copy.
 Causal masking is aligned to the bottom-right corner, as in flash-attn >= 2.1: with
 ``offset = seqlen_k - seqlen_q`` query ``i`` sees keys ``j <= i + offset``, so with
 ``seqlen_q > seqlen_k`` the first ``seqlen_q - seqlen_k`` rows see no key at all.
+A local window ``(left, right)`` (flash-attn's ``window_size``, same alignment) keeps keys
+``i + offset - left <= j <= i + offset + right``; -1 leaves a side unbounded, and causal
+means ``right = 0``. Every row's visible keys are one contiguous range.
 
 Kernels cannot call Python, so each keeps a jit copy of the arithmetic it needs; the
 tests compare every copy with :meth:`BlockInfo.key_blocks` and :meth:`BlockInfo.query_blocks`,
@@ -47,6 +50,18 @@ class QueryBlocks(NamedTuple):
     end: int
 
 
+def check_window(window) -> tuple[int, int]:
+    """``window`` as (left, right) ints, each -1 (unbounded) or >= 0; raises ValueError/TypeError."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right), got {window!r}")
+    for side, value in zip(("left", "right"), window, strict=True):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"window's {side} size must be an int, got {value!r}")
+        if value < -1:
+            raise ValueError(f"window's {side} size must be -1 (unbounded) or >= 0, got {value}")
+    return int(window[0]), int(window[1])
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints."""
     return -(-a // b)
@@ -59,6 +74,7 @@ class BlockInfo:
     seqlen_q: int
     seqlen_k: int
     causal: bool = False
+    window: tuple[int, int] = (-1, -1)
 
     def __post_init__(self):
         for name in ("seqlen_q", "seqlen_k"):
@@ -67,40 +83,65 @@ class BlockInfo:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be True or False, got {self.causal!r}")
+        check_window(self.window)
 
     @property
     def offset(self) -> int:
         """seqlen_k - seqlen_q: the diagonal's shift in bottom-right alignment."""
         return self.seqlen_k - self.seqlen_q
 
+    @property
+    def left(self) -> int | None:
+        """How many keys before its diagonal a query sees (None: all of them)."""
+        return None if self.window[0] < 0 else self.window[0]
+
+    @property
+    def right(self) -> int | None:
+        """How many keys after its diagonal a query sees (None: all of them); 0 when causal."""
+        if self.causal:
+            return 0 if self.window[1] < 0 else min(self.window[1], 0)
+        return None if self.window[1] < 0 else self.window[1]
+
+    @property
+    def masked(self) -> bool:
+        """Whether any query may miss a key: causal, or a bounded window side."""
+        return self.left is not None or self.right is not None
+
     # ---- per row ----------------------------------------------------------------------------
 
     def key_start(self, row):
-        """The first key that query ``row`` sees (an int, or a tensor of rows). 0 for every mask here."""
-        return row * 0 if isinstance(row, torch.Tensor) else 0
+        """The first key that query ``row`` sees (an int, or a tensor of rows); 0 without a left bound."""
+        if isinstance(row, torch.Tensor):
+            if self.left is None:
+                return torch.zeros_like(row)
+            return torch.clamp(row + self.offset - self.left, 0, self.seqlen_k)
+        if self.left is None:
+            return 0
+        return min(max(row + self.offset - self.left, 0), self.seqlen_k)
 
     def key_end(self, row):
         """One past the last key that query ``row`` sees (an int, or a tensor of rows)."""
         if isinstance(row, torch.Tensor):
-            if not self.causal:
+            if self.right is None:
                 return torch.full_like(row, self.seqlen_k)
-            return torch.clamp(row + self.offset + 1, 0, self.seqlen_k)
-        if not self.causal:
+            return torch.clamp(row + self.offset + self.right + 1, 0, self.seqlen_k)
+        if self.right is None:
             return self.seqlen_k
-        return min(max(row + self.offset + 1, 0), self.seqlen_k)
+        return min(max(row + self.offset + self.right + 1, 0), self.seqlen_k)
 
     def first_query(self, key: int) -> int:
         """The first query row that sees ``key`` (seqlen_q when none does)."""
-        first = max(key - self.offset, 0) if self.causal else 0
-        return min(first, self.seqlen_q)
+        first = 0 if self.right is None else max(key - self.offset - self.right, 0)
+        last = self.seqlen_q - 1 if self.left is None else min(key - self.offset + self.left, self.seqlen_q - 1)
+        return first if first <= last and 0 <= key < self.seqlen_k else self.seqlen_q
 
     def visible_pairs(self) -> int:
-        """How many (query, key) pairs are visible: seqlen_q * seqlen_k, about half of it when causal."""
-        if not self.causal:
+        """How many (query, key) pairs are visible: seqlen_q * seqlen_k without a mask, about half
+        of it when causal, about seqlen_q * (left + right + 1) with a window."""
+        if not self.masked:
             return self.seqlen_q * self.seqlen_k
-        # From the first row that sees a key on, each row sees one key more, up to seqlen_k on the last.
-        rows = self.seqlen_q - self.first_query(0)
-        return rows * (self.seqlen_k - rows + 1 + self.seqlen_k) // 2
+        rows = torch.arange(self.seqlen_q, dtype=torch.int64)
+        return int((self.key_end(rows) - self.key_start(rows)).clamp(min=0).sum())
 
     # ---- masks ------------------------------------------------------------------------------
 
@@ -115,9 +156,14 @@ class BlockInfo:
         k1 = self.seqlen_k if k1 is None else min(k1, self.seqlen_k)
         rows = torch.arange(q0, max(q1, q0), device=device)[:, None]
         cols = torch.arange(k0, max(k1, k0), device=device)[None, :]
-        if not self.causal:
+        if not self.masked:
             return torch.ones((rows.shape[0], cols.shape[1]), dtype=torch.bool, device=device)
-        return causal_visible(rows, cols, self.offset)
+        visible = torch.ones((rows.shape[0], cols.shape[1]), dtype=torch.bool, device=device)
+        if self.right is not None:
+            visible &= causal_visible(rows, cols, self.offset + self.right)
+        if self.left is not None:
+            visible &= cols >= rows + self.offset - self.left
+        return visible
 
     def key_range(self, q0: int, q1: int) -> tuple[int, int]:
         """(start, end): the keys that at least one query of rows [q0, q1) sees; (0, 0) for none."""
@@ -127,8 +173,13 @@ class BlockInfo:
         return self.key_start(q0), self.key_end(q1 - 1)  # the ranges only grow down the rows
 
     def full_key_end(self, q0: int) -> int:
-        """Keys [0, full_key_end) are visible to every query from row q0 on."""
+        """Keys [0, full_key_end) are visible to every query from row q0 on (without a left bound)."""
         return self.key_end(q0)
+
+    def full_keys(self, q0: int, q1: int) -> tuple[int, int]:
+        """(start, end): the keys every query of rows [q0, q1) sees; start >= end when there are none."""
+        q1 = min(q1, self.seqlen_q)
+        return self.key_start(q1 - 1), self.key_end(q0)
 
     def tile_kind(self, q0: int, q1: int, k0: int, k1: int) -> str:
         """"full", "masked" or "skipped": rows [q0, q1) x keys [k0, k1), clipped to the sequence.
@@ -140,7 +191,8 @@ class BlockInfo:
         start, end = self.key_range(q0, q1)
         if q1 <= q0 or k1 <= k0 or k0 >= end or k1 <= start:
             return "skipped"
-        if k1 <= self.full_key_end(q0) and k0 >= self.key_start(q1 - 1):
+        full_start, full_end = self.full_keys(q0, q1)
+        if full_start <= k0 and k1 <= full_end:
             return "full"
         return "masked"
 
@@ -150,6 +202,7 @@ class BlockInfo:
         """The key loop of the query tile that starts at row ``start_m`` (block_m rows, block_n keys per
         step), as every forward kernel and the dQ kernel run it: the unmasked tiles first, then the
         masked ones. Without causal only a ragged last tile is masked."""
+        self._no_left_bound("key_blocks")
         _, end = self.key_range(start_m, start_m + block_m)
         full_end = min(self.full_key_end(start_m), end) // block_n * block_n
         return KeyBlocks(full_end, end)
@@ -158,11 +211,19 @@ class BlockInfo:
         """The query loop of the key tile that starts at key ``start_n`` (the dK/dV kernel): the
         masked tiles first, then the full ones. Rows past seqlen_q (the last tile's padding) count
         as full; their probabilities are zero."""
+        self._no_left_bound("query_blocks")
+        if self.right not in (None, 0):
+            raise NotImplementedError("query_blocks: a right window bound other than causal's is not in the "
+                                      "kernels' loops yet")
         end = cdiv(self.seqlen_q, block_m) * block_m
-        if not self.causal:
+        if self.right is None:
             return QueryBlocks(0, 0, end)
         # Row i sees key j when i >= j - offset: tiles above the first such row are skipped.
         begin = min(max(start_n - self.offset, 0) // block_m * block_m, end)
         last_key = start_n + block_n - 1  # the tile's last key, padding included
         full_begin = min(cdiv(max(last_key - self.offset, 0), block_m) * block_m, end)
         return QueryBlocks(begin, full_begin, end)
+
+    def _no_left_bound(self, what: str) -> None:
+        if self.left is not None:
+            raise NotImplementedError(f"{what}: windows with a left bound are not in the kernels' loops yet")

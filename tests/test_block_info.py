@@ -100,3 +100,65 @@ def test_a_tile_mask_costs_the_tile_only():
     info = BlockInfo(1 << 20, 1 << 20, causal=True)
     tile = info.mask(5000, 5128, 4992, 5120)
     assert tile.shape == (128, 128) and bool(tile[0, 8]) and not bool(tile[0, 9])
+
+
+WINDOWS = ((0, 0), (3, -1), (-1, 5), (7, 2), (40, 0), (1000, 1000))
+
+
+def dense_window_mask(seqlen_q: int, seqlen_k: int, causal: bool, window) -> torch.Tensor:
+    """(Nq, Nk) bool from flash-attn's definition of window_size, one pair at a time."""
+    left, right = window
+    offset = seqlen_k - seqlen_q
+    return torch.tensor([[(not causal or j <= i + offset) and (left < 0 or j >= i + offset - left)
+                          and (right < 0 or j <= i + offset + right) for j in range(seqlen_k)]
+                         for i in range(seqlen_q)], dtype=torch.bool).reshape(seqlen_q, seqlen_k)
+
+
+def window_shapes():
+    lengths = (1, 17, 64, 113)
+    return [(nq, nk, causal, window) for nq, nk in itertools.product(lengths, lengths)
+            for causal in (False, True) for window in WINDOWS]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,window", window_shapes())
+def test_windows_rows_ranges_and_tiles(seqlen_q, seqlen_k, causal, window):
+    info = BlockInfo(seqlen_q, seqlen_k, causal, window)
+    dense = dense_window_mask(seqlen_q, seqlen_k, causal, window)
+    assert torch.equal(info.mask(), dense)
+    assert info.visible_pairs() == int(dense.sum())
+    rows = torch.arange(seqlen_q)
+    starts, ends = info.key_start(rows), info.key_end(rows)
+    for i in range(seqlen_q):
+        seen = dense[i].nonzero().flatten()
+        assert (info.key_start(i), info.key_end(i)) == (int(starts[i]), int(ends[i]))
+        if len(seen):  # one contiguous range [key_start, key_end)
+            assert (int(starts[i]), int(ends[i])) == (int(seen[0]), int(seen[-1]) + 1)
+        else:
+            assert starts[i] >= ends[i]
+    for key in range(seqlen_k):
+        seen_by = dense[:, key].nonzero()
+        assert info.first_query(key) == (int(seen_by[0]) if len(seen_by) else seqlen_q)
+    for block_m, block_n in ((16, 16), (32, 64)):
+        for q0, k0 in itertools.product(range(0, seqlen_q, block_m), range(0, seqlen_k, block_n)):
+            q1, k1 = q0 + block_m, k0 + block_n
+            tile = dense[q0:q1, k0:k1]
+            assert torch.equal(info.mask(q0, q1, k0, k1), tile)
+            expected = "full" if bool(tile.all()) else "skipped" if not bool(tile.any()) else "masked"
+            assert info.tile_kind(q0, q1, k0, k1) == expected, (q0, k0, block_m, block_n)
+            union = dense[q0:q1].any(0).nonzero().flatten()
+            start, end = info.key_range(q0, q1)
+            if len(union):
+                assert (start, end) == (int(union[0]), int(union[-1]) + 1)
+            else:
+                assert start >= end
+
+
+def test_a_window_is_checked_and_causal_means_right_zero():
+    assert BlockInfo(8, 8, True, (2, 5)).right == 0 and BlockInfo(8, 8, True).left is None
+    assert not BlockInfo(8, 8).masked and BlockInfo(8, 8, False, (-1, 3)).masked
+    for bad, error in (((-2, 0), ValueError), ((0,), TypeError), ((1.5, 0), TypeError), (3, TypeError),
+                       ((True, 0), TypeError)):
+        with pytest.raises(error, match="window"):
+            BlockInfo(8, 8, False, bad)
+    with pytest.raises(NotImplementedError, match="left bound"):
+        BlockInfo(8, 8, True, (4, 0)).key_blocks(0, 4, 4)
