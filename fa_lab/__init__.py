@@ -5,30 +5,42 @@
 """
 from __future__ import annotations
 
+from .block_info import check_window
+from .impls import IMPLS
 from .inputs import check_qkv, resolve_scale
 from .kernels import use_interpreter_without_gpu
+from .score_mods import check_alibi_slopes, check_softcap
 
 use_interpreter_without_gpu()  # before anything imports triton: see fa_lab/kernels/__init__.py
 
-__version__ = "0.1.0"
+from .varlen import attention_varlen  # noqa: E402  (after the interpreter switch, like every import)
 
-IMPLS = ("naive", "torch", "triton", "triton_hopper", "triton_hopper_fp8")
+__version__ = "0.1.0"
+__all__ = ["IMPLS", "attention", "attention_varlen"]
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: str = "torch",
-              return_lse: bool = False):
+              return_lse: bool = False, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
     """Exact softmax attention, in SDPA's layout.
 
-    q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads, seqlen_k, head_dim).
+    q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_kv, seqlen_k, head_dim), where
+        heads is a multiple of heads_kv (grouped-query attention: query head h reads key/value
+        head h // (heads // heads_kv); heads_kv = 1 is multi-query attention).
     causal: bottom-right aligned (query i sees keys j <= i + seqlen_k - seqlen_q);
         a query that sees no key returns zeros and lse = -inf.
     scale: softmax scale, default head_dim ** -0.5.
+    window: (left, right), flash-attn's window_size: query i sees keys j with
+        i + o - left <= j <= i + o + right, o = seqlen_k - seqlen_q; -1 leaves a side unbounded;
+        causal=True means right = 0.
+    softcap: if > 0, scores become softcap * tanh(scores / softcap) (Gemma 2).
+    alibi_slopes: float32 (heads,) or (batch, heads); adds -slope * |i + o - j| to each score.
     impl: "naive" (materializes S and P), "torch" (tiled online softmax in plain
         PyTorch), "triton" (Triton kernels: compiled on CUDA, interpreted on CPU;
         float16 and bfloat16 only), "triton_hopper" (the FlashAttention-3-style
         forward for Hopper, with the "triton" backward), "triton_hopper_fp8" (FP8
         e4m3 forward with per-tile scales and a Hadamard rotation of q and k;
-        forward only: a backward through it raises RuntimeError).
+        forward only: a backward through it raises RuntimeError). window, softcap and
+        alibi_slopes are in "naive" and "torch" (:mod:`fa_lab.impls`).
     Returns out (dtype of q) or, with return_lse, (out, lse) where lse: (batch,
     heads, seqlen_q) float32 is detached. Gradients flow to q, k, v for every impl.
     """
@@ -36,21 +48,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
     scale = resolve_scale(scale, q.shape[-1])
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    if impl == "naive":
-        from .reference import naive_attention
-        out, lse = naive_attention(q, k, v, causal, scale)
-    elif impl == "torch":
-        from .flash_torch import flash_attention
-        out, lse = flash_attention(q, k, v, causal, scale)
-    elif impl == "triton":
-        from .kernels import triton_attention
-        out, lse = triton_attention(q, k, v, causal, scale)
-    elif impl == "triton_hopper":
-        from .kernels import triton_hopper_attention
-        out, lse = triton_hopper_attention(q, k, v, causal, scale)
-    elif impl == "triton_hopper_fp8":
-        from .kernels import triton_hopper_fp8_attention
-        out, lse = triton_hopper_fp8_attention(q, k, v, causal, scale)
-    else:
-        raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}; got {impl!r}")
+    window, softcap = check_window(window), check_softcap(softcap)
+    slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1], q.device)
+    from .impls import run
+    out, lse = run(q, k, v, causal, scale, impl, window, softcap, slopes)
     return (out, lse.detach()) if return_lse else out

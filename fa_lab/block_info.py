@@ -42,6 +42,26 @@ class KeyBlocks(NamedTuple):
     end: int
 
 
+class KeyTiles(NamedTuple):
+    """A query tile's key loop under a window: tiles starting in ``[begin, full_begin)`` and
+    ``[full_end, end)`` need a mask (the band's two edges, a ragged end), ``[full_begin, full_end)``
+    none; keys before ``begin`` and from ``end`` on are never visited."""
+    begin: int
+    full_begin: int
+    full_end: int
+    end: int
+
+
+class QueryTiles(NamedTuple):
+    """A key tile's query loop under a window (the dK/dV kernel): query tiles starting in
+    ``[begin, full_begin)`` and ``[full_end, end)`` need a mask, those in ``[full_begin, full_end)`` see
+    every key of the tile; the others see none of it."""
+    begin: int
+    full_begin: int
+    full_end: int
+    end: int
+
+
 class QueryBlocks(NamedTuple):
     """The query rows a key tile meets (the dK/dV loop): tiles starting in ``[begin, full_begin)``
     need a mask, those in ``[full_begin, end)`` see every key of the tile; rows before ``begin`` none."""
@@ -101,6 +121,12 @@ class BlockInfo:
         if self.causal:
             return 0 if self.window[1] < 0 else min(self.window[1], 0)
         return None if self.window[1] < 0 else self.window[1]
+
+    @property
+    def banded(self) -> bool:
+        """Whether the window hides keys that causal masking alone would not: a left bound, or a
+        right bound without causal (the kernels then take their windowed path)."""
+        return self.left is not None or (self.right is not None and not self.causal)
 
     @property
     def masked(self) -> bool:
@@ -227,3 +253,40 @@ class BlockInfo:
     def _no_left_bound(self, what: str) -> None:
         if self.left is not None:
             raise NotImplementedError(f"{what}: windows with a left bound are not in the kernels' loops yet")
+
+    # ---- the windowed kernels' loop bounds ----------------------------------------------------
+
+    def window_bounds(self) -> tuple[int, int]:
+        """(left, right) with each unbounded side replaced by a bound no query reaches
+        (seqlen_q + seqlen_k): what the windowed kernels take, so that they need no flag per side."""
+        unbounded = self.seqlen_q + self.seqlen_k
+        return (unbounded if self.left is None else self.left,
+                unbounded if self.right is None else self.right)
+
+    def key_tiles(self, start_m: int, block_m: int, block_n: int) -> KeyTiles:
+        """The key loop of the query tile starting at row ``start_m`` in the windowed kernels
+        (whole tiles of block_n keys from ``begin``; the ragged last tile is masked)."""
+        q1 = min(start_m + block_m, self.seqlen_q)
+        start, end = self.key_range(start_m, q1)
+        if end <= start:
+            return KeyTiles(0, 0, 0, 0)
+        begin = start // block_n * block_n
+        full_start, full_stop = self.full_keys(start_m, q1)
+        end_tile = cdiv(end, block_n) * block_n  # (keeps every bound on the tile grid)
+        full_begin = min(max(cdiv(full_start, block_n) * block_n, begin), end_tile)
+        full_end = max(min(full_stop, end) // block_n * block_n, full_begin)
+        return KeyTiles(begin, full_begin, full_end, end)
+
+    def query_tiles(self, start_n: int, block_n: int, block_m: int) -> QueryTiles:
+        """The query loop of the key tile starting at key ``start_n`` in the windowed dK/dV kernel.
+        Keys past seqlen_k count as keys of the tile (the kernel drops their results); rows past
+        seqlen_q as rows that see them (their probabilities are zero)."""
+        left, right = self.window_bounds()
+        last_key = start_n + block_n - 1
+        # Row i sees key j when j - offset - right <= i <= j - offset + left.
+        rows_end = min(max(last_key - self.offset + left + 1, 0), self.seqlen_q)
+        end = cdiv(rows_end, block_m) * block_m
+        begin = min(max(start_n - self.offset - right, 0) // block_m * block_m, end)
+        full_begin = min(max(cdiv(max(last_key - self.offset - right, 0), block_m) * block_m, begin), end)
+        full_end = min(max(max(start_n - self.offset + left + 1, 0) // block_m * block_m, full_begin), end)
+        return QueryTiles(begin, full_begin, full_end, end)

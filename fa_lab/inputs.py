@@ -17,41 +17,53 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def check_qkv(q, k, v) -> None:
-    """Check q: (B, H, Nq, d), k and v: (B, Hkv, Nk, d) as the API in docs/design.md states."""
+    """Check q: (B, H, Nq, d), k and v: (B, Hkv, Nk, d) with H a multiple of Hkv, as the API in
+    docs/design.md states."""
+    check_tensors(q, k, v, "(batch, heads, seqlen, head_dim)", empty_ok=False)
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v has seqlen {v.shape[2]} but k has seqlen {k.shape[2]}; they must match")
+    check_heads(q.shape[1], k.shape[1], v.shape[1])
+    check_head_dims(q.shape[3], k.shape[3], v.shape[3])
+
+
+def check_tensors(q, k, v, layout: str, empty_ok: bool) -> None:
+    """Types, dimension count (that of ``layout``), dtypes and devices of q, k, v."""
+    ndim = layout.count(",") + 1
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 4:
-            raise ValueError(
-                f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), "
-                f"got {t.ndim} dimensions with shape {tuple(t.shape)}"
-            )
+        if t.ndim != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions {layout}, got {t.ndim} dimensions "
+                             f"with shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; attention needs float32, float16 or bfloat16"
-            )
-        if t.numel() == 0:
+            raise TypeError(f"{name} has dtype {t.dtype}; attention needs float32, float16 or bfloat16")
+        if t.numel() == 0 and not (empty_ok and t.shape[0] == 0 and all(t.shape[1:])):
             raise ValueError(f"{name} is empty ({_describe(t)}); every dimension must be >= 1")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all three must match")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all three must match")
-        if t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}")
-        if t.shape[1] != q.shape[1]:
-            raise ValueError(
-                f"{name} has {t.shape[1]} heads but q has {q.shape[1]}; grouped-query attention "
-                "(fewer key/value heads) is not supported yet, so the head counts must be equal"
-            )
-        if t.shape[3] != q.shape[3]:
-            raise ValueError(
-                f"{name} has head_dim {t.shape[3]} but q has head_dim {q.shape[3]}; they must match"
-            )
-    if v.shape[2] != k.shape[2]:
-        raise ValueError(f"v has seqlen {v.shape[2]} but k has seqlen {k.shape[2]}; they must match")
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim is {q.shape[3]}; at most {MAX_HEAD_DIM} is supported")
+
+
+def check_heads(heads: int, heads_k: int, heads_v: int) -> None:
+    """Grouped-query attention: k and v share a head count that divides q's."""
+    if heads_v != heads_k:
+        raise ValueError(f"v has {heads_v} heads but k has {heads_k}; they must match")
+    if heads % heads_k:
+        raise ValueError(f"k and v have {heads_k} heads but q has {heads}: grouped-query attention needs "
+                         "the query heads to be a multiple of the key/value heads")
+
+
+def check_head_dims(head_dim: int, head_dim_k: int, head_dim_v: int) -> None:
+    for name, dim in (("k", head_dim_k), ("v", head_dim_v)):
+        if dim != head_dim:
+            raise ValueError(f"{name} has head_dim {dim} but q has head_dim {head_dim}; they must match")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim is {head_dim}; at most {MAX_HEAD_DIM} is supported")
 
 
 def resolve_scale(scale, head_dim: int) -> float:

@@ -66,25 +66,28 @@ def assert_attention_close(name, actual, reference, baseline, dtype=None, floor=
 
 
 def make_qkv(batch=1, heads=2, seqlen_q=64, seqlen_k=None, head_dim=32, dtype=torch.float32,
-             device="cpu", generator=None, strided=False, requires_grad=True):
-    """Random q: (B, H, Nq, d), k, v: (B, H, Nk, d) from N(0, 1).
+             device="cpu", generator=None, strided=False, requires_grad=True, heads_kv=None):
+    """Random q: (B, H, Nq, d), k, v: (B, Hkv, Nk, d) from N(0, 1); Hkv = heads_kv, default H.
 
     ``strided`` builds them as (B, N, H, d) tensors viewed as (B, H, N, d), the
     non-contiguous layout a transformer's projections produce.
     """
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    heads_kv = heads if heads_kv is None else heads_kv
     tensors = []
-    for n in (seqlen_q, seqlen_k, seqlen_k):
+    for n, h in ((seqlen_q, heads), (seqlen_k, heads_kv), (seqlen_k, heads_kv)):
         if strided:
-            t = torch.randn(batch, n, heads, head_dim, generator=generator).to(device, dtype).transpose(1, 2)
+            t = torch.randn(batch, n, h, head_dim, generator=generator).to(device, dtype).transpose(1, 2)
         else:
-            t = torch.randn(batch, heads, n, head_dim, generator=generator).to(device, dtype)
+            t = torch.randn(batch, h, n, head_dim, generator=generator).to(device, dtype)
         tensors.append(t.requires_grad_(requires_grad))
     return tuple(tensors)
 
 
-def check_attention(attention_fn, q, k, v, causal=False, scale=None, grads=True, generator=None):
-    """Run ``attention_fn(q, k, v, causal, scale) -> (out, lse)`` and check it all.
+def check_attention(attention_fn, q, k, v, causal=False, scale=None, grads=True, generator=None, **options):
+    """Run ``attention_fn(q, k, v, causal, scale, **options) -> (out, lse)`` and check it all.
+
+    options: window, softcap, alibi_slopes (chapter 05), passed to the references too.
 
     Compares out, lse and (with ``grads``) dq, dk, dv against the float64
     reference under the tolerance rule; returns the list of Comparisons and
@@ -92,16 +95,16 @@ def check_attention(attention_fn, q, k, v, causal=False, scale=None, grads=True,
     """
     dtype = q.dtype
     leaves = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]
-    out, lse = attention_fn(*leaves, causal, scale)
+    out, lse = attention_fn(*leaves, causal, scale, **options)
     if out.dtype != dtype:
         raise AssertionError(f"out has dtype {out.dtype}, expected {dtype}")
     if lse.dtype != torch.float32:
         raise AssertionError(f"lse has dtype {lse.dtype}, expected torch.float32")
     # float64 leaves: gradients flowing into bf16 leaves would be rounded back to bf16.
     ref_leaves = [t.detach().double().requires_grad_(grads) for t in (q, k, v)]
-    ref_out, ref_lse = reference_attention(*ref_leaves, causal, scale)
+    ref_out, ref_lse = reference_attention(*ref_leaves, causal, scale, **options)
     base_leaves = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]
-    base_out, base_lse = naive_attention(*base_leaves, causal, scale)
+    base_out, base_lse = naive_attention(*base_leaves, causal, scale, **options)
     results = [compare("out", out, ref_out, base_out, dtype),
                compare("lse", lse, ref_lse, base_lse, floor=LSE_FLOOR)]
     if grads:

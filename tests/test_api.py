@@ -57,7 +57,7 @@ def _qkv(shape_q=(1, 2, 8, 16), shape_kv=(1, 2, 8, 16), dtype=torch.float32):
     (lambda: (torch.randn(2, 8, 16),) + _qkv()[1:], ValueError, ["q", "4 dimensions", "(2, 8, 16)"]),
     (lambda: _qkv(shape_kv=(2, 2, 8, 16)), ValueError, ["k", "batch 2", "batch 1"]),
     (lambda: _qkv(shape_kv=(1, 2, 8, 32)), ValueError, ["head_dim 32", "head_dim 16"]),
-    (lambda: _qkv(shape_kv=(1, 1, 8, 16)), ValueError, ["1 heads", "2"]),
+    (lambda: _qkv((1, 3, 8, 16), (1, 2, 8, 16)), ValueError, ["2 heads", "q has 3", "multiple"]),
     (lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16)), ValueError,
      ["v has seqlen 9", "8"]),
     (lambda: _qkv(dtype=torch.float64), TypeError, ["float64", "float32, float16 or bfloat16"]),

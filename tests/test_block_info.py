@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from fa_lab.block_info import BlockInfo, causal_visible
+from fa_lab.block_info import BlockInfo, causal_visible, cdiv
 
 SEQLENS = (1, 17, 64, 113, 128, 300)
 BLOCKS = ((16, 16), (32, 64), (64, 32), (128, 128))
@@ -162,3 +162,46 @@ def test_a_window_is_checked_and_causal_means_right_zero():
             BlockInfo(8, 8, False, bad)
     with pytest.raises(NotImplementedError, match="left bound"):
         BlockInfo(8, 8, True, (4, 0)).key_blocks(0, 4, 4)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,window", window_shapes())
+def test_windowed_loop_bounds_visit_every_visible_key_and_mask_only_where_needed(seqlen_q, seqlen_k, causal,
+                                                                                window):
+    """key_tiles / query_tiles as the windowed kernels loop (whole tiles; keys past seqlen_k follow the
+    window rule, since the dK/dV kernel drops their results, and rows past seqlen_q carry zero P)."""
+    info = BlockInfo(seqlen_q, seqlen_k, causal, window)
+    left, right = info.window_bounds()
+    for block_m, block_n in ((16, 16), (32, 64), (64, 32)):
+        rows_pad, keys_pad = cdiv(seqlen_q, block_m) * block_m, cdiv(seqlen_k, block_n) * block_n
+        rows, keys = torch.arange(rows_pad)[:, None], torch.arange(keys_pad)[None, :]
+        band = (keys >= rows + info.offset - left) & (keys <= rows + info.offset + right)  # no seqlen bounds
+        real = (rows < seqlen_q) & (keys < seqlen_k)
+        for start_m in range(0, seqlen_q, block_m):
+            begin, full_begin, full_end, end = info.key_tiles(start_m, block_m, block_n)
+            assert begin % block_n == 0 and full_begin % block_n == 0 and full_end % block_n == 0
+            assert begin <= full_begin <= full_end and (full_begin == full_end or full_end <= min(end, seqlen_k))
+            tile = (band & real)[start_m:start_m + block_m]
+            seen = tile.any(0).nonzero().flatten()
+            if len(seen):
+                assert begin <= int(seen[0]) and end == int(seen[-1]) + 1  # nothing visible is skipped
+            else:
+                assert full_begin == full_end and begin >= end or end == 0
+            real_rows = tile[:min(block_m, seqlen_q - start_m)]
+            assert bool(real_rows[:, full_begin:full_end].all())  # the unmasked tiles really need no mask
+        for start_n in range(0, seqlen_k, block_n):
+            begin, full_begin, full_end, end = info.query_tiles(start_n, block_n, block_m)
+            assert all(x % block_m == 0 for x in (begin, full_begin, full_end, end))
+            assert begin <= full_begin <= full_end <= end <= rows_pad
+            cols = (band & (rows < seqlen_q))[:, start_n:start_n + block_n]
+            real_cols = cols[:, :max(min(block_n, seqlen_k - start_n), 0)]
+            assert not bool(real_cols[:begin].any()) and not bool(real_cols[end:].any())  # skipped tiles see none
+            assert bool(cols[full_begin:min(full_end, seqlen_q)].all())  # full tiles: every key, padding too
+
+
+def test_windowed_bounds_without_a_window_are_the_plain_ones():
+    for seqlen_q, seqlen_k, causal in shapes():
+        info = BlockInfo(seqlen_q, seqlen_k, causal)
+        for block_m, block_n in BLOCKS:
+            for start_m in range(0, seqlen_q, block_m):
+                tiles, plain = info.key_tiles(start_m, block_m, block_n), info.key_blocks(start_m, block_m, block_n)
+                assert (tiles.full_end, tiles.end) == tuple(plain) and tiles.begin == tiles.full_begin == 0

@@ -19,7 +19,12 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
 from fa_lab.kernels.hopper.block_range import tile_plan, visible_key_end  # noqa: E402
-from fa_lab.kernels.portable.block_range import key_range, query_range  # noqa: E402
+from fa_lab.kernels.portable.block_range import (  # noqa: E402
+    key_range,
+    query_range,
+    window_key_range,
+    window_query_range,
+)
 
 SEQLENS = (1, 17, 113, 128, 1023)
 SHAPES = list(itertools.product(SEQLENS, SEQLENS))  # (seqlen_q, seqlen_k): Nq > Nk, Nq < Nk and equal
@@ -86,6 +91,55 @@ def test_portable_block_ranges_are_block_info(block_m, block_n, causal):
         for tile in range(cdiv(n_k, block_n)):
             got = tuple(queries[case][i][tile] for i in range(3))
             assert got == info.query_blocks(tile * block_n, block_n, block_m), (n_q, n_k, tile)
+
+
+WINDOWS = [(0, 0), (5, -1), (-1, 3), (37, 2), (200, 0), (-1, -1)]
+WINDOW_SHAPES = list(itertools.product((1, 17, 113, 300), (1, 17, 113, 300)))
+
+
+@triton.jit
+def _window_range_probe(seqlen_q_ptr, seqlen_k_ptr, left_ptr, right_ptr, keys_ptr, queries_ptr,
+                        MAX_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For case program_id(0): window_key_range of Q tile t at keys[case, :, t] and window_query_range of
+    K tile t at queries[case, :, t]; keys, queries: (cases, 4, MAX_TILES) int32."""
+    case = tl.program_id(0)
+    seqlen_q, seqlen_k = tl.load(seqlen_q_ptr + case), tl.load(seqlen_k_ptr + case)
+    left, right = tl.load(left_ptr + case), tl.load(right_ptr + case)
+    tiles = tl.arange(0, MAX_TILES)
+    ranges = (window_key_range(tiles * BLOCK_M, seqlen_q, seqlen_k, left, right, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N),
+              window_query_range(tiles * BLOCK_N, seqlen_q, seqlen_k, left, right, BLOCK_M=BLOCK_M,
+                                 BLOCK_N=BLOCK_N))
+    keys = keys_ptr + case * 4 * MAX_TILES + tiles
+    queries = queries_ptr + case * 4 * MAX_TILES + tiles
+    for i in tl.static_range(4):
+        tl.store(keys + i * MAX_TILES, ranges[0][i])
+        tl.store(queries + i * MAX_TILES, ranges[1][i])
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 64), (64, 32)])
+def test_portable_window_ranges_are_block_info(block_m, block_n):
+    """window_key_range is BlockInfo.key_tiles and window_query_range BlockInfo.query_tiles on every tile,
+    over windows with one, two or no bounded side and causal folded in as right = 0."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = [(n_q, n_k, causal, window) for n_q, n_k in WINDOW_SHAPES for causal in (False, True)
+             for window in WINDOWS]
+    infos = [BlockInfo(n_q, n_k, causal, window) for n_q, n_k, causal, window in cases]
+    columns = [[i.seqlen_q for i in infos], [i.seqlen_k for i in infos],
+               *zip(*(i.window_bounds() for i in infos))]
+    seqlen_q, seqlen_k, left, right = (torch.tensor(c, dtype=torch.int32, device=device) for c in columns)
+    max_tiles = 32  # cdiv(300, 16) rounded up to a power of two
+    keys = torch.empty(len(cases), 4, max_tiles, dtype=torch.int32, device=device)
+    queries = torch.empty_like(keys)
+    _window_range_probe[(len(cases),)](seqlen_q, seqlen_k, left, right, keys, queries, MAX_TILES=max_tiles,
+                                       BLOCK_M=block_m, BLOCK_N=block_n)
+    keys, queries = keys.cpu().tolist(), queries.cpu().tolist()
+    for case, info in enumerate(infos):
+        for tile in range(cdiv(info.seqlen_q, block_m)):
+            got = tuple(keys[case][i][tile] for i in range(4))
+            assert got == info.key_tiles(tile * block_m, block_m, block_n), (cases[case], tile)
+        for tile in range(cdiv(info.seqlen_k, block_n)):
+            got = tuple(queries[case][i][tile] for i in range(4))
+            assert got == info.query_tiles(tile * block_n, block_n, block_m), (cases[case], tile)
 
 
 # ---------------------------------------------------------------- Gluon

@@ -5,7 +5,9 @@ tiles of P = exp(S - lse) from Q, K and the saved log-sum-exp, then
 
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dK = scale dS^T Q,   dQ = scale dS K
 
-with D = rowsum(dO * O) computed once by a small preprocessing kernel.
+with D = rowsum(dO * O) computed once by a small preprocessing kernel. Under a soft cap dS
+is multiplied by tanh's derivative 1 - tanh^2; with grouped-query attention each dK/dV program
+sums over the query heads of its group, so dK and dV are written once per K/V head.
 
 dK/dV and dQ come from two kernels rather than one kernel with atomics: the
 first gives each program a K/V tile and streams the Q/dO tiles past it, the
@@ -19,7 +21,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .block_range import key_range, query_range
+from .. import common
+from .block_range import key_range, query_range, window_key_range, window_query_range
+from .score_mod import in_window, modified_scores, softcap_tanh
+
+LOG2E = tl.constexpr(common.LOG2E)
 
 
 @triton.jit
@@ -46,98 +52,188 @@ def attention_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr,
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base, start_m,
-               offs_n, seqlen_q, causal_offset, qk_scale,
-               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
-    """Add one Q/dO tile's contribution to the dK, dV accumulators of a K/V tile (transposed P)."""
+               offs_n, seqlen_q, causal_offset, qk_scale, mods,
+               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Add one Q/dO tile's contribution to the dK, dV accumulators of a K/V tile (transposed P).
+
+    mods: (left, right, softcap_scale, softcap_log2, slope_log2), as in the forward."""
     q = desc_q.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
     do = desc_do.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    left, right, softcap_scale, softcap_log2, slope_log2 = mods
     # Rows past seqlen_q load lse2 = +inf, so their P^T column is exactly 0.
     lse2 = tl.load(lse2_ptr + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
-    p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+    kq = tl.dot(k, tl.trans(q))
+    if SOFTCAP or ALIBI:
+        p_t = tl.math.exp2(modified_scores(kq, offs_m[None, :], offs_n[:, None], qk_scale, softcap_scale,
+                                           softcap_log2, slope_log2, causal_offset, SOFTCAP, ALIBI)
+                           - lse2[None, :])
+    else:
+        p_t = tl.math.exp2(kq * qk_scale - lse2[None, :])
     if MASKED:
-        p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, p_t, 0.0)
+        if WINDOW:
+            p_t = tl.where(in_window(offs_m[None, :], offs_n[:, None], causal_offset, left, right), p_t, 0.0)
+        else:
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + causal_offset, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv)
     dp_t = tl.dot(v, tl.trans(do))
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:  # back through softcap * tanh(scale * q.k / softcap): times 1 - tanh^2
+        tanh = softcap_tanh(kq, softcap_scale)
+        ds_t = ds_t * (1.0 - tanh * tanh)
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, head, heads,
+               begin, full_begin, full_end, rows_end, offs_n, seqlen_q, causal_offset, qk_scale,
+               left, right, softcap_scale, softcap_log2,
+               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr):
+    """The dK, dV contributions of query head ``head``'s Q tiles: masked [begin, full_begin), whole
+    [full_begin, full_end), masked [full_end, rows_end) (the band's lower edge, WINDOW only)."""
+    row_base = (batch * heads + head) * seqlen_q
+    slope_log2 = 0.0
+    if ALIBI:
+        slope_log2 = tl.load(slopes_ptr + batch * heads + head) * LOG2E
+    mods = (left, right, softcap_scale, softcap_log2, slope_log2)
+    for start_m in tl.range(begin, full_begin, BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
+                            start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M, HEAD_DIM,
+                            True, WINDOW, SOFTCAP, ALIBI)
+    for start_m in tl.range(full_begin, full_end, BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
+                            start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M, HEAD_DIM,
+                            False, WINDOW, SOFTCAP, ALIBI)
+    if WINDOW:
+        for start_m in tl.range(full_end, rows_end, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
+                                start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M, HEAD_DIM,
+                                True, WINDOW, SOFTCAP, ALIBI)
     return dk, dv
 
 
 @triton.jit
 def attention_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, lse2_ptr, delta_ptr,
                               heads, seqlen_q, seqlen_k, qk_scale, scale,
+                              group, left, right, softcap_scale, softcap_log2, slopes_ptr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              CAUSAL: tl.constexpr):
-    """dK and dV of one K/V tile of BLOCK_N keys. Grid: (cdiv(seqlen_k, BLOCK_N), B * H)."""
+                              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                              ALIBI: tl.constexpr, GQA: tl.constexpr):
+    """dK and dV of one K/V tile of BLOCK_N keys, summed over the ``group`` query heads that read it
+    (GQA: group > 1). Grid: (cdiv(seqlen_k, BLOCK_N), B * H // group)."""
     pid_bh = tl.program_id(1)
-    batch = pid_bh // heads
-    head = pid_bh % heads
+    if GQA:
+        heads_kv = heads // group
+        batch = pid_bh // heads_kv
+        kv_head = pid_bh % heads_kv
+    else:
+        batch = pid_bh // heads
+        kv_head = pid_bh % heads
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     causal_offset = seqlen_k - seqlen_q
-    row_base = pid_bh * seqlen_q
-    k = desc_k.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-    v = desc_v.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    k = desc_k.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = desc_v.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Q tiles above the first row that sees this K tile are skipped; those crossing the diagonal need the mask.
-    begin, full_begin, rows_end = query_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_m in tl.range(begin, full_begin, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
-                            start_m, offs_n, seqlen_q, causal_offset, qk_scale, BLOCK_M, HEAD_DIM, True)
-    for start_m in tl.range(full_begin, rows_end, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
-                            start_m, offs_n, seqlen_q, causal_offset, qk_scale, BLOCK_M, HEAD_DIM, False)
+    # Q tiles that see none of this K tile are skipped; those crossing a mask edge need the mask.
+    if WINDOW:
+        begin, full_begin, full_end, rows_end = window_query_range(start_n, seqlen_q, seqlen_k, left, right,
+                                                                   BLOCK_M, BLOCK_N)
+    else:
+        begin, full_begin, rows_end = query_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        full_end = rows_end
+    if GQA:  # the query heads of the group, one after another
+        for member in tl.range(0, group):
+            dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch,
+                                kv_head * group + member, heads, begin, full_begin, full_end, rows_end, offs_n,
+                                seqlen_q, causal_offset, qk_scale, left, right, softcap_scale, softcap_log2,
+                                BLOCK_M, HEAD_DIM, WINDOW, SOFTCAP, ALIBI)
+    else:
+        dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, kv_head,
+                            heads, begin, full_begin, full_end, rows_end, offs_n, seqlen_q, causal_offset,
+                            qk_scale, left, right, softcap_scale, softcap_log2, BLOCK_M, HEAD_DIM, WINDOW,
+                            SOFTCAP, ALIBI)
     # Keys past seqlen_k were loaded as zeros and their rows are dropped by the descriptor store.
-    desc_dk.store([batch, head, start_n, 0], (dk * scale).to(desc_dk.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
-    desc_dv.store([batch, head, start_n, 0], dv.to(desc_dv.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+    desc_dk.store([batch, kv_head, start_n, 0], (dk * scale).to(desc_dk.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+    desc_dv.store([batch, kv_head, start_n, 0], dv.to(desc_dv.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, head, start_n, offs_m, seqlen_k,
-             causal_offset, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-             MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, start_n, offs_m, seqlen_k,
+             causal_offset, qk_scale, mods, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+             ALIBI: tl.constexpr):
     """Add one K/V tile's contribution to the dQ accumulator of a Q tile."""
-    k = desc_k.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-    v = desc_v.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-    p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+    k = desc_k.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = desc_v.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    left, right, softcap_scale, softcap_log2, slope_log2 = mods
+    qk = tl.dot(q, tl.trans(k))
+    if SOFTCAP or ALIBI:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        p = tl.math.exp2(modified_scores(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap_scale,
+                                         softcap_log2, slope_log2, causal_offset, SOFTCAP, ALIBI) - lse2[:, None])
+    else:
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
     if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = offs_n[None, :] < seqlen_k
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        if WINDOW:
+            visible = visible & in_window(offs_m[:, None], offs_n[None, :], causal_offset, left, right)
         p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        tanh = softcap_tanh(qk, softcap_scale)
+        ds = ds * (1.0 - tanh * tanh)
     return tl.dot(ds.to(k.dtype), k, dq)
 
 
 @triton.jit
 def attention_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse2_ptr, delta_ptr,
                             heads, seqlen_q, seqlen_k, qk_scale, scale,
+                            group, left, right, softcap_scale, softcap_log2, slopes_ptr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            CAUSAL: tl.constexpr):
+                            CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                            ALIBI: tl.constexpr, GQA: tl.constexpr):
     """dQ of one Q tile of BLOCK_M rows. Grid: (cdiv(seqlen_q, BLOCK_M), B * H)."""
     pid_bh = tl.program_id(1)
     batch = pid_bh // heads
     head = pid_bh % heads
+    kv_head = head // group if GQA else head
     start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     causal_offset = seqlen_k - seqlen_q
+    slope_log2 = 0.0
+    if ALIBI:
+        slope_log2 = tl.load(slopes_ptr + pid_bh) * LOG2E
+    mods = (left, right, softcap_scale, softcap_log2, slope_log2)
     q = desc_q.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
     do = desc_do.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
     lse2 = tl.load(lse2_ptr + pid_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(delta_ptr + pid_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # The same key ranges as the forward: unmasked tiles first, then the diagonal / ragged end.
-    full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in tl.range(0, full_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, head, start_n, offs_m, seqlen_k,
-                      causal_offset, qk_scale, BLOCK_N, HEAD_DIM, False, CAUSAL)
+    # The same key ranges as the forward: unmasked tiles, then the diagonal / the band's edges / ragged end.
+    if WINDOW:
+        begin, full_begin, full_end, end = window_key_range(start_m, seqlen_q, seqlen_k, left, right,
+                                                            BLOCK_M, BLOCK_N)
+        for start_n in tl.range(begin, full_begin, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, start_n, offs_m, seqlen_k,
+                          causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI)
+    else:
+        full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        full_begin = 0
+    for start_n in tl.range(full_begin, full_end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, start_n, offs_m, seqlen_k,
+                      causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, False, CAUSAL, WINDOW, SOFTCAP, ALIBI)
     for start_n in tl.range(full_end, end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, head, start_n, offs_m, seqlen_k,
-                      causal_offset, qk_scale, BLOCK_N, HEAD_DIM, True, CAUSAL)
+        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, start_n, offs_m, seqlen_k,
+                      causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI)
     desc_dq.store([batch, head, start_m, 0], (dq * scale).to(desc_dq.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))

@@ -53,3 +53,42 @@ def query_range(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.
         begin = 0
         full_begin = 0
     return begin, full_begin, end
+
+
+@triton.jit
+def window_key_range(start_m, seqlen_q, seqlen_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(begin, full_begin, full_end, end) of the Q tile starting at row ``start_m`` under a window:
+    ``BlockInfo.key_tiles(start_m, BLOCK_M, BLOCK_N)``, with left, right = ``BlockInfo.window_bounds()``.
+
+    Key tiles starting in [begin, full_begin) and [full_end, end) need the band's mask, those in
+    [full_begin, full_end) none. Used by the forward and dQ kernels when WINDOW is set.
+    """
+    offset = seqlen_k - seqlen_q
+    last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    start = tl.minimum(tl.maximum(start_m + offset - left, 0), seqlen_k)
+    end = tl.minimum(tl.maximum(last_row + offset + right + 1, 0), seqlen_k)
+    full_start = tl.minimum(tl.maximum(last_row + offset - left, 0), seqlen_k)
+    full_stop = tl.minimum(tl.maximum(start_m + offset + right + 1, 0), seqlen_k)
+    empty = end <= start
+    begin = start // BLOCK_N * BLOCK_N
+    end_tile = tl.cdiv(end, BLOCK_N) * BLOCK_N
+    full_begin = tl.minimum(tl.maximum(tl.cdiv(full_start, BLOCK_N) * BLOCK_N, begin), end_tile)
+    full_end = tl.maximum(tl.minimum(full_stop, end) // BLOCK_N * BLOCK_N, full_begin)
+    return (tl.where(empty, 0, begin), tl.where(empty, 0, full_begin), tl.where(empty, 0, full_end),
+            tl.where(empty, 0, end))
+
+
+@triton.jit
+def window_query_range(start_n, seqlen_q, seqlen_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(begin, full_begin, full_end, end) of the K tile starting at key ``start_n`` under a window:
+    ``BlockInfo.query_tiles(start_n, BLOCK_N, BLOCK_M)`` (the windowed dK/dV kernel's loop over Q tiles)."""
+    offset = seqlen_k - seqlen_q
+    last_key = start_n + BLOCK_N - 1
+    rows_end = tl.minimum(tl.maximum(last_key - offset + left + 1, 0), seqlen_q)
+    end = tl.cdiv(rows_end, BLOCK_M) * BLOCK_M
+    begin = tl.minimum(tl.maximum(start_n - offset - right, 0) // BLOCK_M * BLOCK_M, end)
+    full_begin = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_key - offset - right, 0), BLOCK_M) * BLOCK_M, begin),
+                            end)
+    full_end = tl.minimum(tl.maximum(tl.maximum(start_n - offset + left + 1, 0) // BLOCK_M * BLOCK_M, full_begin),
+                          end)
+    return begin, full_begin, full_end, end

@@ -17,19 +17,23 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .block_range import key_range
+from .block_range import key_range, window_key_range
+from .score_mod import in_window, modified_scores
 
 LN2 = tl.constexpr(common.LN2)  # (jit code reads module-level numbers only as constexprs)
+LOG2E = tl.constexpr(common.LOG2E)
 
 
 @triton.jit
 def online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k, causal_offset,
-                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                        left=0, right=0, WINDOW: tl.constexpr = False):
     """The online-softmax update for one tile of raw scores qk = Q K^T: (BLOCK_M, BLOCK_N).
 
     Returns (p, alpha, l_i, m_new): the unnormalized probabilities exp2(qk * qk_scale - m_new),
     the factor exp2(m_old - m_new) that rescales everything accumulated so far, and the
     new running sum and max (in log2 units, since qk_scale = scale * log2(e)).
+    WINDOW: mask with the band (left, right) too (:func:`.score_mod.in_window`).
     """
     if MASKED:
         # Only the tiles on the causal diagonal or at the ragged end pay for a mask.
@@ -37,6 +41,8 @@ def online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k, causa
         visible = offs_n[None, :] < seqlen_k
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        if WINDOW:
+            visible = visible & in_window(offs_m[:, None], offs_n[None, :], causal_offset, left, right)
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.
@@ -67,16 +73,28 @@ def write_output(acc, l_i, m_i, desc_o, lse_ptr, batch, head, pid_bh, start_m, o
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n, qk_scale, offs_m,
-                  seqlen_k, causal_offset,
+def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, start_n, qk_scale, offs_m,
+                  seqlen_k, causal_offset, mods,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """Fold the K/V tile starting at key ``start_n`` into (acc, l_i, m_i)."""
-    k = desc_k.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Fold the K/V tile starting at key ``start_n`` into (acc, l_i, m_i).
+
+    mods: (left, right, softcap_scale, softcap_log2, slope_log2), read only where WINDOW, SOFTCAP, ALIBI say.
+    """
+    k = desc_k.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     qk = tl.dot(q, tl.trans(k))
-    p, alpha, l_i, m_new = online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k,
-                                               causal_offset, BLOCK_N, MASKED, CAUSAL)
-    v = desc_v.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    left, right, softcap_scale, softcap_log2, slope_log2 = mods
+    if SOFTCAP or ALIBI:  # the scores, modified and in log2 units: the softmax then scales by 1
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        qk = modified_scores(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap_scale, softcap_log2,
+                             slope_log2, causal_offset, SOFTCAP, ALIBI)
+        p, alpha, l_i, m_new = online_softmax_tile(qk, l_i, m_i, 1.0, offs_m, start_n, seqlen_k,
+                                                   causal_offset, BLOCK_N, MASKED, CAUSAL, left, right, WINDOW)
+    else:
+        p, alpha, l_i, m_new = online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k,
+                                                   causal_offset, BLOCK_N, MASKED, CAUSAL, left, right, WINDOW)
+    v = desc_v.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
@@ -84,12 +102,20 @@ def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n, qk_sca
 @triton.jit
 def attention_fwd_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
                          heads, seqlen_q, seqlen_k, qk_scale,
+                         group, left, right, softcap_scale, softcap_log2, slopes_ptr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         CAUSAL: tl.constexpr, REVERSE_GRID: tl.constexpr):
+                         CAUSAL: tl.constexpr, REVERSE_GRID: tl.constexpr,
+                         WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                         GQA: tl.constexpr):
     """O = softmax(scale * Q K^T) V for one Q tile; lse (natural log) saved for the backward.
 
-    desc_*: descriptors over (B, H, N, HEAD_DIM) with block shape (1, 1, BLOCK, HEAD_DIM);
+    desc_q, desc_o: descriptors over (B, H, Nq, HEAD_DIM), desc_k, desc_v over (B, H // group, Nk,
+    HEAD_DIM), block shape (1, 1, BLOCK, HEAD_DIM); query head h reads K/V head h // group (GQA:
+    group > 1).
     lse_ptr: (B, H, seqlen_q) float32, contiguous. qk_scale = scale * log2(e).
+    WINDOW: keys outside the band (left, right) (``BlockInfo.window_bounds``; causal folded in) are
+    skipped by tile and masked at the band's edges. SOFTCAP: softcap_scale = scale / softcap,
+    softcap_log2 = softcap * log2(e). ALIBI: slopes_ptr (B, H) float32.
     """
     pid_m = tl.program_id(0)
     if REVERSE_GRID:
@@ -99,24 +125,38 @@ def attention_fwd_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
     pid_bh = tl.program_id(1)
     batch = pid_bh // heads
     head = pid_bh % heads
+    kv_head = head // group if GQA else head
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     causal_offset = seqlen_k - seqlen_q  # bottom-right alignment: row i sees keys j <= i + offset
+    slope_log2 = 0.0
+    if ALIBI:
+        slope_log2 = tl.load(slopes_ptr + pid_bh) * LOG2E
+    mods = (left, right, softcap_scale, softcap_log2, slope_log2)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     q = desc_q.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
 
-    full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in tl.range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n,
-                                      qk_scale, offs_m, seqlen_k, causal_offset,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL)
+    if WINDOW:
+        begin, full_begin, full_end, end = window_key_range(start_m, seqlen_q, seqlen_k, left, right,
+                                                            BLOCK_M, BLOCK_N)
+        for start_n in tl.range(begin, full_begin, BLOCK_N):  # the band's left edge
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, start_n,
+                                          qk_scale, offs_m, seqlen_k, causal_offset, mods,
+                                          BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI)
+    else:
+        full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        full_begin = 0
+    for start_n in tl.range(full_begin, full_end, BLOCK_N):
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, start_n,
+                                      qk_scale, offs_m, seqlen_k, causal_offset, mods,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, WINDOW, SOFTCAP, ALIBI)
     for start_n in tl.range(full_end, end, BLOCK_N):
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, head, start_n,
-                                      qk_scale, offs_m, seqlen_k, causal_offset,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, start_n,
+                                      qk_scale, offs_m, seqlen_k, causal_offset, mods,
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI)
 
     write_output(acc, l_i, m_i, desc_o, lse_ptr, batch, head, pid_bh, start_m, offs_m, seqlen_q,
                  BLOCK_M, HEAD_DIM)

@@ -1,0 +1,47 @@
+"""Which implementation computes :func:`fa_lab.attention`, on arguments already checked.
+
+Every impl takes grouped-query attention. The chapter-05 score options (a local window,
+the soft cap, ALiBi) are in ``"naive"``, ``"torch"`` and ``"triton"``, whose kernels also read
+grouped K/V natively; the Hopper impls refuse the options with a message that says so, and
+receive grouped K/V expanded to one head per query head.
+"""
+from __future__ import annotations
+
+from .block_info import BlockInfo
+from .reference import expand_kv
+
+IMPLS = ("naive", "torch", "triton", "triton_hopper", "triton_hopper_fp8")
+WITH_SCORE_OPTIONS = ("naive", "torch", "triton")
+
+
+def has_score_options(seqlen_q: int, seqlen_k: int, causal: bool, window, softcap: float, alibi_slopes) -> bool:
+    """Whether the call needs more than causal masking: a window that causal alone does not give,
+    a soft cap or ALiBi slopes."""
+    return BlockInfo(seqlen_q, seqlen_k, causal, tuple(window)).banded or bool(softcap) or alibi_slopes is not None
+
+
+def run(q, k, v, causal: bool, scale: float, impl: str, window=(-1, -1), softcap: float = 0.0,
+        alibi_slopes=None):
+    """(out, lse) of one dense call: q (B, H, Nq, d), k, v (B, Hkv, Nk, d), slopes (B, H) or None."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}; got {impl!r}")
+    options = {"window": tuple(window), "softcap": softcap, "alibi_slopes": alibi_slopes}
+    if impl == "naive":
+        from .reference import naive_attention
+        return naive_attention(q, k, v, causal, scale, **options)
+    if impl == "torch":
+        from .flash_torch import flash_attention
+        return flash_attention(q, k, v, causal, scale, **options)
+    if impl == "triton":
+        from .kernels import triton_attention
+        return triton_attention(q, k, v, causal, scale, **options)
+    if has_score_options(q.shape[2], k.shape[2], causal, window, softcap, alibi_slopes):
+        given = [name for name, off in (("window", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None))
+                 if options[name] != off]
+        raise NotImplementedError(f"impl={impl!r} does not take {' or '.join(given)} yet; "
+                                  f"{' and '.join(map(repr, WITH_SCORE_OPTIONS))} do")
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    from . import kernels
+    dense = {"triton_hopper": kernels.triton_hopper_attention,
+             "triton_hopper_fp8": kernels.triton_hopper_fp8_attention}[impl]
+    return dense(q, k, v, causal, scale)

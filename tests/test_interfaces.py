@@ -1,0 +1,206 @@
+"""Chapter 05's interfaces: grouped-query attention, local windows, the soft cap, ALiBi and packed
+variable-length batches, against definitions written here one score at a time, then every impl
+that takes them under the tolerance rule (forward, LSE and gradients)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fa_lab
+from fa_lab.flash_torch import _Tiles, flash_attention
+from fa_lab.reference import reference_attention
+from fa_lab.testing import check_attention, compare, make_qkv
+
+
+def attention_by_definition(q, k, v, causal, scale, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """(out, lse) in float64 from flash-attn's definitions, one (batch, head, query, key) at a time."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    offset, (left, right) = seqlen_k - seqlen_q, window
+    out = torch.zeros(batch, heads, seqlen_q, head_dim, dtype=torch.float64)
+    lse = torch.full((batch, heads, seqlen_q), -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            kv = h // (heads // heads_kv)
+            slope = 0.0 if alibi_slopes is None else float(alibi_slopes.expand(batch, heads)[b, h])
+            for i in range(seqlen_q):
+                scores, values = [], []
+                for j in range(seqlen_k):
+                    visible = ((not causal or j <= i + offset) and (left < 0 or j >= i + offset - left)
+                               and (right < 0 or j <= i + offset + right))
+                    if not visible:
+                        continue
+                    s = scale * float(q[b, h, i].double() @ k[b, kv, j].double())
+                    if softcap:
+                        s = softcap * math.tanh(s / softcap)
+                    scores.append(s - slope * abs(i + offset - j))
+                    values.append(v[b, kv, j].double())
+                if scores:
+                    top = max(scores)
+                    weights = [math.exp(s - top) for s in scores]
+                    total = sum(weights)
+                    out[b, h, i] = sum(w * x for w, x in zip(weights, values)) / total
+                    lse[b, h, i] = top + math.log(total)
+    return out, lse
+
+
+OPTION_CASES = [  # (heads, heads_kv, seqlen_q, seqlen_k, causal, window, softcap, alibi)
+    (4, 2, 9, 13, False, (-1, -1), 0.0, None),
+    (4, 1, 13, 9, True, (-1, -1), 0.0, None),
+    (2, 2, 11, 11, False, (3, 2), 0.0, None),
+    (2, 1, 7, 12, True, (4, -1), 0.0, None),
+    (2, 2, 12, 7, False, (-1, 1), 0.0, None),
+    (2, 2, 10, 10, False, (0, 0), 0.0, None),
+    (2, 2, 9, 9, False, (-1, -1), 2.5, None),
+    (4, 2, 8, 11, True, (-1, -1), 0.0, "heads"),
+    (2, 1, 8, 8, False, (2, 3), 1.5, "batch"),
+]
+
+
+def _slopes(kind, batch, heads, generator):
+    if kind is None:
+        return None
+    shape = (heads,) if kind == "heads" else (batch, heads)
+    return torch.rand(shape, generator=generator) * 0.5 + 0.05
+
+
+@pytest.mark.parametrize("heads, heads_kv, seqlen_q, seqlen_k, causal, window, softcap, alibi", OPTION_CASES)
+def test_the_reference_is_the_definition(heads, heads_kv, seqlen_q, seqlen_k, causal, window, softcap, alibi,
+                                         generator):
+    q, k, v = make_qkv(2, heads, seqlen_q, seqlen_k, 8, generator=generator, heads_kv=heads_kv,
+                       requires_grad=False)
+    q = q * 2.0  # scores of a few units, so that the soft cap bends them
+    slopes = _slopes(alibi, 2, heads, generator)
+    options = {"window": window, "softcap": softcap, "alibi_slopes": slopes}
+    out, lse = reference_attention(q, k, v, causal, 0.4, **options)
+    want_out, want_lse = attention_by_definition(q, k, v, causal, 0.4, **options)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+
+
+def _impl(name, **options):
+    def run(q, k, v, causal, scale, **given):
+        return fa_lab.attention(q, k, v, causal, scale, impl=name, return_lse=True, **given, **options)
+    return run
+
+
+def _tiled(q, k, v, causal, scale, **options):  # small tiles: ragged edges, bands across several tiles
+    slopes = options.get("alibi_slopes")
+    if slopes is not None:
+        options = {**options, "alibi_slopes": slopes.expand(q.shape[0], q.shape[1])}
+    return flash_attention(q, k, v, causal, scale, 8, 4, **options)
+
+
+@pytest.mark.parametrize("impl", ["naive", "torch", "torch_small_tiles", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, heads_kv, seqlen_q, seqlen_k, causal, window, softcap, alibi", OPTION_CASES)
+def test_impls_meet_the_tolerance_rule_with_every_option(impl, dtype, heads, heads_kv, seqlen_q, seqlen_k, causal,
+                                                         window, softcap, alibi, generator):
+    if impl == "triton":
+        if dtype == torch.float32:
+            pytest.skip("the Triton kernels take float16 and bfloat16")
+        pytest.importorskip("triton")
+    q, k, v = make_qkv(2, heads, 3 * seqlen_q, 3 * seqlen_k, 16, dtype, generator=generator, heads_kv=heads_kv)
+    run = _tiled if impl == "torch_small_tiles" else _impl(impl)
+    check_attention(run, q, k, v, causal, None, generator=generator, window=window, softcap=softcap,
+                    alibi_slopes=_slopes(alibi, 2, heads, generator))
+
+
+def test_rows_that_see_no_key_give_zeros_and_minus_infinity(generator):
+    """A window (0, 0) with Nq > Nk: the first Nq - Nk rows sit above the keys, the rest see one key each."""
+    q, k, v = make_qkv(1, 2, 20, 12, 16, generator=generator)
+    for impl in ("naive", "torch"):
+        out, lse = fa_lab.attention(q, k, v, impl=impl, window=(0, 0), return_lse=True)
+        assert torch.equal(out[:, :, :8], torch.zeros_like(out[:, :, :8]))
+        assert torch.isinf(lse[:, :, :8]).all() and (lse[:, :, :8] < 0).all()
+        torch.testing.assert_close(out[:, :, 8:], v.detach().float(), rtol=1e-6, atol=1e-6)  # one key: P = 1
+
+
+def test_a_window_visits_only_the_band(generator):
+    q, k, _ = make_qkv(1, 1, 1024, 1024, 16, generator=generator, requires_grad=False)
+    tiles = _Tiles(q, k, True, None, (100, -1), 0.0, None)
+    for i0 in range(0, 1024, 64):
+        visited = list(tiles.key_tiles(i0, i0 + 64, 64))
+        assert len(visited) <= 3 and visited[-1] <= i0 < visited[0] + 64 + 100 + 64
+
+
+@pytest.mark.parametrize("impl", ["naive", "torch"])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, -1)), (False, (3, 3))])
+def test_varlen_equals_attention_per_sequence(impl, causal, window, generator):
+    """Lengths with empty sequences on both sides, GQA, ALiBi per sequence; gradients too."""
+    lengths_q, lengths_k = [5, 0, 17, 9, 3], [7, 4, 17, 0, 12]
+    heads, heads_kv, head_dim = 4, 2, 16
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(total_q, heads, head_dim, generator=generator).requires_grad_()
+    k, v = (torch.randn(total_k, heads_kv, head_dim, generator=generator).requires_grad_() for _ in range(2))
+    slopes = torch.rand(len(lengths_q), heads, generator=generator) * 0.3
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    out, lse = fa_lab.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, impl=impl, return_lse=True,
+                                       window=window, alibi_slopes=slopes)
+    assert out.shape == (total_q, heads, head_dim) and lse.shape == (heads, total_q)
+    dout = torch.randn(out.shape, generator=generator)
+    out.backward(dout)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    for b in range(len(lengths_q)):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            assert torch.equal(out[q0:q1], torch.zeros_like(out[q0:q1])) and torch.isinf(lse[:, q0:q1]).all()
+            continue
+        dense = [t[a:e].transpose(0, 1)[None] for t, (a, e) in zip(leaves64, ((q0, q1), (k0, k1), (k0, k1)))]
+        ref_out, ref_lse = reference_attention(*dense, causal, None, window=window, alibi_slopes=slopes[b:b + 1])
+        (ref_out * dout[q0:q1].double().transpose(0, 1)[None]).sum().backward()
+        torch.testing.assert_close(out[q0:q1].double(), ref_out[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[:, q0:q1].double(), ref_lse[0], rtol=1e-5, atol=1e-5)
+    for name, t, r in zip(("dq", "dk", "dv"), (q, k, v), leaves64):
+        assert compare(name, t.grad, r.grad, r.grad.float(), torch.float32, floor=1e-5).ok, name
+
+
+def _cu(*bounds):
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    ({"cu_seqlens_q": _cu(0, 3, 2, 6)}, ValueError, ["cu_seqlens_q", "non-decreasing"]),
+    ({"cu_seqlens_q": _cu(1, 3, 6)}, ValueError, ["cu_seqlens_q", "start at 0"]),
+    ({"cu_seqlens_k": _cu(0, 3, 7)}, ValueError, ["cu_seqlens_k", "ends at 7", "6 tokens"]),
+    ({"cu_seqlens_k": _cu(0, 6)}, ValueError, ["2 sequences", "1"]),
+    ({"cu_seqlens_q": _cu(0, 3, 6).long()}, TypeError, ["int32"]),
+    ({"max_seqlen_q": 2}, ValueError, ["max_seqlen_q", "longest", "3"]),
+    ({"alibi_slopes": torch.ones(3)}, ValueError, ["alibi_slopes", "(2,)", "(2, 2)"]),
+    ({"alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError, ["alibi_slopes", "float32"]),
+    ({"window": (-3, 0)}, ValueError, ["window", "-1"]),
+    ({"softcap": -1.0}, ValueError, ["softcap"]),
+    ({"k": torch.randn(6, 3, 8)}, ValueError, ["heads"]),
+])
+def test_varlen_bad_input_names_the_argument(change, error, words):
+    args = {"q": torch.randn(6, 2, 8), "k": torch.randn(6, 1, 8), "v": torch.randn(6, 1, 8),
+            "cu_seqlens_q": _cu(0, 3, 6), "cu_seqlens_k": _cu(0, 2, 6), **change}
+    if "k" in change:
+        args["v"] = change["k"]
+    with pytest.raises(error) as raised:
+        fa_lab.attention_varlen(**args)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_dense_bad_options_and_impls_that_do_not_take_them():
+    q, k, v = make_qkv(1, 4, 8, 8, 16, requires_grad=False, heads_kv=2)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        fa_lab.attention(q, k, v, alibi_slopes=torch.ones(2))
+    with pytest.raises(TypeError, match="window must be a pair"):
+        fa_lab.attention(q, k, v, window=4)
+    with pytest.raises(NotImplementedError, match="'triton_hopper' does not take window"):
+        fa_lab.attention(q.half(), k.half(), v.half(), impl="triton_hopper", window=(2, 2))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        fa_lab.attention(q.half(), k.half(), v.half(), impl="triton_hopper", softcap=5.0)
+
+
+def test_grouped_heads_through_the_triton_kernels(generator):
+    pytest.importorskip("triton")
+    q, k, v = make_qkv(1, 4, 40, 33, 32, torch.float16, generator=generator, heads_kv=2)
+    check_attention(_impl("triton"), q, k, v, True, None, generator=generator)
