@@ -130,12 +130,16 @@ ANSWERS = {  # what each lab asks for, and so must hide
               "fa_lab.flash_torch.flash_forward"),
     "lab04": ("fa_lab.fp8.quantize_e4m3", "fa_lab.fp8.hadamard_transform", "fa_lab.fp8.incoherent_rotation",
               "fa_lab.fp8.reproduce_error_table", "fa_lab.fp8.fp8_attention_forward", "fa_lab.attention"),
+    "lab05": ("fa_lab.attention", "fa_lab.varlen.attention_varlen", "fa_lab.reference.expand_kv",
+              "fa_lab.reference.reference_attention", "fa_lab.block_info.BlockInfo",
+              "fa_lab.score_mods.alibi_bias", "fa_lab.score_mods.modify_scores", "fa_lab.impls.run"),
 }
 # What the lab notebooks import and use outside the graded functions (their first cell and helpers).
 KEPT = {"lab01": ("fa_lab.testing.make_qkv", "fa_lab.reference.softmax_with_lse"),
         "lab03": ("fa_lab.kernels.load_triton", "fa_lab.reference.causal_mask", "fa_lab.testing.make_qkv"),
         "lab04": ("fa_lab.flash_torch.flash_forward", "fa_lab.fp8.outlier_qkv", "fa_lab.fp8.random_signs",
-                  "fa_lab.fp8.rmse", "fa_lab.reference.reference_attention")}
+                  "fa_lab.fp8.rmse", "fa_lab.reference.reference_attention"),
+        "lab05": ("fa_lab.testing.make_qkv",)}
 
 
 @pytest.mark.parametrize("lab", sorted(ANSWERS))
