@@ -40,7 +40,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
         forward for Hopper, with the "triton" backward), "triton_hopper_fp8" (FP8
         e4m3 forward with per-tile scales and a Hadamard rotation of q and k;
         forward only: a backward through it raises RuntimeError). window, softcap and
-        alibi_slopes are in "naive" and "torch" (:mod:`fa_lab.impls`).
+        alibi_slopes are in every impl but "triton_hopper_fp8"; "triton_hopper" runs them
+        through the "triton" kernels (:mod:`fa_lab.impls`).
     Returns out (dtype of q) or, with return_lse, (out, lse) where lse: (batch,
     heads, seqlen_q) float32 is detached. Gradients flow to q, k, v for every impl.
     """

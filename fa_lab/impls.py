@@ -2,8 +2,9 @@
 
 Every impl takes grouped-query attention. The chapter-05 score options (a local window,
 the soft cap, ALiBi) are in ``"naive"``, ``"torch"`` and ``"triton"``, whose kernels also read
-grouped K/V natively; the Hopper impls refuse the options with a message that says so, and
-receive grouped K/V expanded to one head per query head.
+grouped K/V natively. ``"triton_hopper"`` runs a call with score options through ``"triton"``
+(the Gluon kernel has none of them yet) and receives grouped K/V expanded to one head per query
+head; ``"triton_hopper_fp8"`` (inference only) refuses the options with a message that says so.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .block_info import BlockInfo
 from .reference import expand_kv
 
 IMPLS = ("naive", "torch", "triton", "triton_hopper", "triton_hopper_fp8")
-WITH_SCORE_OPTIONS = ("naive", "torch", "triton")
+WITH_SCORE_OPTIONS = ("naive", "torch", "triton", "triton_hopper")
 
 
 def has_score_options(seqlen_q: int, seqlen_k: int, causal: bool, window, softcap: float, alibi_slopes) -> bool:
@@ -32,14 +33,15 @@ def run(q, k, v, causal: bool, scale: float, impl: str, window=(-1, -1), softcap
     if impl == "torch":
         from .flash_torch import flash_attention
         return flash_attention(q, k, v, causal, scale, **options)
-    if impl == "triton":
+    scored = has_score_options(q.shape[2], k.shape[2], causal, window, softcap, alibi_slopes)
+    if impl == "triton" or (impl == "triton_hopper" and scored):
         from .kernels import triton_attention
         return triton_attention(q, k, v, causal, scale, **options)
-    if has_score_options(q.shape[2], k.shape[2], causal, window, softcap, alibi_slopes):
+    if scored:
         given = [name for name, off in (("window", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None))
                  if options[name] != off]
-        raise NotImplementedError(f"impl={impl!r} does not take {' or '.join(given)} yet; "
-                                  f"{' and '.join(map(repr, WITH_SCORE_OPTIONS))} do")
+        raise NotImplementedError(f"impl={impl!r} does not take {' or '.join(given)}; "
+                                  f"{', '.join(map(repr, WITH_SCORE_OPTIONS))} do")
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     from . import kernels
     dense = {"triton_hopper": kernels.triton_hopper_attention,

@@ -194,10 +194,16 @@ def test_dense_bad_options_and_impls_that_do_not_take_them():
         fa_lab.attention(q, k, v, alibi_slopes=torch.ones(2))
     with pytest.raises(TypeError, match="window must be a pair"):
         fa_lab.attention(q, k, v, window=4)
-    with pytest.raises(NotImplementedError, match="'triton_hopper' does not take window"):
-        fa_lab.attention(q.half(), k.half(), v.half(), impl="triton_hopper", window=(2, 2))
+    with pytest.raises(NotImplementedError, match="'triton_hopper_fp8' does not take window"):
+        fa_lab.attention(q.half(), k.half(), v.half(), impl="triton_hopper_fp8", window=(2, 2))
     with pytest.raises(NotImplementedError, match="softcap"):
-        fa_lab.attention(q.half(), k.half(), v.half(), impl="triton_hopper", softcap=5.0)
+        fa_lab.attention(q.half(), k.half(), v.half(), impl="triton_hopper_fp8", softcap=5.0)
+
+
+def test_the_hopper_impl_runs_score_options_through_the_triton_kernels(generator):
+    pytest.importorskip("triton")
+    q, k, v = make_qkv(1, 4, 24, 30, 32, torch.float16, generator=generator, heads_kv=2)
+    check_attention(_impl("triton_hopper"), q, k, v, True, None, generator=generator, window=(5, -1), softcap=3.0)
 
 
 def test_grouped_heads_through_the_triton_kernels(generator):
