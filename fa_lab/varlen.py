@@ -6,8 +6,11 @@ none is computed. Masks (causal, windows) are bottom-right aligned inside each s
 and a sequence may be empty. The output is packed the same way; the LSE is
 ``(heads, total_q)`` float32, as flash-attn returns it.
 
-:func:`attention_varlen` runs each sequence through the dense impl on views of the
-packed tensors, so gradients flow to the packed inputs.
+:func:`attention_varlen` with ``impl="triton"`` launches each kernel once for the whole batch:
+every program takes one tile of one sequence from a schedule built over the sequences' tiles
+(:func:`fa_lab.kernels.portable.attention.varlen_schedule`). The other impls run each sequence
+through the dense impl on views of the packed tensors. Either way nothing is padded, and
+gradients flow to the packed inputs.
 """
 from __future__ import annotations
 
@@ -90,6 +93,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     slopes = check_alibi_slopes(alibi_slopes, batch, heads, q.device)
     if impl not in impls.IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, impls.IMPLS))}; got {impl!r}")
+    if impl == "triton":  # one launch per kernel for the whole batch: the kernels walk each sequence's tiles
+        from .kernels import triton_varlen_attention
+        out, lse = triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, (bounds_q, bounds_k), causal,
+                                           scale, window, softcap, slopes)
+        return (out, lse.detach()) if return_lse else out
     outs, lses = [], []
     for b in range(batch):
         (q0, q1), (k0, k1) = bounds_q[b:b + 2], bounds_k[b:b + 2]

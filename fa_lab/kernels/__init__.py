@@ -69,6 +69,13 @@ def triton_attention(q, k, v, causal, scale, **configs):
     return run(q, k, v, causal, scale, **configs)
 
 
+def triton_varlen_attention(q, k, v, cu_q, cu_k, bounds, causal, scale, *options):
+    """Differentiable Triton attention of a packed batch. See :mod:`fa_lab.kernels.portable.attention`."""
+    load_triton()
+    from .portable.attention import triton_varlen_attention as run
+    return run(q, k, v, cu_q, cu_k, bounds, causal, scale, *options)
+
+
 def triton_hopper_attention(q, k, v, causal, scale, **options):
     """The FlashAttention-3-style forward (+ portable backward). See :mod:`fa_lab.kernels.hopper.attention`."""
     load_triton()

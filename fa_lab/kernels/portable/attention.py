@@ -63,10 +63,16 @@ def triton_forward(q, k, v, causal: bool, scale: float, config: TileConfig | Non
     attention_fwd_kernel[grid](
         descriptor(q, config.block_m), descriptor(k, config.block_n), descriptor(v, config.block_n),
         descriptor(out, config.block_m), lse, heads, seqlen_q, seqlen_k, scale * LOG2E, *option_args,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
-        REVERSE_GRID=causal, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
+        *_no_varlen(lse, 1), BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
+        REVERSE_GRID=causal, VARLEN=False, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
     )
     return out, lse
+
+
+def _no_varlen(any_tensor, outputs: int) -> tuple:
+    """The packed-batch arguments of a dense launch (cu_q, cu_k, tiles, the output pointers, head_dim):
+    never read, since VARLEN is off."""
+    return (any_tensor,) * (3 + outputs) + (0,)
 
 
 def pipelined_forward(q, k, v, out, lse, descales, causal: bool, scale: float, config: TileConfig,
@@ -112,15 +118,15 @@ def triton_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     option_args, constexprs = options.kernel_args(q, k, causal, scale)
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
-                num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
+                VARLEN=False, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
     attention_bwd_dkdv_kernel[(cdiv(seqlen_k, config.block_n), batch * k.shape[1])](
         descriptor(q, config.block_m), descriptor(k, config.block_n), descriptor(v, config.block_n),
         descriptor(grad_out, config.block_m), descriptor(dk, config.block_n), descriptor(dv, config.block_n),
-        lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale, *option_args, **meta)
+        lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse, 2), **meta)
     attention_bwd_dq_kernel[(cdiv(seqlen_q, config.block_m), batch * heads)](
         descriptor(q, config.block_m), descriptor(k, config.block_n), descriptor(v, config.block_n),
         descriptor(grad_out, config.block_m), descriptor(dq, config.block_m),
-        lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale, *option_args, **meta)
+        lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse, 1), **meta)
     return dq, dk, dv
 
 
@@ -164,3 +170,133 @@ def triton_attention(q, k, v, causal: bool, scale: float | None,
     options = ScoreOptions(tuple(window), float(softcap), alibi_slopes)
     forward_fn = functools.partial(triton_forward, config=fwd_config, options=options)
     return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, bwd_config, options)
+
+
+# ---- packed variable-length batches ---------------------------------------------------------------
+
+def varlen_schedule(bounds_q: list[int], bounds_k: list[int], block: int, by_keys: bool, causal: bool,
+                    window, device) -> torch.Tensor:
+    """(tiles, 2) int32 (sequence, first row): the tiles of a packed batch, one program each.
+
+    by_keys: tiles of ``block`` keys (the dK/dV kernel), else of ``block`` queries. No tile is padded
+    to the longest sequence: each sequence has cdiv(length, block) of them. They are ordered by the
+    number of (query, key) pairs they visit, largest first, so that the long ones start first and the
+    short ones fill the end (longest-processing-time order).
+    """
+    tiles = []
+    for sequence, (q0, q1, k0, k1) in enumerate(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])):
+        info = BlockInfo(q1 - q0, k1 - k0, causal, tuple(window))
+        for start in range(0, (k1 - k0) if by_keys else (q1 - q0), block):
+            if by_keys:
+                rows = range(info.first_query(start), min(info.seqlen_q, start + block + info.seqlen_q))
+                work = sum(1 for _ in rows)  # rows that may see the tile (an upper bound is enough to order)
+            else:
+                begin, end = info.key_range(start, start + block)
+                work = max(end - begin, 0)
+            tiles.append((work, sequence, start))
+    tiles.sort(key=lambda tile: -tile[0])
+    return torch.tensor([[sequence, start] for _, sequence, start in tiles], dtype=torch.int32,
+                        device=device).reshape(-1, 2)
+
+
+def _heads_view(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, heads, d8) operand seen as (1, heads, total, d8), what the descriptors take."""
+    return t.permute(1, 0, 2).unsqueeze(0)
+
+
+def triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: float, options: ScoreOptions,
+                          config: TileConfig | None = None):
+    """Forward of a packed batch on prepared operands q: (total_q, H, d8), k, v: (total_k, Hkv, d8).
+
+    bounds: (cu_seqlens_q, cu_seqlens_k) as lists. Returns (out: (total_q, H, d8), lse: (H, total_q) float32).
+    """
+    from .forward import attention_fwd_kernel
+
+    total_q, heads, head_dim = q.shape
+    config = config or forward_config(head_dim, causal, interpreting())
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+    tiles = varlen_schedule(*bounds, config.block_m, False, causal, options.window, q.device)
+    if not len(tiles):
+        return out, lse
+    qv, kv, vv = _heads_view(q), _heads_view(k), _heads_view(v)
+    option_args, constexprs = options.kernel_args(qv, kv, causal, scale)
+    attention_fwd_kernel[(len(tiles), heads)](
+        descriptor(qv, config.block_m), descriptor(kv, config.block_n), descriptor(vv, config.block_n),
+        descriptor(_heads_view(out), config.block_m), lse, heads, total_q, k.shape[0], scale * LOG2E,
+        *option_args, cu_q, cu_k, tiles, out, head_dim,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim), REVERSE_GRID=False,
+        VARLEN=True, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
+    return out, lse
+
+
+def triton_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
+                           options: ScoreOptions, config: TileConfig | None = None):
+    """Backward of a packed batch (operands as :func:`triton_varlen_forward`); returns (dq, dk, dv)."""
+    from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
+
+    total_q, heads, head_dim = q.shape
+    config = config or backward_config(head_dim, interpreting())
+    grad_out = grad_out.contiguous()
+    lse_rows = lse.t().contiguous()  # (total_q, H): the row order of out and grad_out
+    delta, lse2 = torch.empty_like(lse_rows), torch.empty_like(lse_rows)
+    rows, pre_block = total_q * heads, 64
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if rows == 0:
+        return dq, dk, dv
+    attention_bwd_preprocess_kernel[(cdiv(rows, pre_block),)](
+        out, grad_out, lse_rows, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim),
+        BLOCK=pre_block)
+    views = [_heads_view(t) for t in (q, k, v, grad_out)]
+    option_args, constexprs = options.kernel_args(views[0], views[1], causal, scale)
+    meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim), VARLEN=True,
+                num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
+    descriptors = [descriptor(t, block) for t, block in zip(views, (config.block_m, config.block_n,
+                                                                    config.block_n, config.block_m))]
+    key_tiles = varlen_schedule(*bounds, config.block_n, True, causal, options.window, q.device)
+    if len(key_tiles):
+        attention_bwd_dkdv_kernel[(len(key_tiles), k.shape[1])](
+            *descriptors, descriptors[1], descriptors[2], lse2, delta, heads, total_q, k.shape[0], scale * LOG2E,
+            scale, *option_args, cu_q, cu_k, key_tiles, dk, dv, head_dim, **meta)
+    query_tiles = varlen_schedule(*bounds, config.block_m, False, causal, options.window, q.device)
+    if len(query_tiles):
+        attention_bwd_dq_kernel[(len(query_tiles), heads)](
+            *descriptors, descriptors[0], lse2, delta, heads, total_q, k.shape[0], scale * LOG2E, scale,
+            *option_args, cu_q, cu_k, query_tiles, dq, head_dim, **meta)
+    return dq, dk, dv
+
+
+class TritonVarlenFunction(torch.autograd.Function):
+    """Autograd wrapper of a packed batch: saves the prepared q, k, v, O and the LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, bounds, causal, scale, options):
+        head_dim = q.shape[-1]
+        qp, kp, vp = kernel_operand(q), kernel_operand(k), kernel_operand(v)
+        with on_device(q):
+            out, lse = triton_varlen_forward(qp, kp, vp, cu_q, cu_k, bounds, causal, scale, options)
+        ctx.save_for_backward(qp, kp, vp, out, lse, cu_q, cu_k)
+        ctx.args = (bounds, causal, scale, options, head_dim)
+        ctx.mark_non_differentiable(lse)
+        return out[..., :head_dim], lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        qp, kp, vp, out, lse, cu_q, cu_k = ctx.saved_tensors
+        bounds, causal, scale, options, head_dim = ctx.args
+        grad_out = kernel_operand(grad_out.to(qp.dtype))
+        with on_device(qp):
+            dq, dk, dv = triton_varlen_backward(qp, kp, vp, out, lse, grad_out, cu_q, cu_k, bounds, causal,
+                                                scale, options)
+        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None, None, None
+
+
+def triton_varlen_attention(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: float, window=(-1, -1),
+                            softcap: float = 0.0, alibi_slopes=None):
+    """Differentiable attention of a packed batch in one launch per kernel: q (total_q, H, d), k, v
+    (total_k, Hkv, d) float16/bfloat16, cu_q, cu_k int32 offsets, bounds their values as lists;
+    alibi_slopes (batch, H) float32 or None. Returns (out (total_q, H, d), lse (H, total_q))."""
+    load_triton()
+    check_triton_inputs(q)
+    options = ScoreOptions(tuple(window), float(softcap), alibi_slopes)
+    return TritonVarlenFunction.apply(q, k, v, cu_q, cu_k, bounds, causal, scale, options)

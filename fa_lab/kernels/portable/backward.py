@@ -51,20 +51,21 @@ def attention_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base, start_m,
-               offs_n, seqlen_q, causal_offset, qk_scale, mods,
+def _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0, row_base, row_stride,
+               start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Add one Q/dO tile's contribution to the dK, dV accumulators of a K/V tile (transposed P).
 
-    mods: (left, right, softcap_scale, softcap_log2, slope_log2), as in the forward."""
-    q = desc_q.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-    do = desc_do.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    mods: (left, right, softcap_scale, softcap_log2, slope_log2), as in the forward. Row r of the tile's
+    sequence is row q_row0 + r of the descriptors and lse2/delta entry row_base + r * row_stride."""
+    q = desc_q.load([batch, head, q_row0 + start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    do = desc_do.load([batch, head, q_row0 + start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     left, right, softcap_scale, softcap_log2, slope_log2 = mods
     # Rows past seqlen_q load lse2 = +inf, so their P^T column is exactly 0.
-    lse2 = tl.load(lse2_ptr + row_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
-    delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    lse2 = tl.load(lse2_ptr + row_base + offs_m * row_stride, mask=offs_m < seqlen_q, other=float("inf"))
+    delta = tl.load(delta_ptr + row_base + offs_m * row_stride, mask=offs_m < seqlen_q, other=0.0)
     kq = tl.dot(k, tl.trans(q))
     if SOFTCAP or ALIBI:
         p_t = tl.math.exp2(modified_scores(kq, offs_m[None, :], offs_n[:, None], qk_scale, softcap_scale,
@@ -89,55 +90,94 @@ def _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, 
 
 @triton.jit
 def _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, head, heads,
-               begin, full_begin, full_end, rows_end, offs_n, seqlen_q, causal_offset, qk_scale,
-               left, right, softcap_scale, softcap_log2,
+               q_row0, slope_index, begin, full_begin, full_end, rows_end, offs_n, seqlen_q, causal_offset,
+               qk_scale, left, right, softcap_scale, softcap_log2,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr):
+               ALIBI: tl.constexpr, VARLEN: tl.constexpr):
     """The dK, dV contributions of query head ``head``'s Q tiles: masked [begin, full_begin), whole
-    [full_begin, full_end), masked [full_end, rows_end) (the band's lower edge, WINDOW only)."""
-    row_base = (batch * heads + head) * seqlen_q
+    [full_begin, full_end), masked [full_end, rows_end) (the band's lower edge, WINDOW only).
+    lse2/delta are (B, H, Nq), or (total_q, H) in a packed batch (VARLEN)."""
+    if VARLEN:
+        row_base = q_row0 * heads + head
+        row_stride = heads
+    else:
+        row_base = (batch * heads + head) * seqlen_q
+        row_stride = 1
     slope_log2 = 0.0
     if ALIBI:
-        slope_log2 = tl.load(slopes_ptr + batch * heads + head) * LOG2E
+        slope_log2 = tl.load(slopes_ptr + slope_index) * LOG2E
     mods = (left, right, softcap_scale, softcap_log2, slope_log2)
     for start_m in tl.range(begin, full_begin, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
-                            start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M, HEAD_DIM,
-                            True, WINDOW, SOFTCAP, ALIBI)
+        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0, row_base,
+                            row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M,
+                            HEAD_DIM, True, WINDOW, SOFTCAP, ALIBI)
     for start_m in tl.range(full_begin, full_end, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
-                            start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M, HEAD_DIM,
-                            False, WINDOW, SOFTCAP, ALIBI)
+        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0, row_base,
+                            row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M,
+                            HEAD_DIM, False, WINDOW, SOFTCAP, ALIBI)
     if WINDOW:
         for start_m in tl.range(full_end, rows_end, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, row_base,
-                                start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M, HEAD_DIM,
-                                True, WINDOW, SOFTCAP, ALIBI)
+            dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0,
+                                row_base, row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods,
+                                BLOCK_M, HEAD_DIM, True, WINDOW, SOFTCAP, ALIBI)
     return dk, dv
+
+
+@triton.jit
+def _store_rows(ptr, tile, row0, offs, rows, head, heads, head_dim, HEAD_DIM: tl.constexpr):
+    """Store a (BLOCK, HEAD_DIM) tile into rows row0 + offs of a packed (total, heads, head_dim) tensor,
+    only the sequence's own rows (offs < rows)."""
+    cols = tl.arange(0, HEAD_DIM)
+    ptrs = ptr + ((row0 + offs)[:, None] * heads + head) * head_dim + cols[None, :]
+    tl.store(ptrs, tile.to(ptr.dtype.element_ty), mask=(offs < rows)[:, None] & (cols[None, :] < head_dim))
+
+
+@triton.jit
+def _sequence(tiles_ptr, cu_q_ptr, cu_k_ptr, tile):
+    """(first block row, q_row0, k_row0, seqlen_q, seqlen_k, sequence) of tile ``tile`` of a packed batch."""
+    sequence = tl.load(tiles_ptr + 2 * tile)
+    start = tl.load(tiles_ptr + 2 * tile + 1)
+    q_row0 = tl.load(cu_q_ptr + sequence)
+    k_row0 = tl.load(cu_k_ptr + sequence)
+    return (start, q_row0, k_row0, tl.load(cu_q_ptr + sequence + 1) - q_row0,
+            tl.load(cu_k_ptr + sequence + 1) - k_row0, sequence)
 
 
 @triton.jit
 def attention_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, lse2_ptr, delta_ptr,
                               heads, seqlen_q, seqlen_k, qk_scale, scale,
                               group, left, right, softcap_scale, softcap_log2, slopes_ptr,
+                              cu_q_ptr, cu_k_ptr, tiles_ptr, dk_ptr, dv_ptr, head_dim,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                              ALIBI: tl.constexpr, GQA: tl.constexpr):
+                              ALIBI: tl.constexpr, GQA: tl.constexpr, VARLEN: tl.constexpr):
     """dK and dV of one K/V tile of BLOCK_N keys, summed over the ``group`` query heads that read it
-    (GQA: group > 1). Grid: (cdiv(seqlen_k, BLOCK_N), B * H // group)."""
-    pid_bh = tl.program_id(1)
-    if GQA:
-        heads_kv = heads // group
-        batch = pid_bh // heads_kv
-        kv_head = pid_bh % heads_kv
+    (GQA: group > 1). Grid: (cdiv(seqlen_k, BLOCK_N), B * H // group); with VARLEN, (K tiles of the
+    schedule tiles_ptr, H // group), and dK, dV stored by rows into dk_ptr, dv_ptr ((total_k, H // group,
+    head_dim)), as the forward's VARLEN describes."""
+    if VARLEN:
+        kv_head = tl.program_id(1)
+        batch = 0
+        start_n, q_row0, k_row0, seqlen_q, seqlen_k, sequence = _sequence(tiles_ptr, cu_q_ptr, cu_k_ptr,
+                                                                          tl.program_id(0))
+        slope_row = sequence * heads
     else:
-        batch = pid_bh // heads
-        kv_head = pid_bh % heads
-    start_n = tl.program_id(0) * BLOCK_N
+        pid_bh = tl.program_id(1)
+        if GQA:
+            heads_kv = heads // group
+            batch = pid_bh // heads_kv
+            kv_head = pid_bh % heads_kv
+        else:
+            batch = pid_bh // heads
+            kv_head = pid_bh % heads
+        start_n = tl.program_id(0) * BLOCK_N
+        q_row0 = 0
+        k_row0 = 0
+        slope_row = batch * heads
     offs_n = start_n + tl.arange(0, BLOCK_N)
     causal_offset = seqlen_k - seqlen_q
-    k = desc_k.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-    v = desc_v.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    k = desc_k.load([batch, kv_head, k_row0 + start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = desc_v.load([batch, kv_head, k_row0 + start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -150,28 +190,34 @@ def attention_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv,
         full_end = rows_end
     if GQA:  # the query heads of the group, one after another
         for member in tl.range(0, group):
-            dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch,
-                                kv_head * group + member, heads, begin, full_begin, full_end, rows_end, offs_n,
+            head = kv_head * group + member
+            dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, head,
+                                heads, q_row0, slope_row + head, begin, full_begin, full_end, rows_end, offs_n,
                                 seqlen_q, causal_offset, qk_scale, left, right, softcap_scale, softcap_log2,
-                                BLOCK_M, HEAD_DIM, WINDOW, SOFTCAP, ALIBI)
+                                BLOCK_M, HEAD_DIM, WINDOW, SOFTCAP, ALIBI, VARLEN)
     else:
         dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, kv_head,
-                            heads, begin, full_begin, full_end, rows_end, offs_n, seqlen_q, causal_offset,
-                            qk_scale, left, right, softcap_scale, softcap_log2, BLOCK_M, HEAD_DIM, WINDOW,
-                            SOFTCAP, ALIBI)
-    # Keys past seqlen_k were loaded as zeros and their rows are dropped by the descriptor store.
-    desc_dk.store([batch, kv_head, start_n, 0], (dk * scale).to(desc_dk.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
-    desc_dv.store([batch, kv_head, start_n, 0], dv.to(desc_dv.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+                            heads, q_row0, slope_row + kv_head, begin, full_begin, full_end, rows_end, offs_n,
+                            seqlen_q, causal_offset, qk_scale, left, right, softcap_scale, softcap_log2,
+                            BLOCK_M, HEAD_DIM, WINDOW, SOFTCAP, ALIBI, VARLEN)
+    if VARLEN:  # the next sequence's rows follow this one's: store by rows, masked
+        heads_kv = heads // group
+        _store_rows(dk_ptr, dk * scale, k_row0, offs_n, seqlen_k, kv_head, heads_kv, head_dim, HEAD_DIM)
+        _store_rows(dv_ptr, dv, k_row0, offs_n, seqlen_k, kv_head, heads_kv, head_dim, HEAD_DIM)
+    else:
+        # Keys past seqlen_k were loaded as zeros and their rows are dropped by the descriptor store.
+        desc_dk.store([batch, kv_head, start_n, 0], (dk * scale).to(desc_dk.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+        desc_dv.store([batch, kv_head, start_n, 0], dv.to(desc_dv.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, start_n, offs_m, seqlen_k,
+def _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, k_row0, start_n, offs_m, seqlen_k,
              causal_offset, qk_scale, mods, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
              ALIBI: tl.constexpr):
-    """Add one K/V tile's contribution to the dQ accumulator of a Q tile."""
-    k = desc_k.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-    v = desc_v.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    """Add one K/V tile's contribution to the dQ accumulator of a Q tile (keys from row k_row0 on)."""
+    k = desc_k.load([batch, kv_head, k_row0 + start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = desc_v.load([batch, kv_head, k_row0 + start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     left, right, softcap_scale, softcap_log2, slope_log2 = mods
     qk = tl.dot(q, tl.trans(k))
     if SOFTCAP or ALIBI:
@@ -200,40 +246,60 @@ def _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, start_n, of
 def attention_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse2_ptr, delta_ptr,
                             heads, seqlen_q, seqlen_k, qk_scale, scale,
                             group, left, right, softcap_scale, softcap_log2, slopes_ptr,
+                            cu_q_ptr, cu_k_ptr, tiles_ptr, dq_ptr, head_dim,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                            ALIBI: tl.constexpr, GQA: tl.constexpr):
-    """dQ of one Q tile of BLOCK_M rows. Grid: (cdiv(seqlen_q, BLOCK_M), B * H)."""
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // heads
-    head = pid_bh % heads
+                            ALIBI: tl.constexpr, GQA: tl.constexpr, VARLEN: tl.constexpr):
+    """dQ of one Q tile of BLOCK_M rows. Grid: (cdiv(seqlen_q, BLOCK_M), B * H); with VARLEN, (the
+    forward's schedule of Q tiles, H), dQ stored by rows into dq_ptr ((total_q, H, head_dim))."""
+    if VARLEN:
+        head = tl.program_id(1)
+        batch = 0
+        start_m, q_row0, k_row0, seqlen_q, seqlen_k, sequence = _sequence(tiles_ptr, cu_q_ptr, cu_k_ptr,
+                                                                          tl.program_id(0))
+        slope_index = sequence * heads + head
+        row_base = q_row0 * heads + head
+        row_stride = heads
+    else:
+        pid_bh = tl.program_id(1)
+        batch = pid_bh // heads
+        head = pid_bh % heads
+        start_m = tl.program_id(0) * BLOCK_M
+        q_row0 = 0
+        k_row0 = 0
+        slope_index = pid_bh
+        row_base = pid_bh * seqlen_q
+        row_stride = 1
     kv_head = head // group if GQA else head
-    start_m = tl.program_id(0) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     causal_offset = seqlen_k - seqlen_q
     slope_log2 = 0.0
     if ALIBI:
-        slope_log2 = tl.load(slopes_ptr + pid_bh) * LOG2E
+        slope_log2 = tl.load(slopes_ptr + slope_index) * LOG2E
     mods = (left, right, softcap_scale, softcap_log2, slope_log2)
-    q = desc_q.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-    do = desc_do.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-    lse2 = tl.load(lse2_ptr + pid_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
-    delta = tl.load(delta_ptr + pid_bh * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    q = desc_q.load([batch, head, q_row0 + start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    do = desc_do.load([batch, head, q_row0 + start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    lse2 = tl.load(lse2_ptr + row_base + offs_m * row_stride, mask=offs_m < seqlen_q, other=float("inf"))
+    delta = tl.load(delta_ptr + row_base + offs_m * row_stride, mask=offs_m < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # The same key ranges as the forward: unmasked tiles, then the diagonal / the band's edges / ragged end.
     if WINDOW:
         begin, full_begin, full_end, end = window_key_range(start_m, seqlen_q, seqlen_k, left, right,
                                                             BLOCK_M, BLOCK_N)
         for start_n in tl.range(begin, full_begin, BLOCK_N):
-            dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, start_n, offs_m, seqlen_k,
-                          causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI)
+            dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, k_row0, start_n, offs_m,
+                          seqlen_k, causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW,
+                          SOFTCAP, ALIBI)
     else:
         full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
         full_begin = 0
     for start_n in tl.range(full_begin, full_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, start_n, offs_m, seqlen_k,
+        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, k_row0, start_n, offs_m, seqlen_k,
                       causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, False, CAUSAL, WINDOW, SOFTCAP, ALIBI)
     for start_n in tl.range(full_end, end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, start_n, offs_m, seqlen_k,
+        dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, k_row0, start_n, offs_m, seqlen_k,
                       causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI)
-    desc_dq.store([batch, head, start_m, 0], (dq * scale).to(desc_dq.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+    if VARLEN:
+        _store_rows(dq_ptr, dq * scale, q_row0, offs_m, seqlen_q, head, heads, head_dim, HEAD_DIM)
+    else:
+        desc_dq.store([batch, head, start_m, 0], (dq * scale).to(desc_dq.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
