@@ -6,6 +6,8 @@
 #   bench  - the FA3-paper protocol with every peer and the committed tiles: h200_triton.json/.png
 #   hopper - the Hopper kernel's variants (ablation), FP8 errors, and its protocol with peers:
 #            h200_hopper.json, h200_hopper.png, h200_hopper_variants.json
+#   interfaces - chapter 05's cases (GQA, varlen, window, softcap, ALiBi) with the upstream kernels
+#            (fa4, installed first as ../shared/peers/fetch_fa4_wheels.sh says): h200_interfaces.json/.png
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
 #            H200 they take about 11 minutes, more than one device call: `tests tests/test_hopper.py`
 #            and the like run a part (the arguments after OUTDIR go to pytest)
@@ -23,10 +25,12 @@ case "$step" in
            2>&1 | tee "$out/bench.log" | grep -v "^bench" ;;
   hopper) $bench hopper --json "$out/h200_hopper.json" --plot "$out/h200_hopper.png" \
            --log "$out/h200_hopper_variants.json" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
+  interfaces) $bench interfaces --json "$out/h200_interfaces.json" --plot "$out/h200_interfaces.png" \
+           2>&1 | tee "$out/interfaces.log" | grep -v "^bench" ;;
   tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
          tests=(python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=30 "${targets[@]}")
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|tests OUTDIR" >&2; exit 2 ;;
 esac

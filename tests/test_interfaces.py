@@ -237,3 +237,43 @@ def test_grouped_heads_through_the_triton_kernels(generator):
     pytest.importorskip("triton")
     q, k, v = make_qkv(1, 4, 40, 33, 32, torch.float16, generator=generator, heads_kv=2)
     check_attention(_impl("triton"), q, k, v, True, None, generator=generator)
+
+
+GPU_CASES = [  # (heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window, softcap, alibi)
+    (8, 2, 1000, 1000, 128, True, (-1, -1), 0.0, False),
+    (8, 1, 333, 1025, 64, False, (-1, -1), 0.0, False),
+    (4, 4, 1537, 1537, 128, False, (256, 0), 0.0, False),
+    (8, 2, 900, 1200, 64, True, (100, -1), 30.0, False),
+    (4, 4, 777, 777, 128, False, (64, 64), 0.0, True),
+    (8, 4, 513, 700, 96, True, (-1, -1), 50.0, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "triton_hopper"])
+@pytest.mark.parametrize("heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window, softcap, alibi", GPU_CASES)
+def test_gpu_option_matrix(impl, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window, softcap, alibi,
+                           generator):
+    q, k, v = make_qkv(2, heads, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator,
+                       heads_kv=heads_kv)
+    slopes = (torch.rand(2, heads, generator=generator) * 0.1).cuda() if alibi else None
+    check_attention(_impl(impl), q, k, v, causal, None, generator=generator, window=window, softcap=softcap,
+                    alibi_slopes=slopes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (True, (200, -1))])
+def test_gpu_varlen_in_one_launch(causal, window, generator):
+    lengths_q = [1, 700, 0, 129, 1500, 64]
+    lengths_k = [1, 900, 17, 0, 1500, 300]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16, generator)
+    q, k, v, cu_q, cu_k = (t.cuda() for t in (q, k, v, cu_q, cu_k))
+    slopes = (torch.rand(len(lengths_q), 8, generator=generator) * 0.1).cuda()
+    dout = torch.randn(q.shape, generator=generator).to(q.device, q.dtype)
+    options = {"causal": causal, "window": window, "alibi_slopes": slopes}
+    actual = _varlen_run("triton", q, k, v, cu_q, cu_k, dout, **options)
+    baseline = _varlen_run("naive", q, k, v, cu_q, cu_k, dout, **options)
+    reference = _varlen_reference(*(t.cpu() for t in (q, k, v, cu_q, cu_k, dout)), causal, window, slopes.cpu())
+    for name, got, want, base in zip(("out", "lse", "dq", "dk", "dv"), actual, reference, baseline):
+        result = compare(name, got, want, base, torch.bfloat16, floor=LSE_FLOOR if name == "lse" else None)
+        assert result.ok, str(result)

@@ -1,4 +1,4 @@
-"""``fa-lab bench cpu|gpu|hopper``: parse the flags, run one benchmark, print its table, write its files.
+"""``fa-lab bench cpu|gpu|hopper|interfaces``: parse the flags, run one benchmark, print its table, write its files.
 
 Every flag a subcommand accepts changes what it measures or writes. The GPU protocols fix batch
 (16384 / seqlen), heads (2048 / head_dim) and bf16, so ``gpu`` and ``hopper`` reject ``--batch``,
@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import sys
 
-from . import cpu, gpu
+from . import cpu, gpu, interfaces
 from .plots import plot_results
 from .report import describe, format_table
 from .schema import save_results
@@ -40,8 +40,9 @@ def _add_outputs(parser, plot_help: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fa-lab bench", description="Benchmarks: cpu (this CPU), gpu (the "
-                                     "FA3-paper protocol with every peer), hopper (the Hopper kernels).")
-    commands = parser.add_subparsers(dest="benchmark", required=True, metavar="{cpu,gpu,hopper}")
+                                     "FA3-paper protocol with every peer), hopper (the Hopper kernels), "
+                                     "interfaces (GQA, varlen, window, softcap, ALiBi).")
+    commands = parser.add_subparsers(dest="benchmark", required=True, metavar="{cpu,gpu,hopper,interfaces}")
 
     full = cpu.FULL
     p = commands.add_parser("cpu", help="naive, torch and sdpa on this CPU: wall-clock time and peak memory")
@@ -87,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     _reject(p, ("--batch", "--heads", "--dtype"), PROTOCOL_FIXES)
     _reject(p, ("--head-dim", "--head-dims"), "the Hopper benchmark runs head_dim 128")
     p.set_defaults(handler=_run_hopper)
+
+    p = commands.add_parser("interfaces", help="GQA, varlen, window, softcap and ALiBi on a CUDA GPU, with the "
+                            "upstream FlashAttention kernels (fa4) where installed",
+                            description="Chapter 05's interfaces: the cases of fa_lab.bench.interfaces.")
+    p.add_argument("--impls", nargs="+", choices=interfaces.IMPLS, default=list(interfaces.IMPLS), metavar="IMPL",
+                   help=f"any of {', '.join(interfaces.IMPLS)} (default: all)")
+    _add_outputs(p, "save a PNG of forward and backward TFLOP/s per case")
+    p.set_defaults(handler=_run_interfaces)
     return parser
 
 
@@ -157,3 +166,18 @@ def _run_hopper(args) -> int:
     seqlens = tuple(args.seqlens) if args.seqlens else hopper.HOPPER_SEQLENS
     results = hopper.run_hopper_protocol(seqlens, causals, args.json)
     return _finish(results, args, metrics=("fwd_tflops",))
+
+
+def _run_interfaces(args) -> int:
+    if _needs_cuda("interfaces"):
+        return 2
+    results = interfaces.run_interfaces(interfaces.make_impls(args.impls), json_path=args.json)
+    print(describe(results))
+    print(format_table(results["rows"]))
+    for what, value in interfaces.ratios(results["rows"]):
+        print(f"{what}: {value:.3f}")
+    if args.json:
+        save_results(results, args.json)
+    if args.plot:
+        interfaces.plot_interfaces(results).savefig(args.plot)
+    return 0

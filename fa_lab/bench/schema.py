@@ -24,6 +24,15 @@ is one implementation at one shape, with exactly these keys (a figure that was n
   fwd_ms in TB/s; ``copy_tbps``, the copy bandwidth measured on the same device in the same run, TB/s.
 
 ``tbps`` is only a result next to its peer: a row that has it also has ``bytes`` and ``copy_tbps``.
+
+Rows of the interfaces benchmark (:mod:`.interfaces`) carry these keys too, and no other rows do:
+
+- ``case``: ``mha``, ``gqa``, ``varlen``, ``dense_same_tokens``, ``window``, ``softcap``, ``alibi``;
+- ``heads_kv``: the key/value heads (``heads`` counts the query heads); ``window``: ``[left, right]``
+  (-1 unbounded); ``softcap``: 0.0 when off; ``alibi``: bool; ``lengths``: the sequence lengths of a
+  packed (varlen) batch, else null (``batch`` and ``seqlen_q`` then give the sequence count and the
+  longest). There the TFLOP/s count the (query, key) pairs each sequence's mask keeps
+  (:meth:`fa_lab.block_info.BlockInfo.visible_pairs`).
 """
 from __future__ import annotations
 
@@ -41,6 +50,8 @@ ROW_TYPES = {"impl": str, "dtype": str, "head_dim": int, "causal": bool, "seqlen
              "bwd_tflops": _FIGURE, "fwd_peak_bytes": _FIGURE, "fwd_peak_source": (str, type(None)),
              "bytes": _FIGURE, "tbps": _FIGURE, "copy_tbps": _FIGURE}
 ROW_KEYS = tuple(ROW_TYPES)
+INTERFACE_TYPES = {"case": str, "heads_kv": int, "window": list, "softcap": float, "alibi": bool,
+                   "lengths": (list, type(None))}
 
 
 def empty_row(impl: str, shape: AttentionShape) -> dict:
@@ -86,10 +97,12 @@ def validate_results(results: dict) -> dict:
     if not isinstance(results["rows"], list):
         raise ValueError("results['rows'] must be a list of rows")
     for index, row in enumerate(results["rows"]):
-        if not isinstance(row, dict) or set(row) != set(ROW_KEYS):
+        keys = set(row) if isinstance(row, dict) else None
+        if keys not in (set(ROW_KEYS), set(ROW_KEYS) | set(INTERFACE_TYPES)):
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ValueError(f"row {index} has keys {got}; every row needs exactly {list(ROW_KEYS)}")
-        for key, types in ROW_TYPES.items():
+            raise ValueError(f"row {index} has keys {got}; every row needs exactly {list(ROW_KEYS)}, and an "
+                             f"interfaces row also {list(INTERFACE_TYPES)}")
+        for key, types in {**ROW_TYPES, **(INTERFACE_TYPES if "case" in row else {})}.items():
             if not isinstance(row[key], types) or (isinstance(row[key], bool) and types is not bool):
                 raise ValueError(f"row {index}: {key} is {row[key]!r}, which is not a valid {key}")
         if row["tbps"] is not None and (row["bytes"] is None or row["copy_tbps"] is None):

@@ -1,0 +1,68 @@
+"""The interfaces benchmark's CPU-side parts: its cases and FLOP counts, the arguments it gives the
+upstream kernels, its rows against the schema, and the ratios it reports (the GPU run itself is
+`fa-lab bench interfaces` on the device)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa_lab.bench import interfaces
+from fa_lab.bench.schema import validate_results
+from fa_lab.block_info import BlockInfo
+
+
+def test_every_case_holds_16k_tokens_and_counts_the_pairs_its_masks_keep():
+    cases = interfaces.interface_cases()
+    assert {c.case for c in cases} == {"mha", "gqa", "varlen", "dense_same_tokens", "window", "softcap", "alibi"}
+    for case in cases:
+        assert interfaces.TOKENS - len(case.lengths) < sum(case.lengths) <= interfaces.TOKENS
+    varlen = next(c for c in cases if c.case == "varlen")
+    low, high = interfaces.VARLEN_LENGTHS
+    assert varlen.varlen and all(low <= n <= high for n in varlen.lengths[:-1])
+    dense = next(c for c in cases if c.case == "dense_same_tokens")
+    assert len(dense.lengths) == len(varlen.lengths)
+    window = next(c for c in cases if c.case == "window")
+    n, (left, _) = window.lengths[0], window.window
+    assert window.pairs() == sum(min(i, left) + 1 for i in range(n))  # each row: itself and up to 1024 before
+    gqa = next(c for c in cases if c.case == "gqa")
+    assert gqa.heads_kv == interfaces.GQA_HEADS_KV and gqa.flops() == next(c for c in cases if c.case == "mha").flops()
+
+
+def test_flops_by_brute_force_on_a_small_case():
+    case = interfaces.InterfaceCase("varlen", (5, 9), causal=True, window=(3, -1), heads=2, head_dim=4, varlen=True)
+    pairs = sum(int(BlockInfo(n, n, True, (3, -1)).mask().sum()) for n in (5, 9))
+    assert case.pairs() == pairs and case.flops() == 4 * 2 * 4 * pairs
+    assert case.flops(backward=True) == 2.5 * case.flops()
+
+
+def test_the_upstream_window_argument():
+    assert interfaces.fa4_window((-1, -1), False) == (None, None)
+    assert interfaces.fa4_window((1024, 0), False) == (1024, 0)
+    assert interfaces.fa4_window((-1, -1), True) == (None, 0)
+    assert interfaces.fa4_window((7, 3), False) == (7, 3)
+
+
+def test_rows_follow_the_schema_and_the_ratios_read_them():
+    cases = [interfaces.InterfaceCase("mha", (interfaces.OPTION_SEQLEN,)),
+             interfaces.InterfaceCase("softcap", (interfaces.OPTION_SEQLEN,), softcap=30.0),
+             interfaces.InterfaceCase("varlen", (5, 7), True, varlen=True)]
+
+    def prepare(case):  # a stand-in impl on the CPU: a tiny attention through autograd
+        q = torch.randn(1, 2, 8, 4, requires_grad=True)
+        return (lambda: torch.softmax(q @ q.transpose(-2, -1), -1) @ q), (q,)
+
+    def timer(fn, return_mode, grad_to_none=()):
+        fn()
+        return {"mha": 2.0, "softcap": 2.2, "varlen": 1.0}[current[0].case]
+
+    rows = []
+    for case in cases:
+        current = [case]
+        rows.append(interfaces.measure("triton", prepare, case, timer))
+    rows.append(interfaces.measure("fa4", lambda case: (_ for _ in ()).throw(ValueError("refused")), cases[0], timer))
+    validate_results({"device": "test", "torch": torch.__version__, "triton": None, "date": "2026-12-01",
+                      "rows": rows})
+    assert rows[2]["lengths"] == [5, 7] and rows[0]["lengths"] is None and rows[-1]["fwd_ms"] is None
+    assert rows[0]["fwd_tflops"] == pytest.approx(cases[0].flops() / 2e-3 / 1e12)
+    found = dict(interfaces.ratios(rows, ours=("triton",)))
+    assert found["softcap forward time / none, triton"] == pytest.approx(1.1)
