@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from .block_info import check_window
+from .block_info import canonical_mask
 from .impls import IMPLS
 from .inputs import check_qkv, resolve_scale
 from .kernels import use_interpreter_without_gpu
@@ -49,7 +49,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
     scale = resolve_scale(scale, q.shape[-1])
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    window, softcap = check_window(window), check_softcap(softcap)
+    causal, window = canonical_mask(causal, window)
+    softcap = check_softcap(softcap)
     slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1], q.device)
     from .impls import run
     out, lse = run(q, k, v, causal, scale, impl, window, softcap, slopes)

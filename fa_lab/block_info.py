@@ -82,6 +82,16 @@ def check_window(window) -> tuple[int, int]:
     return int(window[0]), int(window[1])
 
 
+def canonical_mask(causal: bool, window) -> tuple[bool, tuple[int, int]]:
+    """(causal, window) with a right bound of 0 written as causal: ``window=(left, 0)`` is the causal
+    mask with a left bound, so every impl takes its causal path for it (flash-attn's interface does the
+    same), and ``causal=True`` leaves the window's right side unbounded, since causal already bounds it."""
+    left, right = check_window(window)
+    if causal or right == 0:
+        return True, (left, -1)
+    return False, (left, right)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints."""
     return -(-a // b)

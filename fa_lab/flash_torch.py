@@ -69,17 +69,24 @@ class _Tiles:
             rows_scores.masked_fill_(~self.info.mask(i0, i1, j0, j1, self.device), float("-inf"))
         return scores
 
-    def key_tiles(self, i0, i1, block_k):
-        """The starts of the key tiles that rows [i0, i1) visit (tiles on the block_k grid)."""
+    def key_tiles(self, i0, i1, block_k, keys=(0, None)):
+        """(j0, j1) of the key tiles that rows [i0, i1) visit: tiles on the block_k grid, cut to the
+        key range ``keys`` = (first, stop) (a split of the keys; stop None: all of them)."""
         start, end = self.info.key_range(i0, i1)
-        return range(start // block_k * block_k, end, block_k)
+        first, stop = keys[0], self.info.seqlen_k if keys[1] is None else keys[1]
+        for j0 in range(start // block_k * block_k, end, block_k):
+            lo, hi = max(j0, first), min(j0 + block_k, stop, self.info.seqlen_k)
+            if lo < hi:
+                yield lo, hi
 
 
 def flash_forward(q, k, v, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
-                  window=(-1, -1), softcap=0.0, alibi_slopes=None):
+                  window=(-1, -1), softcap=0.0, alibi_slopes=None, keys=(0, None)):
     """Tiled forward. q: (B, H, Nq, d), k, v: (B, Hkv, Nk, d) with H a multiple of Hkv.
 
     window, softcap, alibi_slopes ((B, H) float32 or None): as :func:`fa_lab.attention`.
+    keys: (first, stop), the keys this call attends to (one split of split-KV decoding: its result
+    merges with the other splits' by the LSE); the masks stay those of the whole sequence.
     Returns (out: (B, H, Nq, d) in q.dtype, lse: (B, H, Nq) float32, natural log).
     """
     batch, heads, seqlen_q, head_dim = q.shape
@@ -94,8 +101,7 @@ def flash_forward(q, k, v, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q, bl
         q_tile = tiles.pack(q, i0, i1).mul_(tiles.scale)  # scale Q once per tile instead of every S tile
         state = SoftmaxState.empty(q_tile.shape[:2], q.device)
         acc = torch.zeros(q_tile.shape, device=q.device)
-        for j0 in tiles.key_tiles(i0, i1, block_k):
-            j1 = min(j0 + block_k, seqlen_k)
+        for j0, j1 in tiles.key_tiles(i0, i1, block_k, keys):
             scores = tiles.scores(q_tile, k3[:, j0:j1], i0, i1, j0, j1)
             state, p, alpha = online_softmax_update(state, scores, inplace=True)
             acc.mul_(alpha[..., None]).baddbmm_(p, v3[:, j0:j1])  # acc = alpha * acc + P V
@@ -129,8 +135,7 @@ def flash_backward(q, k, v, out, lse, grad_out, causal=False, scale=None,
         q_tile, do_tile = tiles.pack(q, i0, i1), tiles.pack(grad_out, i0, i1)
         lse_tile, delta_tile = tiles.pack(lse_safe, i0, i1), tiles.pack(delta, i0, i1)
         dq_tile = torch.zeros(q_tile.shape, device=q.device)
-        for j0 in tiles.key_tiles(i0, i1, block_k):
-            j1 = min(j0 + block_k, seqlen_k)
+        for j0, j1 in tiles.key_tiles(i0, i1, block_k):
             k_tile, v_tile = k3[:, j0:j1], v3[:, j0:j1]
             scores = tiles.scores(q_tile * tiles.scale, k_tile, i0, i1, j0, j1)
             p = torch.exp(scores - lse_tile)  # P recomputed from the saved LSE, already normalized

@@ -4,8 +4,8 @@ The state of one query row after seeing some keys is ``m`` (the largest score so
 far) and ``l`` (the sum of ``exp(s - m)`` over those keys). A new block of scores
 raises ``m`` to ``m_new`` and rescales the old sum by ``alpha = exp(m - m_new)``;
 nothing seen earlier needs to be revisited. Partial attention outputs computed
-over disjoint key sets merge exactly by their log-sum-exp (split-KV decoding and
-ring attention reuse :func:`merge_partials`).
+over disjoint key sets merge exactly by their log-sum-exp (:func:`merge_splits`, which
+split-KV decoding and ring attention reuse; :func:`merge_partials` merges two).
 """
 from __future__ import annotations
 
@@ -78,9 +78,18 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     LSE-weighted mix w_a * out_a + w_b * out_b with w_x = exp(lse_x - lse),
     lse = logaddexp(lse_a, lse_b). Rows empty in both stay 0 with lse = -inf.
     """
-    lse = torch.logaddexp(lse_a, lse_b)
-    lse_safe = finite_or_zero(lse)
-    w_a = torch.exp(lse_a - lse_safe)[..., None]
-    w_b = torch.exp(lse_b - lse_safe)[..., None]
-    out = w_a * out_a.float() + w_b * out_b.float()
+    out, lse = merge_splits(torch.stack([out_a.float(), out_b.float()]), torch.stack([lse_a, lse_b]))
     return out.to(out_a.dtype), lse
+
+
+def merge_splits(outs, lses):
+    """Merge S partial results over disjoint key sets (split-KV, ring steps): outs (S, ..., N, d),
+    lses (S, ..., N) float32 -> (out (..., N, d) float32, lse (..., N)).
+
+    lse = log sum_s exp(lse_s) and out = sum_s exp(lse_s - lse) out_s: each split's output is already
+    normalized over its own keys, and exp(lse_s - lse) is the share of the softmax mass its keys hold.
+    A split that saw no key (lse_s = -inf) weighs 0; rows empty in every split stay 0 with lse = -inf.
+    """
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - finite_or_zero(lse)[None])[..., None]
+    return (weights * outs.float()).sum(dim=0), lse

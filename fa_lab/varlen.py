@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import impls
-from .block_info import check_window
+from .block_info import canonical_mask
 from .inputs import check_head_dims, check_heads, check_tensors, resolve_scale
 from .score_mods import check_alibi_slopes, check_softcap
 
@@ -80,7 +80,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     scale = resolve_scale(scale, q.shape[-1])
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    window, softcap = check_window(window), check_softcap(softcap)
+    causal, window = canonical_mask(causal, window)
+    softcap = check_softcap(softcap)
     bounds_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
     bounds_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device)
     if len(bounds_q) != len(bounds_k):

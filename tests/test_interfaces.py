@@ -122,7 +122,7 @@ def test_a_window_visits_only_the_band(generator):
     q, k, _ = make_qkv(1, 1, 1024, 1024, 16, generator=generator, requires_grad=False)
     tiles = _Tiles(q, k, True, None, (100, -1), 0.0, None)
     for i0 in range(0, 1024, 64):
-        visited = list(tiles.key_tiles(i0, i0 + 64, 64))
+        visited = [j0 for j0, _ in tiles.key_tiles(i0, i0 + 64, 64)]
         assert len(visited) <= 3 and visited[-1] <= i0 < visited[0] + 64 + 100 + 64
 
 
@@ -277,3 +277,16 @@ def test_gpu_varlen_in_one_launch(causal, window, generator):
     for name, got, want, base in zip(("out", "lse", "dq", "dk", "dv"), actual, reference, baseline):
         result = compare(name, got, want, base, torch.bfloat16, floor=LSE_FLOOR if name == "lse" else None)
         assert result.ok, str(result)
+
+
+def test_a_right_bound_of_zero_is_the_causal_mask(generator):
+    from fa_lab.block_info import canonical_mask
+
+    assert canonical_mask(False, (-1, 0)) == (True, (-1, -1))
+    assert canonical_mask(False, (5, 0)) == (True, (5, -1))
+    assert canonical_mask(True, (5, 3)) == (True, (5, -1))
+    assert canonical_mask(False, (2, 3)) == (False, (2, 3))
+    q, k, v = make_qkv(1, 2, 20, 27, 16, generator=generator, requires_grad=False)
+    for impl in ("naive", "torch"):
+        torch.testing.assert_close(fa_lab.attention(q, k, v, impl=impl, window=(-1, 0)),
+                                   fa_lab.attention(q, k, v, causal=True, impl=impl))

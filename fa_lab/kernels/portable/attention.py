@@ -179,9 +179,10 @@ def varlen_schedule(bounds_q: list[int], bounds_k: list[int], block: int, by_key
     """(tiles, 2) int32 (sequence, first row): the tiles of a packed batch, one program each.
 
     by_keys: tiles of ``block`` keys (the dK/dV kernel), else of ``block`` queries. No tile is padded
-    to the longest sequence: each sequence has cdiv(length, block) of them. They are ordered by the
-    number of (query, key) pairs they visit, largest first, so that the long ones start first and the
-    short ones fill the end (longest-processing-time order).
+    to the longest sequence: each sequence has cdiv(length, block) of them. They are ordered by their
+    work, largest first, so that the long ones start first and the short ones fill the end
+    (longest-processing-time order): a query tile's work is the keys it visits, a key tile's the query
+    rows that may see it (an upper bound, which is enough to order them).
     """
     tiles = []
     for sequence, (q0, q1, k0, k1) in enumerate(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])):
