@@ -13,10 +13,11 @@ from .score_mods import check_alibi_slopes, check_softcap
 
 use_interpreter_without_gpu()  # before anything imports triton: see fa_lab/kernels/__init__.py
 
-from .varlen import attention_varlen  # noqa: E402  (after the interpreter switch, like every import)
+from .kvcache import attention_with_kvcache  # noqa: E402  (after the interpreter switch, like every import)
+from .varlen import attention_varlen  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["IMPLS", "attention", "attention_varlen"]
+__all__ = ["IMPLS", "attention", "attention_varlen", "attention_with_kvcache"]
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: str = "torch",

@@ -76,6 +76,13 @@ def triton_varlen_attention(q, k, v, cu_q, cu_k, bounds, causal, scale, *options
     return run(q, k, v, cu_q, cu_k, bounds, causal, scale, *options)
 
 
+def triton_decode(*args, **kwargs):
+    """Split-KV decoding over a (paged) KV cache. See :mod:`fa_lab.kernels.portable.decode`."""
+    load_triton()
+    from .portable.decode import triton_decode as run
+    return run(*args, **kwargs)
+
+
 def triton_hopper_attention(q, k, v, causal, scale, **options):
     """The FlashAttention-3-style forward (+ portable backward). See :mod:`fa_lab.kernels.hopper.attention`."""
     load_triton()

@@ -1,0 +1,241 @@
+"""Attention at inference time: a KV cache, dense or paged, appended in place, and split-KV decoding.
+
+Layouts are flash-attn's ``flash_attn_with_kvcache``: ``q`` (batch, seqlen_q, heads, d); the cache
+``k_cache``, ``v_cache`` (batch, capacity, heads_kv, d), or with ``block_table`` a pool of pages
+(num_pages, page_size, heads_kv, d) where ``block_table[b, p]`` is the physical page holding tokens
+``p * page_size`` to ``(p + 1) * page_size - 1`` of sequence ``b``; ``cache_seqlens`` int32 (batch,)
+counts the tokens already cached. ``k_new``, ``v_new`` (batch, seqlen_new, heads_kv, d) are written into
+the cache at ``cache_seqlens`` first (in place; the caller's ``cache_seqlens`` is not changed), then the
+queries attend to the ``cache_seqlens + seqlen_new`` keys of their sequence, bottom-right aligned.
+
+Split-KV (flash-decoding): a sequence's keys are cut into ``num_splits`` ranges of whole key blocks,
+each range's attention is computed on its own (output and LSE), and the partial results are merged by
+their LSE (:func:`fa_lab.online_softmax.merge_splits`). It pays when batch x heads_kv is too small to
+fill the GPU with one program per (sequence, KV head): :func:`choose_num_splits` picks the count.
+Forward only: nothing here has a backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_info import canonical_mask, cdiv
+from .inputs import SUPPORTED_DTYPES, check_head_dims, check_heads, resolve_scale
+from .online_softmax import merge_splits
+from .score_mods import check_softcap
+
+SPLIT_BLOCK = 128  # keys per split are whole blocks of this many (the kernels' key tile)
+MAX_SPLITS = 128
+H200_SMS = 132
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a call's cache looks like: sizes, and (paged) the page size and pages per sequence."""
+
+    batch: int
+    seqlen_q: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    paged: bool
+    page_size: int  # capacity when the cache is dense
+    capacity: int  # tokens one sequence can hold
+
+
+def _tensor(name: str, value, ndim: int, layout: str):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None) -> CacheLayout:
+    """Check every argument of :func:`attention_with_kvcache` that shapes the call; raises ValueError or
+    TypeError naming the argument before anything is computed or written."""
+    _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _tensor(name, t, 4, "(batch, capacity, heads_kv, head_dim), or (num_pages, page_size, heads_kv, "
+                            "head_dim) with block_table")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; attention needs float32, float16 or bfloat16")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if t is not None and (t.dtype != q.dtype or t.device != q.device):
+            raise TypeError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; they must match")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache {tuple(k_cache.shape)}; they "
+                         "must match")
+    batch, seqlen_q, heads, head_dim = q.shape
+    if batch < 1 or seqlen_q < 1:
+        raise ValueError(f"q must hold at least one query per sequence, got shape {tuple(q.shape)}")
+    check_heads(heads, k_cache.shape[2], v_cache.shape[2])
+    check_head_dims(head_dim, k_cache.shape[3], v_cache.shape[3])
+    _tensor("cache_seqlens", cache_seqlens, 1, "(batch,)")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape[0] != batch:
+        raise ValueError(f"cache_seqlens must be int32 of shape ({batch},), got {cache_seqlens.dtype} of shape "
+                         f"{tuple(cache_seqlens.shape)}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new come together: give both or neither")
+    seqlen_new = 0
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            _tensor(name, t, 4, "(batch, seqlen_new, heads_kv, head_dim)")
+            if t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({batch}, seqlen_new, "
+                                 f"{k_cache.shape[2]}, {k_cache.shape[3]})")
+        if k_new.shape != v_new.shape:
+            raise ValueError(f"v_new has shape {tuple(v_new.shape)} but k_new {tuple(k_new.shape)}")
+        seqlen_new = k_new.shape[1]
+    paged = block_table is not None
+    if paged:
+        _tensor("block_table", block_table, 2, "(batch, max_pages)")
+        if block_table.dtype != torch.int32 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be int32 of shape ({batch}, max_pages), got {block_table.dtype} "
+                             f"of shape {tuple(block_table.shape)}")
+        page_size, capacity = k_cache.shape[1], block_table.shape[1] * k_cache.shape[1]
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q {batch}; a paged pool needs "
+                             "block_table")
+        page_size = capacity = k_cache.shape[1]
+    lengths = cache_seqlens.tolist()
+    for b, n in enumerate(lengths):
+        if n < 0 or n + seqlen_new > capacity:
+            where = f"its {capacity // page_size} pages of {page_size}" if paged else f"its capacity {capacity}"
+            raise ValueError(f"sequence {b} would hold cache_seqlens[{b}] + seqlen_new = {n} + {seqlen_new} tokens, "
+                             f"more than {where}" if n >= 0 else f"cache_seqlens[{b}] = {n} is negative")
+    if paged:
+        _check_block_table(block_table, [n + seqlen_new for n in lengths], page_size, k_cache.shape[0])
+    return CacheLayout(batch, seqlen_q, heads, k_cache.shape[2], head_dim, paged, page_size, capacity)
+
+
+def _check_block_table(block_table, lengths, page_size: int, num_pages: int) -> None:
+    """The pages each sequence uses (its first cdiv(length, page_size) entries) exist and belong to it alone."""
+    owner = {}
+    table = block_table.tolist()
+    for b, n in enumerate(lengths):
+        for p in range(cdiv(n, page_size)):
+            page = table[b][p]
+            if not 0 <= page < num_pages:
+                raise ValueError(f"block_table[{b}, {p}] = {page} is not a page of the pool (0 to {num_pages - 1})")
+            if page in owner:
+                raise ValueError(f"page {page} is used by sequence {owner[page][0]} (block_table[{owner[page][0]}, "
+                                 f"{owner[page][1]}]) and by sequence {b} (block_table[{b}, {p}]): two sequences "
+                                 "cannot share a page they write")
+            owner[page] = (b, p)
+
+
+def cache_rows(layout: CacheLayout, block_table, batch_index: int, positions: torch.Tensor) -> torch.Tensor:
+    """The rows of the cache's flattened (pages * page_size) token axis that hold tokens ``positions`` of
+    sequence ``batch_index``: through the block table when paged, else batch_index * capacity + position."""
+    if not layout.paged:
+        return batch_index * layout.capacity + positions
+    pages = block_table[batch_index].long()[positions // layout.page_size]
+    return pages * layout.page_size + positions % layout.page_size
+
+
+def append_kv(layout: CacheLayout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table) -> None:
+    """Write k_new, v_new into the cache at each sequence's cache_seqlens, in place (through the pages)."""
+    flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    seqlen_new = k_new.shape[1]
+    for b, n in enumerate(cache_seqlens.tolist()):
+        rows = cache_rows(layout, block_table, b, torch.arange(n, n + seqlen_new, device=k_cache.device))
+        flat_k[rows], flat_v[rows] = k_new[b], v_new[b]
+
+
+def gather_kv(layout: CacheLayout, cache, block_table, batch_index: int, length: int) -> torch.Tensor:
+    """Tokens 0 .. length - 1 of sequence ``batch_index`` as a (length, heads_kv, d) tensor (a copy when paged)."""
+    rows = cache_rows(layout, block_table, batch_index, torch.arange(length, device=cache.device))
+    return cache.view(-1, *cache.shape[2:])[rows]
+
+
+def split_ranges(seqlen_k: int, num_splits: int, block: int = SPLIT_BLOCK) -> list[tuple[int, int]]:
+    """The key ranges of ``num_splits`` splits: whole blocks of ``block`` keys, as even as possible, none
+    empty (fewer splits when there are fewer blocks than splits)."""
+    blocks = cdiv(seqlen_k, block)
+    splits = max(1, min(num_splits, blocks))
+    edges = [blocks * s // splits * block for s in range(splits + 1)]
+    return [(start, min(end, seqlen_k)) for start, end in zip(edges, edges[1:])]
+
+
+def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H200_SMS,
+                      block: int = SPLIT_BLOCK, max_splits: int = MAX_SPLITS) -> int:
+    """How many splits fill the GPU: 1 when batch x heads_kv programs already make ~one wave (80% of
+    the SMs); otherwise the smallest count whose waves are at least 85% full of the best count's
+    efficiency, never more than the key blocks there are.
+
+    A decode program per (sequence, KV head, split) streams its keys once; with P = batch x heads_kv
+    programs and s splits there are P x s programs in ceil(P x s / num_sms) waves, and the efficiency of
+    a count is P x s / (waves x num_sms) (chapter 02's waves).
+    """
+    programs = batch * heads_kv
+    if programs >= 0.8 * num_sms:
+        return 1
+    limit = max(1, min(max_splits, cdiv(seqlen_k, block), num_sms))
+
+    def efficiency(s):
+        return programs * s / (cdiv(programs * s, num_sms) * num_sms)
+    best = max(efficiency(s) for s in range(1, limit + 1))
+    return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.85 * best)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None,
+                           causal: bool = True, scale: float | None = None, window=(-1, -1), softcap: float = 0.0,
+                           num_splits: int = 0, impl: str = "torch", return_lse: bool = False):
+    """Attention of new queries over a KV cache (flash-attn's flash_attn_with_kvcache). Forward only.
+
+    q: (batch, seqlen_q, heads, d); k_cache, v_cache: (batch, capacity, heads_kv, d), or a paged pool
+    (num_pages, page_size, heads_kv, d) with block_table int32 (batch, max_pages); cache_seqlens int32
+    (batch,), not modified. k_new, v_new: (batch, seqlen_new, heads_kv, d), written into the cache in
+    place at cache_seqlens before attending. causal, window: bottom-right aligned over the
+    cache_seqlens + seqlen_new keys of each sequence. num_splits: 0 picks it (:func:`choose_num_splits`),
+    1 does not split, more forces it. impl: "torch" (gathers each sequence's keys and runs the tiled
+    forward per split) or "triton" (the split-KV decode kernel, which reads the pages itself).
+    Returns out (batch, seqlen_q, heads, d), or (out, lse) with lse (batch, heads, seqlen_q) float32.
+    A refused call raises before anything is written.
+    """
+    layout = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    scale = resolve_scale(scale, layout.head_dim)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    causal, window = canonical_mask(causal, window)
+    softcap = check_softcap(softcap)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen for the GPU), got {num_splits!r}")
+    if impl not in ("torch", "triton"):
+        raise ValueError(f"impl must be 'torch' or 'triton' for attention_with_kvcache, got {impl!r}")
+    seqlen_new = 0 if k_new is None else k_new.shape[1]
+    if k_new is not None:
+        append_kv(layout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    lengths = [n + seqlen_new for n in cache_seqlens.tolist()]
+    splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, max(lengths))
+    if impl == "triton":
+        from .kernels import triton_decode
+        out, lse = triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal, scale, window,
+                                 softcap, splits)
+        return (out, lse) if return_lse else out
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((layout.batch, layout.heads, layout.seqlen_q), float("-inf"), device=q.device)
+    for b, length in enumerate(lengths):
+        if length == 0:
+            continue  # no key at all: zeros and lse = -inf
+        keys, values = (gather_kv(layout, t, block_table, b, length).transpose(0, 1)[None]
+                        for t in (k_cache, v_cache))  # (1, heads_kv, length, d)
+        queries = q[b].transpose(0, 1)[None]  # (1, heads, seqlen_q, d)
+        parts = [_split_attention(queries, keys, values, split, causal, scale, window, softcap)
+                 for split in split_ranges(length, splits)]
+        merged, merged_lse = merge_splits(torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts]))
+        out[b], lse[b] = merged.transpose(0, 1).to(q.dtype), merged_lse
+    return (out, lse) if return_lse else out
+
+
+def _split_attention(q, k, v, keys, causal, scale, window, softcap):
+    """One split: q (1, heads, seqlen_q, d) over keys [first, stop) of k, v (1, heads_kv, length, d),
+    through the tiled forward with the whole sequence's masks. Returns float32 (out, lse)."""
+    from .flash_torch import flash_forward
+
+    out, lse = flash_forward(q.float(), k.float(), v.float(), causal, scale, window=window, softcap=softcap,
+                             keys=keys)
+    return out[0], lse[0]

@@ -1,0 +1,200 @@
+"""attention_with_kvcache: in-place append (dense and paged), split-KV with the LSE merge, the split
+heuristic, refused calls that leave the cache untouched, and the torch and Triton impls against each
+sequence's float64 reference, under the tolerance rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa_lab
+from fa_lab.block_info import BlockInfo
+from fa_lab.kvcache import choose_num_splits, split_ranges
+from fa_lab.reference import naive_attention, reference_attention
+from fa_lab.testing import LSE_FLOOR, compare
+
+
+def make_cache(generator, batch, capacity, heads_kv, head_dim, dtype, page_size=None):
+    """A dense cache (batch, capacity, heads_kv, d), or a shuffled paged pool with its block table."""
+    if page_size is None:
+        k, v = (torch.randn(batch, capacity, heads_kv, head_dim, generator=generator).to(dtype) for _ in range(2))
+        return k, v, None
+    pages = capacity // page_size
+    pool = batch * pages + 3  # spare pages that no sequence uses
+    k, v = (torch.randn(pool, page_size, heads_kv, head_dim, generator=generator).to(dtype) for _ in range(2))
+    table = torch.randperm(pool, generator=generator)[:batch * pages].reshape(batch, pages).to(torch.int32)
+    return k, v, table
+
+
+def logical(cache, table, b, n):
+    """Tokens 0 .. n - 1 of sequence b, read from the cache by the definition of the layouts."""
+    if table is None:
+        return cache[b, :n]
+    page_size = cache.shape[1]
+    return torch.stack([cache[int(table[b, j // page_size]), j % page_size] for j in range(n)]) if n else \
+        cache.new_zeros(0, *cache.shape[2:])
+
+
+def expected(q, k_cache, v_cache, table, lengths, causal, scale, window, softcap, upcast):
+    """(out (B, seqlen_q, H, d), lse (B, H, seqlen_q)) sequence by sequence from the (appended) cache."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    out = torch.zeros(q.shape, dtype=torch.float64 if upcast else q.dtype)
+    lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=torch.float64 if upcast else torch.float32)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        k, v = (logical(c, table, b, n).transpose(0, 1)[None] for c in (k_cache, v_cache))
+        qb = q[b].transpose(0, 1)[None]
+        options = dict(window=window, softcap=softcap)
+        o, l = (reference_attention(qb, k, v, causal, scale, **options) if upcast
+                else naive_attention(qb, k, v, causal, scale, **options))
+        out[b], lse[b] = o[0].transpose(0, 1), l[0]
+    return out, lse
+
+
+MATRIX = [  # (heads, heads_kv, seqlen_q, page_size, cache_seqlens, seqlen_new, window, softcap, num_splits)
+    (4, 4, 1, None, [0, 17, 61], 3, (-1, -1), 0.0, 1),
+    (8, 2, 1, 16, [5, 0, 60], 4, (-1, -1), 0.0, 0),
+    (8, 1, 7, 1, [20, 33, 9], 0, (-1, -1), 0.0, 3),
+    (4, 1, 7, 64, [64, 0, 50], 7, (10, -1), 0.0, 2),
+    (8, 2, 1, 16, [64, 40, 0], 0, (-1, -1), 20.0, 5),
+    (4, 4, 3, None, [63, 1, 30], 1, (6, -1), 5.0, 0),
+    (8, 1, 1, 256, [300, 0, 509], 2, (-1, -1), 0.0, 0),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("heads, heads_kv, seqlen_q, page_size, cache_seqlens, seqlen_new, window, softcap, splits",
+                         MATRIX)
+def test_kvcache_attention_meets_the_tolerance_rule(impl, heads, heads_kv, seqlen_q, page_size, cache_seqlens,
+                                                    seqlen_new, window, softcap, splits, generator):
+    if impl == "triton":
+        pytest.importorskip("triton")
+    dtype, batch, head_dim = torch.float16, len(cache_seqlens), 32
+    capacity = 512 if page_size == 256 else 64
+    k_cache, v_cache, table = make_cache(generator, batch, capacity, heads_kv, head_dim, dtype, page_size)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, generator=generator).to(dtype)
+    k_new, v_new = (torch.randn(batch, seqlen_new, heads_kv, head_dim, generator=generator).to(dtype)
+                    for _ in range(2)) if seqlen_new else (None, None)
+    if seqlen_new:  # keep within capacity
+        cache_seqlens = [min(n, capacity - seqlen_new) for n in cache_seqlens]
+    seqlens = torch.tensor(cache_seqlens, dtype=torch.int32)
+    before = seqlens.clone()
+    out, lse = fa_lab.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table=table,
+                                             window=window, softcap=softcap, num_splits=splits, impl=impl,
+                                             return_lse=True)
+    assert torch.equal(seqlens, before)  # the caller's cache_seqlens is not modified
+    lengths = [n + seqlen_new for n in cache_seqlens]
+    for b, n in enumerate(cache_seqlens):  # the new keys sit in the cache after the old ones
+        if seqlen_new:
+            assert torch.equal(logical(k_cache, table, b, n + seqlen_new)[n:], k_new[b])
+            assert torch.equal(logical(v_cache, table, b, n + seqlen_new)[n:], v_new[b])
+    reference = expected(q, k_cache, v_cache, table, lengths, True, None, window, softcap, upcast=True)
+    baseline = expected(q, k_cache, v_cache, table, lengths, True, None, window, softcap, upcast=False)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (batch, heads, seqlen_q)
+    for name, got, want, base, floor in (("out", out, reference[0], baseline[0], None),
+                                         ("lse", lse, reference[1], baseline[1], LSE_FLOOR)):
+        result = compare(name, got, want, base, dtype, floor=floor)
+        assert result.ok, str(result)
+
+
+def test_appending_leaves_every_other_byte_of_the_pool_alone(generator):
+    k_cache, v_cache, table = make_cache(generator, 2, 32, 2, 16, torch.float32, page_size=8)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q = torch.randn(2, 1, 2, 16, generator=generator)
+    k_new, v_new = (torch.randn(2, 5, 2, 16, generator=generator) for _ in range(2))
+    fa_lab.attention_with_kvcache(q, k_cache, v_cache, torch.tensor([6, 20], dtype=torch.int32), k_new, v_new,
+                                  block_table=table)
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate((6, 20)):
+        for j in range(n, n + 5):
+            written[int(table[b, j // 8]), j % 8] = True
+    assert torch.equal(k_cache[~written], k_before[~written]) and torch.equal(v_cache[~written], v_before[~written])
+    assert not torch.equal(k_cache[written], k_before[written])
+
+
+def _refused(generator):
+    """(change, error, words): calls that must raise before anything is written."""
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    return [
+        ({"cache_seqlens": torch.tensor([15, 3], dtype=torch.int32)}, ValueError, ["sequence 0", "more than"]),
+        ({"block_table": torch.tensor([[1, 0], [1, 3]], dtype=torch.int32)}, ValueError, ["page 1", "share"]),
+        ({"block_table": torch.tensor([[9, 1], [2, 3]], dtype=torch.int32)}, ValueError, ["block_table[0, 0] = 9"]),
+        ({"k_new": torch.randn(2, 4, 2, 8, generator=generator).half()}, TypeError, ["k_new", "float16"]),
+        ({"v_new": None}, ValueError, ["k_new and v_new"]),
+        ({"cache_seqlens": torch.tensor([1, 2])}, ValueError, ["int32"]),
+        ({"q": torch.randn(2, 1, 3, 8, generator=generator)}, ValueError, ["heads"]),
+        ({"num_splits": -1}, ValueError, ["num_splits"]),
+        ({"block_table": table, "impl": "naive"}, ValueError, ["impl"]),
+    ]
+
+
+def test_a_refused_call_leaves_the_cache_untouched(generator):
+    k_cache, v_cache = (torch.randn(4, 8, 2, 8, generator=generator) for _ in range(2))  # 4 pages of 8
+    base = {"q": torch.randn(2, 1, 4, 8, generator=generator), "k_cache": k_cache, "v_cache": v_cache,
+            "cache_seqlens": torch.tensor([3, 9], dtype=torch.int32),
+            "k_new": torch.randn(2, 4, 2, 8, generator=generator),
+            "v_new": torch.randn(2, 4, 2, 8, generator=generator),
+            "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)}
+    for change, error, words in _refused(generator):
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        with pytest.raises(error) as raised:
+            fa_lab.attention_with_kvcache(**{**base, **change})
+        for word in words:
+            assert word in str(raised.value), (change, str(raised.value))
+        assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before), change
+
+
+def test_split_ranges_cover_the_keys_in_whole_blocks():
+    for length in (1, 127, 128, 129, 1000, 5000):
+        for splits in (1, 2, 3, 7, 64):
+            ranges = split_ranges(length, splits, block=128)
+            assert ranges[0][0] == 0 and ranges[-1][1] == length and len(ranges) <= splits
+            assert all(a < b for a, b in ranges) and all(r1[1] == r2[0] for r1, r2 in zip(ranges, ranges[1:]))
+            assert all(a % 128 == 0 for a, _ in ranges)
+
+
+def test_the_split_heuristic_fills_the_waves():
+    assert choose_num_splits(32, 8, 65536) == 1  # 256 programs: more than a wave already
+    assert choose_num_splits(1, 8, 100) == 1  # one key block: nothing to split
+    for batch, seqlen in ((1, 4096), (1, 65536), (8, 16384), (4, 65536)):
+        splits = choose_num_splits(batch, 8, seqlen)
+        programs = batch * 8 * splits
+        waves = -(-programs // 132)
+        assert splits <= -(-seqlen // 128) and programs / (waves * 132) >= 0.85 * max(
+            batch * 8 * s / (-(-batch * 8 * s // 132) * 132) for s in range(1, min(128, -(-seqlen // 128)) + 1))
+    assert choose_num_splits(1, 8, 65536) > 8  # batch 1: the splits are the whole story
+
+
+def test_decode_without_keys_gives_zeros_and_minus_infinity(generator):
+    k_cache, v_cache, _ = make_cache(generator, 2, 16, 1, 8, torch.float32)
+    q = torch.randn(2, 2, 2, 8, generator=generator)
+    out, lse = fa_lab.attention_with_kvcache(q, k_cache, v_cache, torch.tensor([0, 4], dtype=torch.int32),
+                                             return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
+    info = BlockInfo(2, 4, True)
+    assert info.key_end(0) == 3  # the first of two queries sees keys 0..2 of 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("seqlen_q, splits", [(1, 0), (1, 1), (7, 0), (1, 9)])
+def test_gpu_decode(page_size, seqlen_q, splits, generator):
+    dtype, batch, capacity, heads, heads_kv, head_dim = torch.bfloat16, 4, 4096, 32, 8, 128
+    k_cache, v_cache, table = make_cache(generator, batch, capacity, heads_kv, head_dim, dtype, page_size)
+    k_cache, v_cache = k_cache.cuda(), v_cache.cuda()
+    table = None if table is None else table.cuda()
+    q = torch.randn(batch, seqlen_q, heads, head_dim, generator=generator).to("cuda", dtype)
+    k_new, v_new = (torch.randn(batch, seqlen_q, heads_kv, head_dim, generator=generator).to("cuda", dtype)
+                    for _ in range(2))
+    cache_seqlens = [0, 1, 2000, capacity - seqlen_q]
+    seqlens = torch.tensor(cache_seqlens, dtype=torch.int32, device="cuda")
+    out, lse = fa_lab.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table=table,
+                                             num_splits=splits, impl="triton", return_lse=True)
+    lengths = [n + seqlen_q for n in cache_seqlens]
+    cpu = [t.cpu() if t is not None else None for t in (q, k_cache, v_cache, table)]
+    reference = expected(*cpu, lengths, True, None, (-1, -1), 0.0, upcast=True)
+    baseline = expected(*cpu, lengths, True, None, (-1, -1), 0.0, upcast=False)
+    for name, got, want, base, floor in (("out", out, reference[0], baseline[0], None),
+                                         ("lse", lse, reference[1], baseline[1], LSE_FLOOR)):
+        result = compare(name, got, want, base, dtype, floor=floor)
+        assert result.ok, str(result)
