@@ -45,9 +45,11 @@ def _course_kernel(q, k, v, causal, scale, block_m, block_n):
     out, lse = torch.empty_like(q), torch.empty(q.shape[:-1])
     grid = (-(-q.shape[2] // 16), q.shape[0] * q.shape[1])
     qk_scale = (scale or q.shape[-1] ** -0.5) * 1.4427
+    unused = (1, 0, 0, 0.0, 0.0, lse, lse, lse, lse, out, 0)  # GQA group, options and varlen arguments, all off
     attention_fwd_kernel[grid](describe(q, 16), describe(k, 16), describe(v, 16), describe(out, 16), lse,
-                               q.shape[1], q.shape[2], k.shape[2], qk_scale, BLOCK_M=16, BLOCK_N=16,
-                               HEAD_DIM=q.shape[-1], CAUSAL=causal, REVERSE_GRID=False)
+                               q.shape[1], q.shape[2], k.shape[2], qk_scale, *unused, BLOCK_M=16, BLOCK_N=16,
+                               HEAD_DIM=q.shape[-1], CAUSAL=causal, REVERSE_GRID=False, WINDOW=False,
+                               SOFTCAP=False, ALIBI=False, GQA=False, VARLEN=False)
     return out, lse
 
 

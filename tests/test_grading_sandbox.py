@@ -133,13 +133,16 @@ ANSWERS = {  # what each lab asks for, and so must hide
     "lab05": ("fa_lab.attention", "fa_lab.varlen.attention_varlen", "fa_lab.reference.expand_kv",
               "fa_lab.reference.reference_attention", "fa_lab.block_info.BlockInfo",
               "fa_lab.score_mods.alibi_bias", "fa_lab.score_mods.modify_scores", "fa_lab.impls.run"),
+    "lab06": ("fa_lab.kvcache.attention_with_kvcache", "fa_lab.kvcache.gather_kv", "fa_lab.kvcache.choose_num_splits",
+              "fa_lab.online_softmax.merge_splits", "fa_lab.reference.reference_attention"),
 }
 # What the lab notebooks import and use outside the graded functions (their first cell and helpers).
 KEPT = {"lab01": ("fa_lab.testing.make_qkv", "fa_lab.reference.softmax_with_lse"),
         "lab03": ("fa_lab.kernels.load_triton", "fa_lab.reference.causal_mask", "fa_lab.testing.make_qkv"),
         "lab04": ("fa_lab.flash_torch.flash_forward", "fa_lab.fp8.outlier_qkv", "fa_lab.fp8.random_signs",
                   "fa_lab.fp8.rmse", "fa_lab.reference.reference_attention"),
-        "lab05": ("fa_lab.testing.make_qkv",)}
+        "lab05": ("fa_lab.testing.make_qkv",),
+        "lab06": ("fa_lab.testing.make_qkv",)}
 
 
 @pytest.mark.parametrize("lab", sorted(ANSWERS))

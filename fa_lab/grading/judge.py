@@ -265,3 +265,43 @@ def only_some_fail(results: list[tuple[Case, Verdict]], has_property: Callable[[
     if failing and all(has_property(c) for c, _ in failing) and any(not has_property(c) for c in passing):
         return hint
     return None
+
+
+def tensor_problem(value, shape: tuple, dtype: torch.dtype | None, what: str) -> str | None:
+    """A message when ``value`` is not a tensor of this shape (and dtype, unless None)."""
+    if not isinstance(value, torch.Tensor):
+        return f"expected {what}, a tensor of shape {shape}, got {describe(value)}."
+    if tuple(value.shape) != shape:
+        return f"{what} has shape {tuple(value.shape)}; expected {shape}."
+    if dtype is not None and value.dtype != dtype:
+        return f"{what} has dtype {value.dtype}; expected {dtype}."
+    return None
+
+
+def exact_verdict(outcome, expected: torch.Tensor, what: str, mistakes, close: bool = False,
+           where=lambda index: f"index {index}") -> Verdict:
+    """The verdict on an output that must equal ``expected`` (``close``: to float32 rounding): the
+    mistakes whose wrong output it equals are named ((message, wrong output) pairs), and the first
+    wrong entry is shown, located by ``where(index)``."""
+    problem = outcome_problem(outcome)
+    if problem:
+        return Verdict(False, problem)
+    value = outcome["outputs"]
+    problem = tensor_problem(value, tuple(expected.shape), expected.dtype, what)
+    if problem:
+        return Verdict(False, problem)
+
+    def same(a, b):
+        if close:
+            return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5, equal_nan=False))
+        return torch.equal(a, b)
+    if same(value, expected):
+        return PASS
+    found = [message for message, wrong in mistakes if not same(wrong, expected) and same(value, wrong)]
+    index = tuple(int(i) for i in torch.nonzero(~torch.isclose(value.double(), expected.double(),
+                                                               rtol=1e-5, atol=1e-5))[0])
+    def shown(x):
+        return str(bool(x)) if expected.dtype == torch.bool else f"{x.item() + 0.0:.4g}"
+    detail = f"First wrong entry: {where(index)} is {shown(value[index])}, expected {shown(expected[index])}."
+    message = mistakes_message(found) if found else f"{what} is wrong."
+    return Verdict(False, f"{message} {detail}", explained=bool(found))

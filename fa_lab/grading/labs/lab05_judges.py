@@ -16,49 +16,11 @@ from ...block_info import BlockInfo
 from ...reference import expand_kv, naive_attention, reference_attention
 from ...score_mods import alibi_bias
 from ...testing import LSE_FLOOR
-from ..judge import PASS, Expected, describe, judge_outputs, mistakes_message, outcome_problem
+from ..judge import Expected, exact_verdict, judge_outputs, outcome_problem
 from ..registry import Verdict
 from . import attention_judges as judges
 
 GROUP_RULE = "query head h reads key/value head h // (heads // heads_kv)"
-
-
-def _tensor_problem(value, shape: tuple, dtype: torch.dtype | None, what: str) -> str | None:
-    if not isinstance(value, torch.Tensor):
-        return f"expected {what}, a tensor of shape {shape}, got {describe(value)}."
-    if tuple(value.shape) != shape:
-        return f"{what} has shape {tuple(value.shape)}; expected {shape}."
-    if dtype is not None and value.dtype != dtype:
-        return f"{what} has dtype {value.dtype}; expected {dtype}."
-    return None
-
-
-def _exact(outcome, expected: torch.Tensor, what: str, mistakes, close: bool = False,
-           where=lambda index: f"index {index}") -> Verdict:
-    """A verdict for an output that must equal ``expected`` (``close``: to float32 rounding);
-    mistakes: (message, wrong output) pairs."""
-    problem = outcome_problem(outcome)
-    if problem:
-        return Verdict(False, problem)
-    value = outcome["outputs"]
-    problem = _tensor_problem(value, tuple(expected.shape), expected.dtype, what)
-    if problem:
-        return Verdict(False, problem)
-
-    def same(a, b):
-        if close:
-            return bool(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5, equal_nan=False))
-        return torch.equal(a, b)
-    if same(value, expected):
-        return PASS
-    found = [message for message, wrong in mistakes if not same(wrong, expected) and same(value, wrong)]
-    index = tuple(int(i) for i in torch.nonzero(~torch.isclose(value.double(), expected.double(),
-                                                               rtol=1e-5, atol=1e-5))[0])
-    def shown(x):
-        return str(bool(x)) if expected.dtype == torch.bool else f"{x.item() + 0.0:.4g}"
-    detail = f"First wrong entry: {where(index)} is {shown(value[index])}, expected {shown(expected[index])}."
-    message = mistakes_message(found) if found else f"{what} is wrong."
-    return Verdict(False, f"{message} {detail}", explained=bool(found))
 
 
 # ----------------------------------------------------------------------------- GQA
@@ -69,7 +31,7 @@ def judge_expand(case, outcome) -> Verdict:
     group = heads // k.shape[1]
     mistakes = [(f"your copies follow h % heads_kv (k.repeat(...)), but {GROUP_RULE}: each key/value head "
                  "must appear `group` times in a row (repeat_interleave).", k.repeat(1, group, 1, 1))]
-    return _exact(outcome, expand_kv(k, heads), "the expanded tensor", mistakes,
+    return exact_verdict(outcome, expand_kv(k, heads), "the expanded tensor", mistakes,
                   where=lambda i: f"[batch {i[0]}, head {i[1]}, position {i[2]}, dim {i[3]}]")
 
 
@@ -87,7 +49,7 @@ def judge_group_sum(case, outcome) -> Verdict:
          grad.view(batch, group, heads_kv, n, d).sum(dim=1)),
         ("you kept one query head of each group instead of summing the group's gradients.", grouped[:, :, 0]),
     ]
-    return _exact(outcome, grouped.sum(dim=2), "the grouped gradient", mistakes, close=True,
+    return exact_verdict(outcome, grouped.sum(dim=2), "the grouped gradient", mistakes, close=True,
                   where=lambda i: f"[batch {i[0]}, kv head {i[1]}, position {i[2]}, dim {i[3]}]")
 
 
@@ -130,7 +92,7 @@ def judge_cu_seqlens(case, outcome) -> Verdict:
         if torch.equal(value.long(), expected.long()):
             return Verdict(False, f"the offsets are right but their dtype is {value.dtype}: flash-attn's "
                                   "kernels take cu_seqlens as int32.")
-    return _exact(outcome, expected, "cu_seqlens", [], where=lambda i: f"cu_seqlens[{i[0]}]")
+    return exact_verdict(outcome, expected, "cu_seqlens", [], where=lambda i: f"cu_seqlens[{i[0]}]")
 
 
 VARLEN_OUT_DIMS, VARLEN_LSE_DIMS = ("token", "head", "dim"), ("head", "token")
@@ -272,7 +234,7 @@ def judge_window_mask(case, outcome) -> Verdict:
     mistakes.append((f"your mask compares positions inside the tile, not in the sequence: row a is query i0 + a and "
                      f"column b is key j0 + b ({rule}).",
                      _band(torch.arange(i1 - i0)[:, None], torch.arange(j1 - j0)[None, :], offset, left, right)))
-    return _exact(outcome, expected, "the mask", mistakes,
+    return exact_verdict(outcome, expected, "the mask", mistakes,
                   where=lambda i: f"query {i0 + i[0]}, key {j0 + i[1]} (row {i[0]}, column {i[1]})")
 
 
@@ -296,5 +258,5 @@ def judge_alibi(case, outcome) -> Verdict:
          "sequence).", alibi_bias(slopes, torch.arange(i1 - i0)[:, None], torch.arange(j1 - j0)[None, :],
                                   offset)),
     ]
-    return _exact(outcome, expected, "the bias", mistakes, close=True,
+    return exact_verdict(outcome, expected, "the bias", mistakes, close=True,
                   where=lambda i: f"query {i0 + i[0]}, key {j0 + i[1]} (row {i[0]}, column {i[1]})")

@@ -1,0 +1,56 @@
+"""Grading lab 05 in real kernels: the solution gets full marks (the lab as handed out, 0, is graded
+with the other labs in test_grading.py), and a submission that calls fa_lab's own varlen attention
+loses exactly that exercise."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from labkit import ROOT, digest, grade_json
+
+from fa_lab.grading.registry import get_lab
+
+LAB = get_lab("lab06")
+SOLUTION = ROOT / "solutions" / LAB.notebook
+
+pytestmark = pytest.mark.slow
+
+
+def grade(path: Path, tmp_path: Path) -> dict:
+    before = digest(path)
+    status, report = grade_json(path, tmp_path)
+    assert status == 0
+    assert digest(path) == before, "grading changed the submission"
+    return report
+
+
+def test_the_solution_gets_full_marks(tmp_path):
+    report = grade(SOLUTION, tmp_path)
+    assert report["lab"] == "lab06" and report["score"] == report["max_score"] == 10
+    assert [e["name"] for e in report["exercises"]] == [e.name for e in LAB.exercises]
+    for exercise in report["exercises"]:
+        assert exercise["points"] == exercise["max_points"] and exercise["messages"] == []
+        assert exercise["passed"] == exercise["cases"] > 1
+    assert report["notebook_errors"] == []
+
+
+CALLS_FA_LAB = '''
+from fa_lab.kvcache import choose_num_splits
+
+
+def choose_splits(batch, heads_kv, seqlen_k, num_sms):
+    return choose_num_splits(batch, heads_kv, seqlen_k, num_sms=num_sms)
+'''
+
+
+def test_calling_fa_labs_heuristic_costs_that_exercise_only(tmp_path):
+    nb = nbformat.read(SOLUTION, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith("def choose_splits("):
+            cell.source = CALLS_FA_LAB
+    path = tmp_path / "calls_fa_lab.ipynb"
+    nbformat.write(nb, path)
+    exercises = {e["name"]: e for e in grade(path, tmp_path)["exercises"]}
+    assert exercises["choose_splits"]["points"] == 0
+    assert sum(e["points"] for e in exercises.values()) == 10 - 2
