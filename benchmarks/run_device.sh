@@ -8,6 +8,8 @@
 #            h200_hopper.json, h200_hopper.png, h200_hopper_variants.json
 #   interfaces - chapter 05's cases (GQA, varlen, window, softcap, ALiBi) with the upstream kernels
 #            (fa4, installed first as ../shared/peers/fetch_fa4_wheels.sh says): h200_interfaces.json/.png
+#   decode - chapter 06's decode over dense and paged caches, the split sweep, chunked prefill, with
+#            SDPA and fa4: h200_decode.json/.png
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
 #            H200 they take about 11 minutes, more than one device call: `tests tests/test_hopper.py`
 #            and the like run a part (the arguments after OUTDIR go to pytest)
@@ -27,10 +29,12 @@ case "$step" in
            --log "$out/h200_hopper_variants.json" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
   interfaces) $bench interfaces --json "$out/h200_interfaces.json" --plot "$out/h200_interfaces.png" \
            2>&1 | tee "$out/interfaces.log" | grep -v "^bench" ;;
+  decode) $bench decode --json "$out/h200_decode.json" --plot "$out/h200_decode.png" \
+           2>&1 | tee "$out/decode.log" | grep -v "^bench" ;;
   tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
          tests=(python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=30 "${targets[@]}")
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|tests OUTDIR" >&2; exit 2 ;;
 esac

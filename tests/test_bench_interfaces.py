@@ -66,3 +66,26 @@ def test_rows_follow_the_schema_and_the_ratios_read_them():
     assert rows[0]["fwd_tflops"] == pytest.approx(cases[0].flops() / 2e-3 / 1e12)
     found = dict(interfaces.ratios(rows, ours=("triton",)))
     assert found["softcap forward time / none, triton"] == pytest.approx(1.1)
+
+
+def test_decode_rows_follow_the_schema_and_the_heuristic_gap_reads_them():
+    from fa_lab.bench import decode
+
+    assert decode.kv_bytes(1, 65536) == 2 * 65536 * 8 * 128 * 2
+    rows = []
+    def timer_of(ms):
+        return lambda fn, return_mode: ms
+
+    def refuse():
+        raise ValueError("refused")
+
+    for impl, splits, ms in (("triton", 4, 2.0), ("triton_forced", 2, 2.5), ("triton_forced", 8, 1.9)):
+        row = decode.decode_row(impl, 1, 65536, 256, splits)
+        rows.append(decode.measure(row, lambda: (lambda: None), (), timer_of(ms), 4.0, decode.kv_bytes(1, 65536)))
+    rows.append(decode.measure(decode.decode_row("fa4_paged", 1, 65536, 256, None), refuse, (), None, 4.0, 0))
+    validate_results({"device": "test", "torch": torch.__version__, "triton": None, "date": "2026-12-01",
+                      "rows": rows})
+    assert rows[0]["tbps"] == pytest.approx(decode.kv_bytes(1, 65536) / 2e-3 / 1e12)
+    assert rows[-1]["tbps"] is None
+    [(batch, seqlen_k, page_size, ratio)] = decode.heuristic_gaps(rows)
+    assert (batch, seqlen_k, page_size) == (1, 65536, 256) and ratio == pytest.approx(1.9 / 2.0)

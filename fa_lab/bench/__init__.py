@@ -6,8 +6,9 @@
 - :mod:`.cpu`: the CPU benchmark; :mod:`.gpu`: the FA3-paper protocol with every peer;
   :mod:`.tuning`: tile tuning of the Triton kernels; :mod:`.hopper`: the Hopper kernels' ablation
   and protocol; :mod:`.interfaces`: chapter 05's options (GQA, varlen, window, softcap, ALiBi) with
-  the upstream FlashAttention kernels;
-- :mod:`.cli`: ``fa-lab bench cpu|gpu|hopper|interfaces``.
+  the upstream FlashAttention kernels; :mod:`.decode`: decode over a (paged) KV cache against the
+  copy bandwidth;
+- :mod:`.cli`: ``fa-lab bench cpu|gpu|hopper|interfaces|decode``.
 
 Importing this package loads neither the runners nor matplotlib: notebooks read recorded results
 through :func:`load_results`, :func:`describe` and :func:`plot_results`.

@@ -1,4 +1,5 @@
-"""``fa-lab bench cpu|gpu|hopper|interfaces``: parse the flags, run one benchmark, print its table, write its files.
+"""``fa-lab bench cpu|gpu|hopper|interfaces|decode``: parse the flags, run one benchmark, print its table,
+write its files.
 
 Every flag a subcommand accepts changes what it measures or writes. The GPU protocols fix batch
 (16384 / seqlen), heads (2048 / head_dim) and bf16, so ``gpu`` and ``hopper`` reject ``--batch``,
@@ -10,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 
-from . import cpu, gpu, interfaces
+from . import cpu, decode, gpu, interfaces
 from .plots import plot_results
 from .report import describe, format_table
 from .schema import save_results
@@ -41,8 +42,8 @@ def _add_outputs(parser, plot_help: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fa-lab bench", description="Benchmarks: cpu (this CPU), gpu (the "
                                      "FA3-paper protocol with every peer), hopper (the Hopper kernels), "
-                                     "interfaces (GQA, varlen, window, softcap, ALiBi).")
-    commands = parser.add_subparsers(dest="benchmark", required=True, metavar="{cpu,gpu,hopper,interfaces}")
+                                     "interfaces (GQA, varlen, window, softcap, ALiBi), decode (a KV cache).")
+    commands = parser.add_subparsers(dest="benchmark", required=True, metavar="{cpu,gpu,hopper,interfaces,decode}")
 
     full = cpu.FULL
     p = commands.add_parser("cpu", help="naive, torch and sdpa on this CPU: wall-clock time and peak memory")
@@ -96,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"any of {', '.join(interfaces.IMPLS)} (default: all)")
     _add_outputs(p, "save a PNG of forward and backward TFLOP/s per case")
     p.set_defaults(handler=_run_interfaces)
+
+    p = commands.add_parser("decode", help="decode over a dense or paged KV cache on a CUDA GPU: TB/s next to "
+                            "the copy bandwidth, SDPA and the upstream kernels (fa4) where installed",
+                            description="Chapter 06's decode benchmark: the shapes of fa_lab.bench.decode.")
+    p.add_argument("--no-fa4", action="store_true", help="leave out the upstream flash-attn-4 rows")
+    _add_outputs(p, "save a PNG of TB/s against the cache length")
+    p.set_defaults(handler=_run_decode)
     return parser
 
 
@@ -180,4 +188,19 @@ def _run_interfaces(args) -> int:
         save_results(results, args.json)
     if args.plot:
         interfaces.plot_interfaces(results).savefig(args.plot)
+    return 0
+
+
+def _run_decode(args) -> int:
+    if _needs_cuda("decode"):
+        return 2
+    results = decode.run_decode(args.json, with_fa4=not args.no_fa4)
+    print(describe(results))
+    print(format_table(results["rows"]))
+    for batch, seqlen_k, page_size, ratio in decode.heuristic_gaps(results["rows"]):
+        print(f"split heuristic, batch {batch}, cache {seqlen_k}, pages {page_size}: {ratio:.3f} of the best forced")
+    if args.json:
+        save_results(results, args.json)
+    if args.plot:
+        decode.plot_decode(results).savefig(args.plot)
     return 0

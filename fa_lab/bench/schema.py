@@ -33,6 +33,11 @@ Rows of the interfaces benchmark (:mod:`.interfaces`) carry these keys too, and 
   packed (varlen) batch, else null (``batch`` and ``seqlen_q`` then give the sequence count and the
   longest). There the TFLOP/s count the (query, key) pairs each sequence's mask keeps
   (:meth:`fa_lab.block_info.BlockInfo.visible_pairs`).
+
+Rows of the decode benchmark (:mod:`.decode`) carry ``heads_kv`` (as above), ``page_size`` (null for a
+dense cache) and ``num_splits`` (the count the call used; null when the impl chooses it out of sight), and
+no other rows do; ``seqlen_k`` is the cache length, ``seqlen_q`` the new queries per sequence, and a
+memory-bound row's ``bytes`` counts the K and V it reads.
 """
 from __future__ import annotations
 
@@ -52,6 +57,9 @@ ROW_TYPES = {"impl": str, "dtype": str, "head_dim": int, "causal": bool, "seqlen
 ROW_KEYS = tuple(ROW_TYPES)
 INTERFACE_TYPES = {"case": str, "heads_kv": int, "window": list, "softcap": float, "alibi": bool,
                    "lengths": (list, type(None))}
+DECODE_TYPES = {"heads_kv": int, "page_size": (int, type(None)), "num_splits": (int, type(None))}
+# The key that marks a row of an optional group, and the group's keys.
+OPTIONAL_GROUPS = {"case": INTERFACE_TYPES, "page_size": DECODE_TYPES}
 
 
 def empty_row(impl: str, shape: AttentionShape) -> dict:
@@ -97,12 +105,13 @@ def validate_results(results: dict) -> dict:
     if not isinstance(results["rows"], list):
         raise ValueError("results['rows'] must be a list of rows")
     for index, row in enumerate(results["rows"]):
-        keys = set(row) if isinstance(row, dict) else None
-        if keys not in (set(ROW_KEYS), set(ROW_KEYS) | set(INTERFACE_TYPES)):
+        group = next((types for marker, types in OPTIONAL_GROUPS.items()
+                      if isinstance(row, dict) and marker in row), {})
+        if not isinstance(row, dict) or set(row) != set(ROW_KEYS) | set(group):
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ValueError(f"row {index} has keys {got}; every row needs exactly {list(ROW_KEYS)}, and an "
-                             f"interfaces row also {list(INTERFACE_TYPES)}")
-        for key, types in {**ROW_TYPES, **(INTERFACE_TYPES if "case" in row else {})}.items():
+            raise ValueError(f"row {index} has keys {got}; every row needs exactly {list(ROW_KEYS)}, an "
+                             f"interfaces row also {list(INTERFACE_TYPES)}, a decode row {list(DECODE_TYPES)}")
+        for key, types in {**ROW_TYPES, **group}.items():
             if not isinstance(row[key], types) or (isinstance(row[key], bool) and types is not bool):
                 raise ValueError(f"row {index}: {key} is {row[key]!r}, which is not a valid {key}")
         if row["tbps"] is not None and (row["bytes"] is None or row["copy_tbps"] is None):
