@@ -124,6 +124,8 @@ def test_more_than_the_total_breaks_the_channel():
 ANSWERS = {  # what each lab asks for, and so must hide
     "lab00": ("fa_lab.iomodel.attention_flops", "fa_lab.iomodel.naive_hbm_bytes", "fa_lab.iomodel.flash_hbm_bytes",
               "fa_lab.iomodel.attainable_tflops", "fa_lab.iomodel.naive_extra_bytes"),
+    "lab02": ("fa_lab.parallelism.grid", "fa_lab.parallelism.waves", "fa_lab.parallelism.kv_tiles_per_cta",
+              "fa_lab.parallelism.list_schedule", "fa_lab.parallelism.launch_order"),
     "lab01": ("fa_lab.attention", "fa_lab.flash_torch.flash_forward", "fa_lab.flash_torch.flash_backward",
               "fa_lab.flash_torch.FlashAttentionFunction", "fa_lab.online_softmax.online_softmax_update",
               "fa_lab.reference.naive_attention", "fa_lab.reference.reference_attention",
@@ -139,7 +141,7 @@ ANSWERS = {  # what each lab asks for, and so must hide
               "fa_lab.online_softmax.merge_splits", "fa_lab.reference.reference_attention"),
 }
 # What the lab notebooks import and use outside the graded functions (their first cell and helpers).
-KEPT = {"lab00": (),
+KEPT = {"lab00": (), "lab02": (),
         "lab01": ("fa_lab.testing.make_qkv", "fa_lab.reference.softmax_with_lse"),
         "lab03": ("fa_lab.kernels.load_triton", "fa_lab.reference.causal_mask", "fa_lab.testing.make_qkv"),
         "lab04": ("fa_lab.flash_torch.flash_forward", "fa_lab.fp8.outlier_qkv", "fa_lab.fp8.random_signs",
