@@ -27,6 +27,7 @@ from .score_mods import check_softcap
 
 SPLIT_BLOCK = 128  # keys per split are whole blocks of this many (the kernels' key tile)
 MAX_SPLITS = 128
+DECODE_ROWS = 64  # packed query rows per program of the decode kernel (its largest tile)
 H200_SMS = 132
 
 
@@ -64,6 +65,10 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, bl
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
         if t is not None and (t.dtype != q.dtype or t.device != q.device):
             raise TypeError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; they must match")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous: the cache is appended to in place, through "
+                         "views of its token rows (a slice such as cache[:, :n] is not; pass the whole buffer "
+                         "and cache_seqlens)")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache {tuple(k_cache.shape)}; they "
                          "must match")
@@ -73,6 +78,9 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, bl
     check_heads(heads, k_cache.shape[2], v_cache.shape[2])
     check_head_dims(head_dim, k_cache.shape[3], v_cache.shape[3])
     _tensor("cache_seqlens", cache_seqlens, 1, "(batch,)")
+    for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
     if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape[0] != batch:
         raise ValueError(f"cache_seqlens must be int32 of shape ({batch},), got {cache_seqlens.dtype} of shape "
                          f"{tuple(cache_seqlens.shape)}")
@@ -161,16 +169,18 @@ def split_ranges(seqlen_k: int, num_splits: int, block: int = SPLIT_BLOCK) -> li
 
 
 def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H200_SMS,
-                      block: int = SPLIT_BLOCK, max_splits: int = MAX_SPLITS) -> int:
-    """How many splits fill the GPU: 1 when batch x heads_kv programs already make ~one wave (80% of
-    the SMs); otherwise the smallest count whose waves are at least 85% full of the best count's
-    efficiency, never more than the key blocks there are.
+                      block: int = SPLIT_BLOCK, max_splits: int = MAX_SPLITS, row_tiles: int = 1) -> int:
+    """How many splits fill the GPU: 1 when batch x heads_kv x row_tiles programs already make ~one
+    wave (80% of the SMs); otherwise the smallest count whose waves are at least 85% full of the best
+    count's efficiency, never more than the key blocks of ``block`` keys there are.
 
-    A decode program per (sequence, KV head, split) streams its keys once; with P = batch x heads_kv
-    programs and s splits there are P x s programs in ceil(P x s / num_sms) waves, and the efficiency of
-    a count is P x s / (waves x num_sms) (chapter 02's waves).
+    A decode program per (sequence, KV head, row tile, split) streams its keys once (row_tiles: the
+    tiles of the group's packed query rows, 1 for decode); with P = batch x heads_kv x row_tiles programs
+    and s splits there are P x s programs in ceil(P x s / num_sms) waves, and the efficiency of a count
+    is P x s / (waves x num_sms) (chapter 02's waves). ``block`` only bounds the count: each impl cuts
+    its splits on its own key tile (:func:`split_ranges`).
     """
-    programs = batch * heads_kv
+    programs = batch * heads_kv * row_tiles
     if programs >= 0.8 * num_sms:
         return 1
     limit = max(1, min(max_splits, cdiv(seqlen_k, block), num_sms))
@@ -210,7 +220,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     if k_new is not None:
         append_kv(layout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     lengths = [n + seqlen_new for n in cache_seqlens.tolist()]
-    splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, max(lengths))
+    row_tiles = cdiv(layout.heads // layout.heads_kv * layout.seqlen_q, DECODE_ROWS)
+    splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, max(lengths), row_tiles=row_tiles)
     if impl == "triton":
         from .kernels import triton_decode
         out, lse = triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal, scale, window,

@@ -125,6 +125,7 @@ def _refused(generator):
         ({"q": torch.randn(2, 1, 3, 8, generator=generator)}, ValueError, ["heads"]),
         ({"num_splits": -1}, ValueError, ["num_splits"]),
         ({"block_table": table, "impl": "naive"}, ValueError, ["impl"]),
+        ({"k_cache": torch.randn(4, 16, 2, 8, generator=generator)[:, :8]}, ValueError, ["contiguous"]),
     ]
 
 
@@ -163,6 +164,7 @@ def test_the_split_heuristic_fills_the_waves():
         assert splits <= -(-seqlen // 128) and programs / (waves * 132) >= 0.85 * max(
             batch * 8 * s / (-(-batch * 8 * s // 132) * 132) for s in range(1, min(128, -(-seqlen // 128)) + 1))
     assert choose_num_splits(1, 8, 65536) > 8  # batch 1: the splits are the whole story
+    assert choose_num_splits(1, 8, 65536, row_tiles=16) == 1  # chunked prefill: the row tiles fill the GPU
 
 
 def test_decode_without_keys_gives_zeros_and_minus_infinity(generator):

@@ -110,6 +110,7 @@ def triton_decode(q, k_cache, v_cache, lengths: list[int], block_table, layout, 
     import torch
 
     from ...block_info import BlockInfo
+    from ...kvcache import DECODE_ROWS
     from ...online_softmax import merge_splits
     from .. import interpreting
     from ..common import check_triton_inputs, head_dim_bucket, on_device
@@ -122,7 +123,7 @@ def triton_decode(q, k_cache, v_cache, lengths: list[int], block_table, layout, 
     group = heads // layout.heads_kv
     block_n = block_n or (16 if interpreting() else 64)
     rows = group * seqlen_q
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = min(DECODE_ROWS, max(16, triton.next_power_of_2(rows)))
     if layout.paged:
         table, page_size = block_table, layout.page_size
     else:  # one page per sequence: page b is sequence b
