@@ -23,6 +23,7 @@ def test_solution_passes_public_and_hidden_cases(exercise):
 
 
 KERNEL, LAUNCHER = "flash_forward_kernel", "flash_forward_triton"
+DKDV, DQ, BACKWARD = "flash_backward_dkdv_kernel", "flash_backward_dq_kernel", "flash_backward_triton"
 CAUSAL_KEY_END = "start_m + BLOCK_M + seqlen_k - seqlen_q"
 # (exercise, what the learner got wrong, edits of the solution, words the diagnosis must contain)
 CASES = [
@@ -97,6 +98,25 @@ CASES = [
     ("forward_kernel", "tl.exp of base-2 scores",
      [(KERNEL, "alpha = tl.math.exp2(m_i - m_safe)", "alpha = tl.exp(m_i - m_safe)"),
       (KERNEL, "p = tl.math.exp2(s - m_safe[:, None])", "p = tl.exp(s - m_safe[:, None])")], "base-2 units"),
+    # The backward kernels (Part 3).
+    ("backward_kernel", "dq and dk without the scale",
+     [(DKDV, "(dk * scale).to(dk_ptr.dtype.element_ty)", "dk.to(dk_ptr.dtype.element_ty)"),
+      (DQ, "(dq * scale).to(dq_ptr.dtype.element_ty)", "dq.to(dq_ptr.dtype.element_ty)")], "miss the softmax scale"),
+    ("backward_kernel", "D without the row sum",
+     [(BACKWARD, "delta = (dout.float() * out.float()).sum(dim=-1).contiguous()",
+       "delta = (dout.float() * out.float()).contiguous()")], "D = rowsum(dO * O)"),
+    ("backward_kernel", "exp of base-2 scores",
+     [(DKDV, "p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None] * 1.4426950408889634)\n"
+             "        visible = offs_n[None, :] < seqlen_k\n        if CAUSAL:\n"
+             "            visible = visible & causal_visible(offs_m, offs_n, seqlen_q, seqlen_k)\n"
+             "        p = tl.where(visible, p, 0.0)  # also",
+       "p = tl.exp(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None] * 1.4426950408889634)\n"
+       "        visible = offs_n[None, :] < seqlen_k\n        if CAUSAL:\n"
+       "            visible = visible & causal_visible(offs_m, offs_n, seqlen_q, seqlen_k)\n"
+       "        p = tl.where(visible, p, 0.0)  # also"),
+      (DQ, "p = tl.math.exp2(", "p = tl.exp(")], "tl.exp of base-2"),
+    ("backward_kernel", "the dK/dV loop starts a tile late",
+     [("causal_query_start", "// BLOCK_M * BLOCK_M", "// BLOCK_M * BLOCK_M + BLOCK_M")], "one Q tile late"),
 ]
 # What a mistake must never be told (a cause it is not).
 NEVER = {"causal_key_end from the tile's first row": ("last query tile, which is partial",)}

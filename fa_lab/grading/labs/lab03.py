@@ -5,6 +5,8 @@ exercise        the learner's function, as the harness calls it
 ==============  ==========================================================================
 forward_kernel  flash_forward_triton(q, k, v, False, scale, block_m, block_n) -> (out, lse)
 causal_kernel   flash_forward_triton(q, k, v, True, scale, block_m, block_n) -> (out, lse)
+backward_kernel flash_backward_triton(q, k, v, out, lse, dout, causal, scale, block_m, block_n)
+                -> (dq, dk, dv): the dK/dV and dQ kernels
 ==============  ==========================================================================
 
 q, k, v are float16 or bfloat16 CPU tensors, so the learner's kernel runs in Triton's
@@ -34,7 +36,7 @@ import torch
 from ..registry import Case, Exercise, Lab
 from . import attention_cases as cases
 from .attention_cases import Shape, draw_choice, draw_int
-from .lab03_judges import judge_kernel, poisoned_rows, summarize
+from .lab03_judges import judge_backward_kernel, judge_kernel, poisoned_rows, summarize
 
 FP16, BF16 = torch.float16, torch.bfloat16
 TILES = (16, 32)
@@ -127,14 +129,37 @@ def hidden_causal_cases(generator) -> list[Case]:
         poisoned_case(draw_skipping_shape(generator), generator)]
 
 
+BACKWARD_SHAPES = (
+    Shape(1, 2, 40, 40, 32, False, 16, 16, dtype=FP16, note="ragged last tiles"),
+    Shape(1, 2, 40, 56, 32, True, 16, 16, dtype=FP16, note="causal, Nq < Nk"),
+    Shape(1, 1, 45, 20, 16, True, 16, 16, dtype=BF16, note="causal: the first 25 queries see no key"),
+    Shape(2, 1, 33, 33, 24, True, 32, 16, dtype=FP16, scale=0.2, note="head_dim 24, BLOCK_M > BLOCK_N"),
+)
+
+
+def public_backward_cases() -> list[Case]:
+    return [cases.backward_case(shape, torch.Generator().manual_seed(3300 + i))
+            for i, shape in enumerate(BACKWARD_SHAPES)]
+
+
+def hidden_backward_cases(generator) -> list[Case]:
+    shapes = [draw_shape(generator, True, "more queries", dtype=FP16),
+              draw_shape(generator, True, "fewer queries", dtype=BF16),
+              draw_shape(generator, False, "any", dtype=FP16),
+              draw_shape(generator, True, "square", dtype=BF16)]
+    return [cases.backward_case(shape, generator) for shape in shapes]
+
+
 LAB = Lab(
     id="lab03",
-    title="The FlashAttention forward in Triton: ragged tiles, the causal mask, block skipping",
+    title="FlashAttention in Triton: the forward (ragged tiles, the causal mask, block skipping) and the backward",
     notebook="lab03_triton_forward.ipynb",
     exercises=(
-        Exercise("forward_kernel", "flash_forward_triton", 6, public_forward_cases, hidden_forward_cases,
+        Exercise("forward_kernel", "flash_forward_triton", 4, public_forward_cases, hidden_forward_cases,
                  judge_kernel, summarize=summarize),
-        Exercise("causal_kernel", "flash_forward_triton", 4, public_causal_cases, hidden_causal_cases,
+        Exercise("causal_kernel", "flash_forward_triton", 3, public_causal_cases, hidden_causal_cases,
                  judge_kernel, summarize=summarize),
+        Exercise("backward_kernel", "flash_backward_triton", 3, public_backward_cases, hidden_backward_cases,
+                 judge_backward_kernel),
     ),
 )

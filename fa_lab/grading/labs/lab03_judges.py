@@ -31,6 +31,7 @@ from ..judge import (
     only_some_fail,
     wrong_positions,
 )
+from . import attention_gradients as gradients
 from . import attention_judges as judges
 from . import attention_mistakes as mistakes
 
@@ -249,3 +250,58 @@ def summarize(results) -> str | None:
                 results, lambda c: c.args[0].shape[-2] % c.args[5] != 0,
                 "Only the cases whose Nq is not a multiple of BLOCK_M fail: the last query tile is partial "
                 "(with Nq < BLOCK_M it is the only one): " + GRID_FIX))
+
+
+# ----------------------------------------------------------------------------- the backward kernels
+
+def _backward_with_p(q, k, v, out, dout, p, used, rows_kept=None):
+    """(dq, dk, dv) in float64 from probabilities ``p`` (B, H, Nq, Nk); rows_kept (Nq, Nk) bool: the
+    (query, key) pairs the dK/dV kernel's loop reaches (None: all), for dk and dv only."""
+    q, k, v, out, dout = (t.double() for t in (q, k, v, out, dout))
+    delta = (dout * out).sum(dim=-1, keepdim=True)
+    ds = p * (torch.matmul(dout, v.transpose(-2, -1)) - delta)
+    dq = used * torch.matmul(ds, k)
+    if rows_kept is not None:
+        p, ds = p * rows_kept, ds * rows_kept
+    return {"dq": dq, "dk": used * torch.matmul(ds.transpose(-2, -1), q), "dv": torch.matmul(p.transpose(-2, -1), dout)}
+
+
+def backward_kernel_candidates(q, k, v, out, lse, dout, causal, scale, block_m, block_n):
+    """The mistakes of the two backward kernels beyond the shared ones: exp of base-2 scores, and a
+    dK/dV loop that starts one Q tile late under causal masking."""
+    used = resolve_scale(scale, q.shape[-1])
+    mask = judges.causal_mask_for(q, k, causal)
+    s = mistakes.scores(q, k, used, mask)
+    lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).double()
+    yield ("P is recomputed with tl.exp of base-2 scores: with log2(e) folded into the scale the exponent is "
+           "in base 2, so it needs tl.math.exp2 (P = 2^(s log2 e - lse log2 e)), or the plain scale with tl.exp.",
+           lambda: _backward_with_p(q, k, v, out, dout, torch.exp(LOG2E * (s - lse_safe[..., None])), used))
+    if causal:
+        info = BlockInfo(q.shape[-2], k.shape[-2], causal=True)
+        rows = torch.arange(info.seqlen_q)[:, None]
+        first = torch.tensor([info.query_blocks(j // block_n * block_n, block_n, block_m).begin
+                              for j in range(info.seqlen_k)])[None, :]
+        late = rows >= first + block_m
+        yield ("the dK/dV kernel starts one Q tile late: causal_query_start must round the first row that "
+               "sees the tile's first key down to the start of its Q tile (start_n - (Nk - Nq), at least 0, "
+               "// BLOCK_M * BLOCK_M); the tile above it holds rows that see these keys.",
+               lambda: _backward_with_p(q, k, v, out, dout, torch.exp(s - lse_safe[..., None]), used, late))
+
+
+def judge_backward_kernel(case, outcome) -> Verdict:
+    """flash_backward_triton(q, k, v, out, lse, dout, causal, scale, block_m, block_n) -> (dq, dk, dv)."""
+    q, k, v, out, lse, dout, causal, scale, block_m, block_n = case.args
+    error = outcome["error"] or ""
+    if not outcome["forbidden"] and "InterpreterError" in error and "NotImplementedError" in error:
+        return Verdict(False, NOT_IMPLEMENTED)
+
+    def expected():
+        specs = gradients.gradient_expected(q, k, v, causal, scale, dout)
+        return {name: specs[name] for name in gradients.GRADIENTS}
+
+    def candidates():
+        yield from backward_kernel_candidates(q, k, v, out, lse, dout, causal, scale, block_m, block_n)
+        yield from gradients.backward_candidates(q, k, v, out, lse, dout, causal, scale, (block_m, block_n))
+
+    return judge_outputs(case, outcome, gradients.GRADIENTS, expected, candidates=candidates,
+                         detectors=(gradients.gradients_detector, judges.nan_detector), error_hints=ERROR_HINTS)
