@@ -399,12 +399,13 @@ class Result:
     tflops: float
 
 
-def _run_cta(schedule: Schedule, params: CostParams, shape: AttentionShape, rates: SMRates):
-    """Compile and run one CTA of ``shape``: (costs, program, starts, ends, ctas, waves)."""
+def _run_cta(schedule: Schedule, params: CostParams, shape: AttentionShape, rates: SMRates, compile=None):
+    """Compile and run one CTA of ``shape``: (costs, program, starts, ends, ctas, waves).
+    compile(schedule, n_kv): the program builder (default: the schedule's own, :class:`_Program`)."""
     if shape.causal or shape.seqlen_k != shape.seqlen_q:
         raise ValueError(f"the pipeline model covers non-causal self-attention only; got {shape}")
     costs = TileCosts.of(schedule, params, shape.head_dim, rates, shape.element_bytes)
-    program = _compile(schedule, math.ceil(shape.seqlen_k / schedule.block_n))
+    program = (compile or _compile)(schedule, math.ceil(shape.seqlen_k / schedule.block_n))
     starts, ends = run_tasks(program.units, program.durations(costs), program.deps)
     q_tiles = math.ceil(shape.seqlen_q / schedule.block_m)
     ctas = shape.heads_total * math.ceil(q_tiles / schedule.consumers)

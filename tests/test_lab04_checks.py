@@ -158,6 +158,15 @@ CASES = [
     ("fp8_error_table", "flash_fp16 through naive attention",
      [('"flash_fp16": flash_forward(q, k, v)[0]', '"flash_fp16": naive_attention(q, k, v)[0]')],
      "your flash_fp16 equals your baseline_fp16"),
+    # Part 5: the consumer's two-stage loop.
+    ("consumer_steps", "P V issued first",
+     [("consumer_steps", '["issue S[j]", "issue PV[j-1]", "wait S[j]"', '["issue PV[j-1]", "issue S[j]", "wait S[j]"')],
+     "issued before S_j"),
+    ("consumer_steps", "waiting on the wrong WGMMA before the softmax",
+     [("consumer_steps", '"wait S[j]", "softmax[j]", "wait PV[j-1]"', '"wait S[j]", "wait PV[j-1]", "softmax[j]"')],
+     "before the softmax"),
+    ("consumer_steps", "softmax before its GEMM completes",
+     [("consumer_steps", '"wait S[j]", "softmax[j]"', '"softmax[j]", "wait S[j]"')], "softmax reads S_j"),
 ]
 # What a mistake must never be told: a rounding matter is no wrong pairing or length.
 NEVER = {"sqrt(2) in every round, rounded each time": ("keeps lengths", "times as long")}

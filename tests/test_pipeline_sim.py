@@ -247,3 +247,28 @@ def test_bad_input_says_what_is_wrong():
         Schedule("x", block_n=0)
     with pytest.raises(ValueError, match="non-causal"):
         simulate(FA3, shape=replace(ABLATION_SHAPE, causal=True))
+
+
+def test_fa3s_order_written_as_steps_is_fa3():
+    from fa_lab.pipeline_sim import FA3, NO_PIPELINING, predict_tflops
+    from fa_lab.pipeline_steps import steps_tflops
+
+    fa3_order = ("issue S[j]", "issue PV[j-1]", "wait S[j]", "softmax[j]", "wait PV[j-1]", "rescale[j]")
+    assert steps_tflops(fa3_order) == predict_tflops(FA3)
+    waited_first = ("issue S[j]", "issue PV[j-1]", "wait S[j]", "wait PV[j-1]", "softmax[j]", "rescale[j]")
+    assert steps_tflops(waited_first) == pytest.approx(predict_tflops(NO_PIPELINING))  # no overlap left
+    assert steps_tflops(waited_first) < 0.95 * steps_tflops(fa3_order)
+
+
+@pytest.mark.parametrize("steps, words", [
+    (("issue S[j]", "wait S[j]", "softmax[j]", "wait PV[j-1]", "rescale[j]"), "exactly once"),
+    (("issue S[j]", "issue PV[j-1]", "softmax[j]", "wait S[j]", "wait PV[j-1]", "rescale[j]"), "softmax reads S_j"),
+    (("issue S[j]", "issue PV[j-1]", "wait S[j]", "softmax[j]", "rescale[j]", "wait PV[j-1]"), "writes O"),
+    (("wait S[j]", "issue S[j]", "issue PV[j-1]", "softmax[j]", "wait PV[j-1]", "rescale[j]"), "waits forever"),
+    (("issue S[j]", "issue PV[j]", "wait S[j]", "softmax[j]", "wait PV[j-1]", "rescale[j]"), "unknown steps"),
+])
+def test_an_impossible_order_is_refused_with_its_reason(steps, words):
+    from fa_lab.pipeline_steps import check_steps
+
+    with pytest.raises(ValueError, match=words):
+        check_steps(steps)

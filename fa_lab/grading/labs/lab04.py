@@ -7,6 +7,8 @@ quantize_blocks    quantize_blocks(x, block) -> (data e4m3 (B, H, N, d), scales 
 hadamard           hadamard(x) -> x H / sqrt(d) over the last dim, by butterflies
 rotate_qk          rotate_qk(q, k, signs) -> (q M, k M), M = diag(signs) H / sqrt(d)
 fp8_error_table    fp8_error_table(seed) -> {row: RMSE}, the FA3 paper's table at TABLE_SHAPE
+consumer_steps     consumer_steps() -> the two-stage loop of a consumer warpgroup, as steps
+                   (:mod:`fa_lab.pipeline_steps`), judged by the pipeline simulator (:mod:`.lab04_schedule`)
 =================  =========================================================================
 
 Every exercise forbids ``fa_lab.fp8`` (its quantization, transform, rotation and FP8
@@ -26,6 +28,7 @@ from ..registry import Case, Exercise, Lab
 from .attention_cases import DTYPE_NAMES as ATTENTION_DTYPE_NAMES
 from .attention_cases import draw_choice, draw_int
 from .lab04_judges import judge_hadamard, judge_quantize, judge_rotate
+from .lab04_schedule import hidden_schedule_cases, judge_schedule, public_schedule_cases
 from .lab04_table import TABLE_SHAPE, judge_table
 
 FORBIDDEN = ("fa_lab.fp8",)
@@ -207,16 +210,18 @@ def hidden_table_cases(generator) -> list[Case]:
 
 LAB = Lab(
     id="lab04",
-    title="FP8 attention: block quantization, the Hadamard transform, the FA3 error table",
+    title="FP8 attention (block quantization, the Hadamard transform, the FA3 error table) and FA3's two-stage loop",
     notebook="lab04_fp8_incoherent_processing.ipynb",
     exercises=(
-        Exercise("quantize_blocks", "quantize_blocks", 3, public_quantize_cases, hidden_quantize_cases,
+        Exercise("quantize_blocks", "quantize_blocks", 2.5, public_quantize_cases, hidden_quantize_cases,
                  judge_quantize, summarize=summarize_quantize, forbidden=FORBIDDEN, allowed=HELPERS),
         Exercise("hadamard", "hadamard", 2, public_hadamard_cases, hidden_hadamard_cases, judge_hadamard,
                  forbidden=FORBIDDEN, allowed=HELPERS),
-        Exercise("rotate_qk", "rotate_qk", 2, public_rotate_cases, hidden_rotate_cases, judge_rotate,
+        Exercise("rotate_qk", "rotate_qk", 1.5, public_rotate_cases, hidden_rotate_cases, judge_rotate,
                  forbidden=FORBIDDEN, allowed=HELPERS),
-        Exercise("fp8_error_table", "fp8_error_table", 3, public_table_cases, hidden_table_cases,
+        Exercise("fp8_error_table", "fp8_error_table", 2.5, public_table_cases, hidden_table_cases,
                  judge_table, forbidden=FORBIDDEN, allowed=HELPERS + REFERENCES),
+        Exercise("consumer_steps", "consumer_steps", 1.5, public_schedule_cases, hidden_schedule_cases,
+                 judge_schedule, forbidden=FORBIDDEN),
     ),
 )
