@@ -16,10 +16,10 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def check_qkv(q, k, v) -> None:
+def check_qkv(q, k, v, dtypes=SUPPORTED_DTYPES) -> None:
     """Check q: (B, H, Nq, d), k and v: (B, Hkv, Nk, d) with H a multiple of Hkv, as the API in
-    docs/design.md states."""
-    check_tensors(q, k, v, "(batch, heads, seqlen, head_dim)", empty_ok=False)
+    docs/design.md states. dtypes: those accepted (references add float64)."""
+    check_tensors(q, k, v, "(batch, heads, seqlen, head_dim)", empty_ok=False, dtypes=dtypes)
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}")
@@ -29,7 +29,7 @@ def check_qkv(q, k, v) -> None:
     check_head_dims(q.shape[3], k.shape[3], v.shape[3])
 
 
-def check_tensors(q, k, v, layout: str, empty_ok: bool) -> None:
+def check_tensors(q, k, v, layout: str, empty_ok: bool, dtypes=SUPPORTED_DTYPES) -> None:
     """Types, dimension count (that of ``layout``), dtypes and devices of q, k, v."""
     ndim = layout.count(",") + 1
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -38,8 +38,9 @@ def check_tensors(q, k, v, layout: str, empty_ok: bool) -> None:
         if t.ndim != ndim:
             raise ValueError(f"{name} must have {ndim} dimensions {layout}, got {t.ndim} dimensions "
                              f"with shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; attention needs float32, float16 or bfloat16")
+        if t.dtype not in dtypes:
+            names = [str(d).removeprefix("torch.") for d in dtypes]
+            raise TypeError(f"{name} has dtype {t.dtype}; attention needs {', '.join(names[:-1])} or {names[-1]}")
         if t.numel() == 0 and not (empty_ok and t.shape[0] == 0 and all(t.shape[1:])):
             raise ValueError(f"{name} is empty ({_describe(t)}); every dimension must be >= 1")
     for name, t in (("k", k), ("v", v)):

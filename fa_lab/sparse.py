@@ -1,0 +1,180 @@
+"""Sparse attention as a choice of key tiles (chapter 07): block-sparse attention over a tile list, and MoBA.
+
+Block-sparse attention: query tile ``t`` of ``block_q`` rows attends only to the key tiles listed in
+``key_tiles[b, h_kv, t]`` (``block_k`` keys each, -1 pads a shorter list), the same list for every query
+head of a GQA group, so that a kernel reads each selected K/V tile once per group. With ``causal``
+the course's bottom-right mask applies inside the selection too. :func:`selection_mask` is the dense
+(Nq, Nk) mask of a selection, for references and tests only.
+
+MoBA (Moonshot's mixture of block attention): keys are cut into blocks of ``block`` tokens, each block
+is represented by its mean key, and query ``i`` keeps its own block (always, attended causally) plus the
+``top_k - 1`` past blocks whose mean key scores highest against it (future blocks are never selected).
+:func:`moba_attention` computes it in MoBA's two passes: the own block as varlen causal attention over the
+blocks (:func:`fa_lab.attention_varlen`), the selected past blocks as full attention per query, merged by
+their log-sum-exp (:func:`fa_lab.online_softmax.merge_splits`).
+
+Self-attention layouts as :func:`fa_lab.attention`: q (B, H, N, d), k, v (B, H_kv, N, d).
+"""
+from __future__ import annotations
+
+import torch
+
+from .block_info import BlockInfo, cdiv
+from .inputs import SUPPORTED_DTYPES, check_qkv, resolve_scale
+from .online_softmax import merge_splits
+from .reference import expand_kv, softmax_with_lse
+
+# The references take float64 too (then they compute in float64; otherwise in float32).
+DTYPES = (*SUPPORTED_DTYPES, torch.float64)
+
+
+def _compute_dtype(q) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def check_key_tiles(key_tiles, q, k, block_q: int, block_k: int, causal: bool) -> torch.Tensor:
+    """key_tiles as int64 (B, H_kv, ceil(Nq / block_q), S), checked: indices in [-1, key tiles), no tile
+    listed twice for one query tile, and with ``causal`` no tile that lies wholly after the diagonal of
+    every row of its query tile."""
+    if not isinstance(key_tiles, torch.Tensor) or key_tiles.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"key_tiles must be an int32 or int64 tensor, got {type(key_tiles).__name__}"
+                        + (f" of {key_tiles.dtype}" if isinstance(key_tiles, torch.Tensor) else ""))
+    q_tiles, k_tiles = cdiv(q.shape[2], block_q), cdiv(k.shape[2], block_k)
+    want = (q.shape[0], k.shape[1], q_tiles)
+    if key_tiles.ndim != 4 or tuple(key_tiles.shape[:3]) != want:
+        raise ValueError(f"key_tiles must have shape (batch, heads_kv, query tiles, S) = {want + ('S',)}, got "
+                         f"{tuple(key_tiles.shape)}")
+    tiles = key_tiles.long()
+    if bool(((tiles < -1) | (tiles >= k_tiles)).any()):
+        raise ValueError(f"key_tiles holds indices outside [-1, {k_tiles}): {k_tiles} key tiles of {block_k}")
+    ordered = tiles.sort(dim=-1).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if bool(repeated.any()):
+        b, h, t, _ = (int(i) for i in torch.nonzero(repeated)[0])
+        raise ValueError(f"key_tiles[{b}, {h}, {t}] lists a key tile twice: {tiles[b, h, t].tolist()}")
+    if causal:
+        info = BlockInfo(q.shape[2], k.shape[2], causal=True)
+        last_rows = torch.clamp(torch.arange(q_tiles) * block_q + block_q, max=q.shape[2]) - 1
+        key_end = info.key_end(last_rows)  # (query tiles,): keys past it are after every row's diagonal
+        future = (tiles >= 0) & (tiles * block_k >= key_end.view(1, 1, -1, 1))
+        if bool(future.any()):
+            b, h, t, s = (int(i) for i in torch.nonzero(future)[0])
+            raise ValueError(f"key_tiles[{b}, {h}, {t}] selects key tile {int(tiles[b, h, t, s])}, which no row of "
+                             f"query tile {t} may see under the causal mask: a causal call selects past tiles only")
+    return tiles
+
+
+def selection_mask(key_tiles, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int) -> torch.Tensor:
+    """(B, H_kv, Nq, Nk) bool: True where a query's tile selects the key's tile (dense: references only)."""
+    tiles = key_tiles.long()
+    batch, heads_kv, q_tiles, _ = tiles.shape
+    chosen = torch.zeros(batch, heads_kv, q_tiles, cdiv(seqlen_k, block_k) + 1, dtype=torch.bool)
+    chosen.scatter_(-1, torch.where(tiles < 0, chosen.shape[-1] - 1, tiles), True)  # -1 lands in a spare column
+    chosen = chosen[..., :-1]
+    per_row = chosen.repeat_interleave(block_q, dim=2)[:, :, :seqlen_q]
+    return per_row.repeat_interleave(block_k, dim=3)[..., :seqlen_k]
+
+
+def block_sparse_attention(q, k, v, key_tiles, block_q: int, block_k: int, causal: bool = False,
+                           scale: float | None = None):
+    """Attention of each query tile over its selected key tiles only. Returns (out (B, H, Nq, d) in
+    q.dtype, lse (B, H, Nq) float32); a row that sees no selected key gets zeros and lse = -inf.
+
+    Each query tile gathers its S selected K/V tiles (S * block_k keys) and runs one softmax over them:
+    memory O(block_q * S * block_k) per tile, never (Nq, Nk). Differentiable (through the gather).
+    """
+    check_qkv(q, k, v, DTYPES)
+    scale = resolve_scale(scale, q.shape[-1])
+    tiles = check_key_tiles(key_tiles, q, k, block_q, block_k, causal).to(q.device)
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
+    info = BlockInfo(seqlen_q, seqlen_k, causal)
+    dtype = _compute_dtype(q)
+    outs, lses = [], []
+    for t in range(tiles.shape[2]):
+        i0, i1 = t * block_q, min(t * block_q + block_q, seqlen_q)
+        keys = (tiles[:, :, t, :, None] * block_k + torch.arange(block_k, device=q.device)).flatten(2)  # (B, Hkv, S*bk)
+        valid = (tiles[:, :, t, :, None] >= 0).expand(-1, -1, -1, block_k).flatten(2) & (keys < seqlen_k)
+        index = torch.where(valid, keys, 0)[..., None].expand(-1, -1, -1, head_dim)
+        k_sel, v_sel = k.to(dtype).gather(2, index), v.to(dtype).gather(2, index)  # (B, Hkv, S*bk, d)
+        q_tile = q[:, :, i0:i1].to(dtype).reshape(batch, heads_kv, group * (i1 - i0), head_dim)
+        s = torch.matmul(q_tile, k_sel.transpose(-2, -1)) * scale  # (B, Hkv, g * tq, S*bk)
+        s = s.view(batch, heads_kv, group, i1 - i0, -1)
+        visible = valid[:, :, None, None, :]
+        if info.masked:
+            rows = torch.arange(i0, i1, device=q.device)[:, None]
+            visible = visible & (keys[:, :, None, None, :] < info.key_end(rows).view(1, 1, 1, -1, 1))
+        p, lse = softmax_with_lse(s.masked_fill(~visible, float("-inf")))
+        out = torch.matmul(p, v_sel[:, :, None])  # (B, Hkv, g, tq, d)
+        outs.append(out.reshape(batch, heads, i1 - i0, head_dim))
+        lses.append(lse.reshape(batch, heads, i1 - i0))
+    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2).float()
+
+
+# ---------------------------------------------------------------- MoBA
+
+def moba_gate(q, k, block: int, top_k: int) -> torch.Tensor:
+    """(B, H, N, top_k) int64: the key blocks each query keeps, own block first, then the best past blocks
+    by q . mean(K_block) (-1 where a query has fewer past blocks than top_k - 1). Causal, self-attention."""
+    check_qkv(q, k, k, DTYPES)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"MoBA is self-attention here: q has {q.shape[2]} tokens and k {k.shape[2]}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an int >= 1 (the own block counts), got {top_k!r}")
+    seqlen, blocks = q.shape[2], cdiv(k.shape[2], block)
+    keys = expand_kv(k, q.shape[1]).to(_compute_dtype(q))
+    padded = torch.nn.functional.pad(keys, (0, 0, 0, blocks * block - seqlen))
+    counts = torch.clamp(seqlen - torch.arange(blocks, device=q.device) * block, max=block)
+    pooled = padded.view(*keys.shape[:2], blocks, block, keys.shape[-1]).sum(3) / counts[:, None]  # mean keys
+    scores = torch.matmul(q.to(keys.dtype), pooled.transpose(-2, -1))  # (B, H, N, blocks)
+    own = torch.arange(seqlen, device=q.device) // block
+    past = torch.arange(blocks, device=q.device)[None, :] < own[:, None]  # strictly earlier blocks only
+    scores = scores.masked_fill(~past, float("-inf"))
+    extra = min(top_k - 1, blocks)
+    best = scores.topk(extra, dim=-1) if extra else None
+    chosen = [own.expand(*q.shape[:2], seqlen)[..., None]]
+    if best is not None:
+        chosen.append(torch.where(torch.isinf(best.values), -1, best.indices))
+    return torch.cat(chosen, dim=-1)
+
+
+def moba_mask(selected, seqlen: int, block: int) -> torch.Tensor:
+    """(B, H, N, N) bool: the keys each query sees under MoBA (dense: references only)."""
+    keys = torch.arange(seqlen)
+    in_block = (keys[None, :] // block)[None, None, None] == selected.clamp(min=-1).cpu()[..., None]  # (B,H,N,K,N)
+    return in_block.any(dim=-2) & BlockInfo(seqlen, seqlen, causal=True).mask()
+
+
+def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None):
+    """MoBA's output and LSE in two passes merged by their LSE. Returns (out (B, H, N, d), lse (B, H, N))."""
+    from .varlen import attention_varlen
+
+    selected = moba_gate(q, k, block, top_k)
+    scale = resolve_scale(scale, q.shape[-1])
+    batch, heads, seqlen, head_dim = q.shape
+    k, v = expand_kv(k, heads), expand_kv(v, heads)
+    # Pass 1: every query over its own block, causally: varlen attention with one "sequence" per block.
+    bounds = torch.tensor([*range(0, seqlen, block), seqlen], dtype=torch.int32, device=q.device)
+    packed = [t.transpose(1, 2).reshape(batch * seqlen, heads, head_dim) for t in (q, k, v)]
+    per_batch = [attention_varlen(*(t[b * seqlen:(b + 1) * seqlen] for t in packed), bounds, bounds, causal=True,
+                                  scale=scale, return_lse=True) for b in range(batch)]
+    out_own = torch.stack([o.transpose(0, 1) for o, _ in per_batch])  # (B, H, N, d)
+    lse_own = torch.stack([lse for _, lse in per_batch])  # (B, H, N)
+    # Pass 2: every query over its selected past blocks, all of whose keys it sees.
+    past = selected[..., 1:]  # (B, H, N, top_k - 1)
+    if past.shape[-1] == 0:
+        return out_own, lse_own
+    keys = (past[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)  # (B, H, N, (top_k-1)*block)
+    valid = (past[..., None] >= 0).expand(*past.shape, block).flatten(-2)
+    index = torch.where(valid, keys, 0)
+    dtype = _compute_dtype(q)
+    k_sel = torch.gather(k.to(dtype)[:, :, None].expand(-1, -1, seqlen, -1, -1), 3,
+                         index[..., None].expand(*index.shape, head_dim))
+    v_sel = torch.gather(v.to(dtype)[:, :, None].expand(-1, -1, seqlen, -1, -1), 3,
+                         index[..., None].expand(*index.shape, head_dim))
+    s = (torch.einsum("bhnd,bhnkd->bhnk", q.to(dtype), k_sel) * scale).masked_fill(~valid, float("-inf"))
+    p, lse_past = softmax_with_lse(s)
+    out_past = torch.einsum("bhnk,bhnkd->bhnd", p, v_sel)
+    out, lse = merge_splits(torch.stack([out_own.to(dtype), out_past]),
+                            torch.stack([lse_own.to(dtype), lse_past]))
+    return out.to(q.dtype), lse.float()

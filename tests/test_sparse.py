@@ -1,0 +1,104 @@
+"""Chapter 07's sparse attention: block-sparse attention over a tile list and MoBA, against dense
+attention under the same selection (float64), gradients included, and their refused inputs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fa_lab.block_info import BlockInfo
+from fa_lab.reference import expand_kv, softmax_with_lse
+from fa_lab.sparse import block_sparse_attention, moba_attention, moba_gate, moba_mask, selection_mask
+from fa_lab.testing import make_qkv
+
+
+def dense_masked(q, k, v, mask, scale):
+    """(out, lse) of attention restricted to ``mask`` (B, H, Nq, Nk), in float64."""
+    k, v = expand_kv(k, q.shape[1]).double(), expand_kv(v, q.shape[1]).double()
+    s = torch.matmul(q.double(), k.transpose(-2, -1)) * scale
+    p, lse = softmax_with_lse(s.masked_fill(~mask, float("-inf")))
+    return torch.matmul(p, v), lse
+
+
+def random_tiles(generator, batch, heads_kv, q_tiles, k_tiles, count, causal_limit=None):
+    """Distinct key tiles per query tile (-1 padding), only past ones when causal_limit[t] bounds them."""
+    tiles = torch.full((batch, heads_kv, q_tiles, count), -1, dtype=torch.int64)
+    for b in range(batch):
+        for h in range(heads_kv):
+            for t in range(q_tiles):
+                allowed = k_tiles if causal_limit is None else causal_limit[t]
+                chosen = torch.randperm(allowed, generator=generator)[:min(count, allowed)]
+                tiles[b, h, t, :len(chosen)] = chosen
+    return tiles
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads, heads_kv, seqlen_q, seqlen_k, block_q, block_k", [
+    (2, 2, 70, 70, 32, 32), (4, 2, 45, 97, 16, 32), (4, 1, 64, 64, 32, 16)])
+def test_block_sparse_equals_dense_attention_under_the_same_selection(causal, heads, heads_kv, seqlen_q, seqlen_k,
+                                                                      block_q, block_k, generator):
+    q, k, v = (t.double() for t in make_qkv(2, heads, seqlen_q, seqlen_k, 16, generator=generator,
+                                             heads_kv=heads_kv, requires_grad=False))
+    q_tiles, k_tiles = math.ceil(seqlen_q / block_q), math.ceil(seqlen_k / block_k)
+    info = BlockInfo(seqlen_q, seqlen_k, causal)
+    limit = [math.ceil(info.key_end(min(t * block_q + block_q, seqlen_q) - 1) / block_k) for t in range(q_tiles)] \
+        if causal else None
+    tiles = random_tiles(generator, 2, heads_kv, q_tiles, k_tiles, 2, limit)
+    mask = expand_kv(selection_mask(tiles, seqlen_q, seqlen_k, block_q, block_k), heads)
+    if causal:
+        mask = mask & info.mask()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = block_sparse_attention(*leaves, tiles, block_q, block_k, causal)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = dense_masked(*ref_leaves, mask, 16 ** -0.5)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+    dout = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    out.backward(dout)
+    ref_out.backward(dout)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"tiles": torch.tensor([[[[0, 5]] * 4]])}, "outside"),
+    ({"tiles": torch.tensor([[[[1, 1]] * 4]])}, "twice"),
+    ({"tiles": torch.tensor([[[[3, -1], [0, 1], [0, 1], [0, 1]]]]), "causal": True}, "causal"),
+    ({"tiles": torch.tensor([[[0, 1]]])}, "shape"),
+    ({"tiles": torch.tensor([[[[0.0, 1.0]] * 4]])}, "int32 or int64"),
+])
+def test_bad_selections_are_refused(change, words):
+    q, k, v = make_qkv(1, 1, 64, 64, 8, requires_grad=False)  # four query tiles and four key tiles of 16
+    args = {"tiles": torch.tensor([[[[0, 1]] * 4]]), "causal": False, **change}
+    with pytest.raises((ValueError, TypeError), match=words):
+        block_sparse_attention(q, k, v, args["tiles"], 16, 16, args["causal"])
+
+
+def test_moba_keeps_its_own_block_and_the_best_past_blocks(generator):
+    q, k, _ = make_qkv(1, 2, 70, 70, 16, generator=generator, requires_grad=False)
+    block, top_k = 16, 3
+    selected = moba_gate(q, k, block, top_k)
+    assert selected.shape == (1, 2, 70, 3)
+    own = torch.arange(70) // block
+    assert torch.equal(selected[..., 0], own.expand(1, 2, 70))
+    past = selected[..., 1:]
+    assert bool(((past < own[:, None]) | (past == -1)).all())  # never the own block again, never the future
+    for i in (5, 20, 40, 69):  # by brute force: the mean keys' scores, past blocks only
+        means = torch.stack([k[0, :, b * block:min(b * block + block, 70)].mean(dim=1) for b in range(5)], dim=1)
+        scores = torch.einsum("hd,hbd->hb", q[0, :, i], means)
+        for h in range(2):
+            want = sorted(scores[h, :own[i]].argsort(descending=True)[:top_k - 1].tolist())
+            got = sorted(x for x in past[0, h, i].tolist() if x >= 0)
+            assert got == want, (i, h)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_moba_two_passes_equal_dense_attention_under_its_selection(top_k, generator):
+    """In float32 (its own-block pass runs through attention_varlen) against float64 dense attention."""
+    q, k, v = make_qkv(2, 2, 75, 75, 16, generator=generator, requires_grad=False)
+    out, lse = moba_attention(q, k, v, 16, top_k)
+    mask = moba_mask(moba_gate(q, k, 16, top_k), 75, 16)
+    ref_out, ref_lse = dense_masked(q, k, v, mask, 16 ** -0.5)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
