@@ -1,4 +1,4 @@
-"""Sparse attention as a choice of key tiles (chapter 07): block-sparse attention over a tile list, and MoBA.
+"""Sparse attention as a choice of key tiles (chapter 07): block-sparse attention over a tile list, MoBA, NSA.
 
 Block-sparse attention: query tile ``t`` of ``block_q`` rows attends only to the key tiles listed in
 ``key_tiles[b, h_kv, t]`` (``block_k`` keys each, -1 pads a shorter list), the same list for every query
@@ -12,6 +12,11 @@ is represented by its mean key, and query ``i`` keeps its own block (always, att
 :func:`moba_attention` computes it in MoBA's two passes: the own block as varlen causal attention over the
 blocks (:func:`fa_lab.attention_varlen`), the selected past blocks as full attention per query, merged by
 their log-sum-exp (:func:`fa_lab.online_softmax.merge_splits`).
+
+NSA (DeepSeek's native sparse attention): three causal branches mixed by a learned gate, the query
+over the mean keys of compressed blocks (:func:`nsa_compress`), over the raw keys of the ``top_n``
+selection blocks that its GQA group ranks highest by the compressed branch's probabilities
+(:func:`nsa_select`), and over a sliding window (:func:`nsa_attention`, a dense masked reference).
 
 Self-attention layouts as :func:`fa_lab.attention`: q (B, H, N, d), k, v (B, H_kv, N, d).
 """
@@ -178,3 +183,84 @@ def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None):
     out, lse = merge_splits(torch.stack([out_own.to(dtype), out_past]),
                             torch.stack([lse_own.to(dtype), lse_past]))
     return out.to(q.dtype), lse.float()
+
+
+# ---------------------------------------------------------------- NSA
+
+def nsa_compress(t, block: int):
+    """Mean-pool (B, H_kv, N, d) over non-overlapping blocks of ``block`` tokens: (B, H_kv, N // block, d).
+    NSA learns this pooling (an MLP over the block with position encodings); the course's reference
+    uses the mean, and only whole blocks (a partial last block is never wholly in any query's past)."""
+    blocks = t.shape[2] // block
+    return t[:, :, :blocks * block].reshape(*t.shape[:2], blocks, block, t.shape[-1]).mean(dim=3)
+
+
+def _masked_attention(q, k, v, mask, scale):
+    """(out, lse) of q (B, H, N, d) over k, v (B, H, M, d) under mask (B or 1, H or 1, N, M), in q's
+    compute dtype; rows without keys give 0 and -inf."""
+    dtype = _compute_dtype(q)
+    s = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
+    p, lse = softmax_with_lse(s.masked_fill(~mask, float("-inf")))
+    return torch.matmul(p, v.to(dtype)), lse
+
+
+def nsa_select(q, k_cmp, block_cmp: int, block_sel: int, top_n: int, scale: float) -> torch.Tensor:
+    """(B, H_kv, N, top_n) int64: the selection blocks (of ``block_sel`` tokens) each query keeps, the
+    same for every query head of a GQA group (-1 where fewer blocks are in its past).
+
+    Importance is the compressed branch's attention probability, summed over the compressed blocks that
+    a selection block covers (block_sel a multiple of block_cmp) and over the group's query heads; a
+    query keeps the top_n blocks that start at or before it.
+    """
+    if block_sel % block_cmp:
+        raise ValueError(f"block_sel ({block_sel}) must be a multiple of block_cmp ({block_cmp})")
+    batch, heads, seqlen, _ = q.shape
+    heads_kv, group = k_cmp.shape[1], heads // k_cmp.shape[1]
+    rows = torch.arange(seqlen, device=q.device)[:, None]
+    ends = (torch.arange(k_cmp.shape[2], device=q.device) + 1) * block_cmp - 1  # last token of each block
+    seen = ends[None, :] <= rows  # compressed blocks wholly in the query's past
+    s = torch.matmul(q.to(_compute_dtype(q)), expand_kv(k_cmp, heads).to(_compute_dtype(q)).transpose(-2, -1))
+    p, _ = softmax_with_lse((s * scale).masked_fill(~seen, float("-inf")))  # (B, H, N, compressed blocks)
+    per = block_sel // block_cmp
+    sel_blocks = cdiv(seqlen, block_sel)
+    p = torch.nn.functional.pad(p, (0, sel_blocks * per - p.shape[-1]))
+    importance = p.view(batch, heads_kv, group, seqlen, sel_blocks, per).sum(dim=(2, 5))  # (B, Hkv, N, blocks)
+    starts = torch.arange(sel_blocks, device=q.device) * block_sel
+    importance = importance.masked_fill(starts[None, :] > rows, float("-inf"))  # future blocks: never
+    count = min(top_n, sel_blocks)
+    best = importance.topk(count, dim=-1)
+    return torch.where(torch.isinf(best.values), -1, best.indices)
+
+
+def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, window: int,
+                  scale: float | None = None):
+    """NSA's output: gates[..., 0] * compressed + gates[..., 1] * selected + gates[..., 2] * window
+    attention, each causal. q (B, H, N, d), k, v (B, H_kv, N, d), gates (B, H, N, 3) (the learned
+    gate's outputs). A dense reference: the three branches as masked attention. Returns (out, branches),
+    branches the three (B, H, N, d) outputs. Differentiable in q, k, v and gates (the selection is discrete).
+    """
+    check_qkv(q, k, v, DTYPES)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"NSA is self-attention here: q has {q.shape[2]} tokens and k {k.shape[2]}")
+    if not isinstance(gates, torch.Tensor) or tuple(gates.shape) != (*q.shape[:3], 3):
+        raise ValueError(f"gates must be a tensor of shape {(*q.shape[:3], 3)}, got "
+                         f"{tuple(gates.shape) if isinstance(gates, torch.Tensor) else type(gates).__name__}")
+    scale = resolve_scale(scale, q.shape[-1])
+    batch, heads, seqlen, _ = q.shape
+    rows, cols = torch.arange(seqlen, device=q.device)[:, None], torch.arange(seqlen, device=q.device)[None, :]
+    # Compressed branch: the query over the mean keys of the blocks wholly in its past.
+    k_cmp, v_cmp = nsa_compress(k, block_cmp), nsa_compress(v, block_cmp)
+    ends = (torch.arange(k_cmp.shape[2], device=q.device) + 1) * block_cmp - 1
+    out_cmp, _ = _masked_attention(q, expand_kv(k_cmp, heads), expand_kv(v_cmp, heads), ends[None, :] <= rows, scale)
+    # Selected branch: the raw keys of the top_n blocks the group chose, causally.
+    selected = nsa_select(q, k_cmp, block_cmp, block_sel, top_n, scale)  # (B, Hkv, N, top_n)
+    chosen = ((cols // block_sel)[None, None, None] == selected.clamp(min=-1)[..., None]).any(dim=-2)
+    out_sel, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads),
+                                   expand_kv(chosen, heads) & (cols <= rows), scale)
+    # Window branch: the last ``window`` keys, the query's own included.
+    out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads),
+                                   (cols <= rows) & (cols > rows - window), scale)
+    branches = (out_cmp, out_sel, out_win)
+    g = gates.to(out_cmp.dtype)
+    out = sum(g[..., i:i + 1] * branch for i, branch in enumerate(branches))
+    return out.to(q.dtype), branches

@@ -102,3 +102,72 @@ def test_moba_two_passes_equal_dense_attention_under_its_selection(top_k, genera
     ref_out, ref_lse = dense_masked(q, k, v, mask, 16 ** -0.5)
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_nsa_three_branches_by_brute_force(generator):
+    """Each branch and the gated sum against a query-by-query computation of NSA's definitions."""
+    from fa_lab.sparse import nsa_attention, nsa_select
+
+    batch, heads, heads_kv, seqlen, d = 1, 4, 2, 40, 8
+    q, k, v = (t.double() for t in make_qkv(batch, heads, seqlen, seqlen, d, generator=generator,
+                                             heads_kv=heads_kv, requires_grad=False))
+    gates = torch.rand(batch, heads, seqlen, 3, generator=generator, dtype=torch.float64)
+    block_cmp, block_sel, top_n, window, scale = 4, 8, 2, 6, d ** -0.5
+    out, (out_cmp, out_sel, out_win) = nsa_attention(q, k, v, gates, block_cmp, block_sel, top_n, window)
+    selected = nsa_select(q, k.reshape(1, heads_kv, 10, 4, d).mean(3), block_cmp, block_sel, top_n, scale)
+
+    def attend(qv, keys, values):
+        if len(keys) == 0:
+            return torch.zeros(d, dtype=torch.float64)
+        w = torch.softmax(torch.stack([qv @ kk for kk in keys]) * scale, 0)
+        return sum(wi * vi for wi, vi in zip(w, values))
+
+    for h in range(heads):
+        g = h // (heads // heads_kv)
+        for t in range(seqlen):
+            qt = q[0, h, t]
+            blocks = [j for j in range(seqlen // block_cmp) if (j + 1) * block_cmp - 1 <= t]
+            k_cmp = [k[0, g, j * block_cmp:(j + 1) * block_cmp].mean(0) for j in blocks]
+            v_cmp = [v[0, g, j * block_cmp:(j + 1) * block_cmp].mean(0) for j in blocks]
+            want_cmp = attend(qt, k_cmp, v_cmp)
+            chosen = [b for b in selected[0, g, t].tolist() if b >= 0]
+            assert all(b * block_sel <= t for b in chosen)  # a selected block starts at or before the query
+            keys = [j for j in range(t + 1) if j // block_sel in chosen]
+            want_sel = attend(qt, [k[0, g, j] for j in keys], [v[0, g, j] for j in keys])
+            keys = range(max(0, t - window + 1), t + 1)
+            want_win = attend(qt, [k[0, g, j] for j in keys], [v[0, g, j] for j in keys])
+            for got, want in ((out_cmp, want_cmp), (out_sel, want_sel), (out_win, want_win)):
+                torch.testing.assert_close(got[0, h, t], want, rtol=1e-10, atol=1e-10)
+            want = gates[0, h, t, 0] * want_cmp + gates[0, h, t, 1] * want_sel + gates[0, h, t, 2] * want_win
+            torch.testing.assert_close(out[0, h, t], want, rtol=1e-10, atol=1e-10)
+
+
+def test_nsa_selection_is_shared_by_the_group_and_importance_ranks_it(generator):
+    from fa_lab.sparse import nsa_compress, nsa_select
+
+    q, k, _ = make_qkv(1, 4, 64, 64, 8, generator=generator, heads_kv=1, requires_grad=False)
+    selected = nsa_select(q, nsa_compress(k, 8), 8, 16, 2, 8 ** -0.5)
+    assert selected.shape == (1, 1, 64, 2)  # one selection per KV head: its four query heads share it
+    assert bool((selected[0, 0, :16] == -1)[:, 1].all())  # the first 16 queries have only block 0 in their past
+    k_cmp = nsa_compress(k, 8)[0, 0]  # (8, d)
+    for t in (20, 37, 63):  # importance by its definition: compressed probabilities, per selection block, per group
+        past = [j for j in range(8) if (j + 1) * 8 - 1 <= t]
+        importance = torch.zeros(4, dtype=torch.float64)
+        for h in range(4):
+            p = torch.softmax(torch.stack([q[0, h, t].double() @ k_cmp[j].double() for j in past]) * 8 ** -0.5, 0)
+            for j, pj in zip(past, p):
+                importance[j // 2] += pj
+        candidates = [b for b in range(4) if b * 16 <= t]
+        want = sorted(sorted(candidates, key=lambda b: -importance[b])[:2])
+        assert sorted(selected[0, 0, t].tolist()) == want, t
+
+
+def test_nsa_gradients_reach_every_input(generator):
+    from fa_lab.sparse import nsa_attention
+
+    q, k, v = make_qkv(1, 2, 32, 32, 8, generator=generator)
+    gates = torch.rand(1, 2, 32, 3, generator=generator).requires_grad_()
+    out, _ = nsa_attention(q, k, v, gates, 4, 8, 2, 8)
+    out.sum().backward()
+    for t in (q, k, v, gates):
+        assert t.grad is not None and bool(torch.isfinite(t.grad).all()) and bool((t.grad != 0).any())
