@@ -5,11 +5,10 @@
 """
 from __future__ import annotations
 
-from .block_info import canonical_mask
 from .impls import IMPLS
-from .inputs import check_qkv, resolve_scale
+from .inputs import check_options, check_qkv
 from .kernels import use_interpreter_without_gpu
-from .score_mods import check_alibi_slopes, check_softcap
+from .score_mods import check_alibi_slopes
 
 use_interpreter_without_gpu()  # before anything imports triton: see fa_lab/kernels/__init__.py
 
@@ -47,11 +46,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
     heads, seqlen_q) float32 is detached. Gradients flow to q, k, v for every impl.
     """
     check_qkv(q, k, v)
-    scale = resolve_scale(scale, q.shape[-1])
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    causal, window = canonical_mask(causal, window)
-    softcap = check_softcap(softcap)
+    causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
     slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1], q.device)
     from .impls import run
     out, lse = run(q, k, v, causal, scale, impl, window, softcap, slopes)

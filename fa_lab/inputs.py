@@ -83,3 +83,17 @@ def check_block_size(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def check_options(head_dim: int, causal, scale, window, softcap) -> tuple[bool, float, tuple[int, int], float]:
+    """(causal, scale, window, softcap) of an attention call, checked: the scale resolved, the mask in
+    :func:`fa_lab.block_info.canonical_mask`'s form, the soft cap a float (0.0: off)."""
+    from .block_info import canonical_mask
+    from .score_mods import check_softcap
+
+    scale = resolve_scale(scale, head_dim)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    causal, window = canonical_mask(causal, window)
+    return causal, scale, window, check_softcap(softcap)
+

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_info import canonical_mask, cdiv
-from .inputs import SUPPORTED_DTYPES, check_head_dims, check_heads, resolve_scale
+from .block_info import cdiv
+from .inputs import SUPPORTED_DTYPES, check_head_dims, check_heads, check_options
 from .online_softmax import merge_splits
-from .score_mods import check_softcap
 
 SPLIT_BLOCK = 128  # keys per split are whole blocks of this many (the kernels' key tile)
 MAX_SPLITS = 128
@@ -207,11 +206,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     A refused call raises before anything is written.
     """
     layout = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    scale = resolve_scale(scale, layout.head_dim)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    causal, window = canonical_mask(causal, window)
-    softcap = check_softcap(softcap)
+    causal, scale, window, softcap = check_options(layout.head_dim, causal, scale, window, softcap)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen for the GPU), got {num_splits!r}")
     if impl not in ("torch", "triton"):

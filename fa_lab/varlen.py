@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from . import impls
-from .block_info import canonical_mask
-from .inputs import check_head_dims, check_heads, check_tensors, resolve_scale
-from .score_mods import check_alibi_slopes, check_softcap
+from .inputs import check_head_dims, check_heads, check_options, check_tensors
+from .score_mods import check_alibi_slopes
 
 
 def check_cu_seqlens(cu_seqlens, name: str, total: int, device) -> list[int]:
@@ -77,11 +76,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     (total_q, heads, d) or (out, lse) with lse (heads, total_q) float32, detached.
     """
     _check_packed(q, k, v)
-    scale = resolve_scale(scale, q.shape[-1])
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    causal, window = canonical_mask(causal, window)
-    softcap = check_softcap(softcap)
+    causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
     bounds_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
     bounds_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device)
     if len(bounds_q) != len(bounds_k):

@@ -173,3 +173,23 @@ def grade_json(path: Path, tmp_path: Path, *extra) -> tuple[int, dict]:
     out = tmp_path / f"{path.stem}.json"
     status = cli.main(["grade", str(path), "--seed", "7", "--json", str(out), *extra])
     return status, json.loads(out.read_text())
+
+
+def grade_unchanged(path: Path, tmp_path: Path) -> dict:
+    """Grade ``path`` (``grade_json``), asserting that grading worked and left the submission as it was."""
+    before = digest(path)
+    status, report = grade_json(path, tmp_path)
+    assert status == 0
+    assert digest(path) == before, "grading changed the submission"
+    return report
+
+
+def assert_full_marks(lab, report: dict) -> None:
+    """The report of ``lab``'s solution: every exercise, every case passed, nothing else said."""
+    assert report["lab"] == lab.id and report["score"] == report["max_score"] == 10
+    assert [e["name"] for e in report["exercises"]] == [e.name for e in lab.exercises]
+    for exercise in report["exercises"]:
+        assert exercise["points"] == exercise["max_points"] and exercise["messages"] == []
+        assert exercise["passed"] == exercise["cases"] > 1
+    assert report["notebook_errors"] == []
+

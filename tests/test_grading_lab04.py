@@ -4,11 +4,9 @@ loses exactly those exercises (what each exercise may call travels to the gradin
 cases). Each grading runs the notebook (about 10 s)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import nbformat
 import pytest
-from labkit import ROOT, digest, grade_json
+from labkit import ROOT, assert_full_marks, grade_unchanged
 
 from fa_lab.grading.registry import get_lab
 
@@ -18,22 +16,8 @@ SOLUTION = ROOT / "solutions" / LAB.notebook
 pytestmark = pytest.mark.slow
 
 
-def grade(path: Path, tmp_path: Path) -> dict:
-    before = digest(path)
-    status, report = grade_json(path, tmp_path)
-    assert status == 0
-    assert digest(path) == before, "grading changed the submission"
-    return report
-
-
 def test_the_solution_gets_full_marks(tmp_path):
-    report = grade(SOLUTION, tmp_path)
-    assert report["lab"] == "lab04" and report["score"] == report["max_score"] == 10
-    assert [e["name"] for e in report["exercises"]] == [e.name for e in LAB.exercises]
-    for exercise in report["exercises"]:
-        assert exercise["points"] == exercise["max_points"] and exercise["messages"] == []
-        assert exercise["passed"] == exercise["cases"] > 1
-    assert report["notebook_errors"] == []
+    assert_full_marks(LAB, grade_unchanged(SOLUTION, tmp_path))
 
 
 # The cell that defines each function, replaced by one that calls fa_lab.fp8's answer.
@@ -63,7 +47,7 @@ def test_calling_fa_lab_fp8_costs_those_exercises_only(tmp_path):
                 cell.source = source
     path = tmp_path / "calls_fa_lab.ipynb"
     nbformat.write(nb, path)
-    exercises = {e["name"]: e for e in grade(path, tmp_path)["exercises"]}
+    exercises = {e["name"]: e for e in grade_unchanged(path, tmp_path)["exercises"]}
     for name in ("hadamard", "fp8_error_table"):
         assert exercises[name]["status"] == "forbidden" and exercises[name]["points"] == 0
         assert "fa_lab.fp8." in exercises[name]["messages"][0]

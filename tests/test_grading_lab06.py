@@ -1,13 +1,11 @@
-"""Grading lab 05 in real kernels: the solution gets full marks (the lab as handed out, 0, is graded
-with the other labs in test_grading.py), and a submission that calls fa_lab's own varlen attention
+"""Grading lab 06 in real kernels: the solution gets full marks (the lab as handed out, 0, is graded
+with the other labs in test_grading.py), and a submission that calls fa_lab's own split heuristic
 loses exactly that exercise."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import nbformat
 import pytest
-from labkit import ROOT, digest, grade_json
+from labkit import ROOT, assert_full_marks, grade_unchanged
 
 from fa_lab.grading.registry import get_lab
 
@@ -17,22 +15,8 @@ SOLUTION = ROOT / "solutions" / LAB.notebook
 pytestmark = pytest.mark.slow
 
 
-def grade(path: Path, tmp_path: Path) -> dict:
-    before = digest(path)
-    status, report = grade_json(path, tmp_path)
-    assert status == 0
-    assert digest(path) == before, "grading changed the submission"
-    return report
-
-
 def test_the_solution_gets_full_marks(tmp_path):
-    report = grade(SOLUTION, tmp_path)
-    assert report["lab"] == "lab06" and report["score"] == report["max_score"] == 10
-    assert [e["name"] for e in report["exercises"]] == [e.name for e in LAB.exercises]
-    for exercise in report["exercises"]:
-        assert exercise["points"] == exercise["max_points"] and exercise["messages"] == []
-        assert exercise["passed"] == exercise["cases"] > 1
-    assert report["notebook_errors"] == []
+    assert_full_marks(LAB, grade_unchanged(SOLUTION, tmp_path))
 
 
 CALLS_FA_LAB = '''
@@ -51,6 +35,6 @@ def test_calling_fa_labs_heuristic_costs_that_exercise_only(tmp_path):
             cell.source = CALLS_FA_LAB
     path = tmp_path / "calls_fa_lab.ipynb"
     nbformat.write(nb, path)
-    exercises = {e["name"]: e for e in grade(path, tmp_path)["exercises"]}
+    exercises = {e["name"]: e for e in grade_unchanged(path, tmp_path)["exercises"]}
     assert exercises["choose_splits"]["points"] == 0
     assert sum(e["points"] for e in exercises.values()) == 10 - 2

@@ -124,14 +124,18 @@ def cpu_sweep(args) -> cpu.CpuSweep:
                                         for name, value in given.items() if value is not None})
 
 
-def _finish(results: dict, args, metrics, impls=None) -> int:
-    """Print the table; write the JSON and the plot the flags ask for."""
+def _finish(results: dict, args, metrics=(), impls=None, lines=(), plot=None) -> int:
+    """Print the table and ``lines``; write the JSON and the plot the flags ask for (``plot(results)``
+    makes the figure, by default :func:`plot_results` of ``metrics``)."""
     print(describe(results))
     print(format_table(results["rows"]))
+    for line in lines:
+        print(line)
     if args.json:
         save_results(results, args.json)
     if args.plot:
-        plot_results(results, metrics=metrics, impls=impls).savefig(args.plot)
+        figure = plot(results) if plot else plot_results(results, metrics=metrics, impls=impls)
+        figure.savefig(args.plot)
     return 0
 
 
@@ -180,27 +184,14 @@ def _run_interfaces(args) -> int:
     if _needs_cuda("interfaces"):
         return 2
     results = interfaces.run_interfaces(interfaces.make_impls(args.impls), json_path=args.json)
-    print(describe(results))
-    print(format_table(results["rows"]))
-    for what, value in interfaces.ratios(results["rows"]):
-        print(f"{what}: {value:.3f}")
-    if args.json:
-        save_results(results, args.json)
-    if args.plot:
-        interfaces.plot_interfaces(results).savefig(args.plot)
-    return 0
+    lines = [f"{what}: {value:.3f}" for what, value in interfaces.ratios(results["rows"])]
+    return _finish(results, args, lines=lines, plot=interfaces.plot_interfaces)
 
 
 def _run_decode(args) -> int:
     if _needs_cuda("decode"):
         return 2
     results = decode.run_decode(args.json, with_fa4=not args.no_fa4)
-    print(describe(results))
-    print(format_table(results["rows"]))
-    for batch, seqlen_k, page_size, ratio in decode.heuristic_gaps(results["rows"]):
-        print(f"split heuristic, batch {batch}, cache {seqlen_k}, pages {page_size}: {ratio:.3f} of the best forced")
-    if args.json:
-        save_results(results, args.json)
-    if args.plot:
-        decode.plot_decode(results).savefig(args.plot)
-    return 0
+    lines = [f"split heuristic, batch {batch}, cache {seqlen_k}, pages {page_size}: {ratio:.3f} of the best forced"
+             for batch, seqlen_k, page_size, ratio in decode.heuristic_gaps(results["rows"])]
+    return _finish(results, args, lines=lines, plot=decode.plot_decode)
