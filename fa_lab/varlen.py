@@ -8,8 +8,10 @@ and a sequence may be empty. The output is packed the same way; the LSE is
 
 :func:`attention_varlen` with ``impl="triton"`` launches each kernel once for the whole batch:
 every program takes one tile of one sequence from a schedule built over the sequences' tiles
-(:func:`fa_lab.kernels.portable.attention.varlen_schedule`). The other impls run each sequence
-through the dense impl on views of the packed tensors. Either way nothing is padded, and
+(:func:`fa_lab.kernels.portable.attention.varlen_schedule`). ``impl="triton_hopper"`` runs the same
+portable kernels (the Gluon forward takes no packed batch): one Gluon launch per sequence was half
+as fast (docs/experiments/interfaces.md). The other impls run each sequence through the dense impl
+on views of the packed tensors. Either way nothing is padded, and
 gradients flow to the packed inputs.
 """
 from __future__ import annotations
@@ -89,7 +91,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     slopes = check_alibi_slopes(alibi_slopes, batch, heads, q.device)
     if impl not in impls.IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, impls.IMPLS))}; got {impl!r}")
-    if impl == "triton":  # one launch per kernel for the whole batch: the kernels walk each sequence's tiles
+    if impl in ("triton", "triton_hopper"):  # one launch per kernel: the kernels walk each sequence's tiles
         from .kernels import triton_varlen_attention
         out, lse = triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, (bounds_q, bounds_k), causal,
                                            scale, window, softcap, slopes)

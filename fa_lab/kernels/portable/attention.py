@@ -183,14 +183,22 @@ def varlen_schedule(bounds_q: list[int], bounds_k: list[int], block: int, by_key
     work, largest first, so that the long ones start first and the short ones fill the end
     (longest-processing-time order): a query tile's work is the keys it visits, a key tile's the query
     rows that may see it (an upper bound, which is enough to order them).
+
+    A training loop calls this for every forward and twice per backward, so the schedule of a batch is
+    built once and kept on the device (the last few batches' schedules; the tensor is only read).
     """
+    return _cached_schedule(tuple(bounds_q), tuple(bounds_k), block, by_keys, causal, tuple(window), str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_schedule(bounds_q: tuple, bounds_k: tuple, block: int, by_keys: bool, causal: bool, window: tuple,
+                     device: str) -> torch.Tensor:
     tiles = []
     for sequence, (q0, q1, k0, k1) in enumerate(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])):
-        info = BlockInfo(q1 - q0, k1 - k0, causal, tuple(window))
+        info = BlockInfo(q1 - q0, k1 - k0, causal, window)
         for start in range(0, (k1 - k0) if by_keys else (q1 - q0), block):
             if by_keys:
-                rows = range(info.first_query(start), min(info.seqlen_q, start + block + info.seqlen_q))
-                work = sum(1 for _ in rows)  # rows that may see the tile (an upper bound is enough to order)
+                work = max(info.seqlen_q - info.first_query(start), 0)
             else:
                 begin, end = info.key_range(start, start + block)
                 work = max(end - begin, 0)
