@@ -2,9 +2,10 @@
 
 Every impl takes grouped-query attention. The chapter-05 score options (a local window,
 the soft cap, ALiBi) are in ``"naive"``, ``"torch"`` and ``"triton"``, whose kernels also read
-grouped K/V natively. ``"triton_hopper"`` runs a call with score options through ``"triton"``
-(the Gluon kernel has none of them yet) and receives grouped K/V expanded to one head per query
-head; ``"triton_hopper_fp8"`` (inference only) refuses the options with a message that says so.
+grouped K/V natively. ``"triton_hopper"`` reads grouped K/V and takes the window in its Gluon kernel,
+and runs a call with softcap or ALiBi through ``"triton"`` (the Gluon kernel has neither); ``"triton_hopper_fp8"``
+(inference only) receives grouped K/V expanded to one head per query head and refuses the options
+with a message that says so.
 """
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def run(q, k, v, causal: bool, scale: float, impl: str, window=(-1, -1), softcap
         from .flash_torch import flash_attention
         return flash_attention(q, k, v, causal, scale, **options)
     scored = has_score_options(q.shape[2], k.shape[2], causal, window, softcap, alibi_slopes)
-    if impl == "triton" or (impl == "triton_hopper" and scored):
+    if impl == "triton_hopper" and not (softcap or alibi_slopes is not None):  # the Gluon kernel's options
+        from .kernels import triton_hopper_attention
+        return triton_hopper_attention(q, k, v, causal, scale, window=tuple(window))
+    if impl == "triton" or impl == "triton_hopper":
         from .kernels import triton_attention
         return triton_attention(q, k, v, causal, scale, **options)
     if scored:
@@ -42,8 +46,5 @@ def run(q, k, v, causal: bool, scale: float, impl: str, window=(-1, -1), softcap
                  if options[name] != off]
         raise NotImplementedError(f"impl={impl!r} does not take {' or '.join(given)}; "
                                   f"{', '.join(map(repr, WITH_SCORE_OPTIONS))} do")
-    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    from . import kernels
-    dense = {"triton_hopper": kernels.triton_hopper_attention,
-             "triton_hopper_fp8": kernels.triton_hopper_fp8_attention}[impl]
-    return dense(q, k, v, causal, scale)
+    from .kernels import triton_hopper_fp8_attention
+    return triton_hopper_fp8_attention(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), causal, scale)

@@ -2,8 +2,9 @@
 
 Plain Triton (fa_lab.kernels.portable.block_range): a probe kernel calls key_range and query_range
 for every tile of many shapes, in the interpreter on a CPU and compiled on a GPU. Gluon
-(fa_lab.kernels.hopper.block_range): a probe kernel calls tile_plan and visible_key_end; it is
-compiled for sm_90 here and run on the GPU by the `gpu` test.
+(fa_lab.kernels.hopper.block_range): probe kernels call tile_plan and visible_key_end, and the
+window's window_tile_plan, visible_key_start and window_key_end; they are compiled for sm_90 here
+and run on the GPU by the `gpu` tests.
 """
 import itertools
 
@@ -18,7 +19,13 @@ tl = triton.language
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
-from fa_lab.kernels.hopper.block_range import tile_plan, visible_key_end  # noqa: E402
+from fa_lab.kernels.hopper.block_range import (  # noqa: E402
+    tile_plan,
+    visible_key_end,
+    visible_key_start,
+    window_key_end,
+    window_tile_plan,
+)
 from fa_lab.kernels.portable.block_range import (  # noqa: E402
     key_range,
     query_range,
@@ -202,3 +209,84 @@ def test_gpu_gluon_block_ranges_are_block_info(block_m, block_n, causal):
             expected = (max(cdiv(end, block_n), 1), full_end // block_n)
             assert tuple(plan[case, :, tile].tolist()) == expected, (n_q, n_k, tile)
         assert torch.equal(key_end[case].clamp(min=0), info.key_end(rows).to(torch.int32)), (n_q, n_k)
+
+
+WINDOWS = [(5, 0), (100, 3), (0, 50), (300, -1), (-1, 7)]  # flash-attn's (left, right); -1 unbounded
+
+
+@gluon.jit
+def _gluon_window_probe(seqlen_q_ptr, seqlen_k_ptr, left_ptr, right_ptr, plan_ptr, bounds_ptr,
+                        MAX_TILES: gl.constexpr, MAX_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr):
+    """For case program_id(0) with its window bounds: window_tile_plan of work tile t at plan[case, :, t]
+    ((first, n_iter, full_begin, full_end): (cases, 4, MAX_TILES) int32), and visible_key_start /
+    window_key_end of row r at bounds[case, :, r] ((cases, 2, MAX_ROWS) int32). num_warps=4."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    case = gl.program_id(0)
+    seqlen_q = gl.load(seqlen_q_ptr + case)
+    seqlen_k = gl.load(seqlen_k_ptr + case)
+    left = gl.load(left_ptr + case)
+    right = gl.load(right_ptr + case)
+    tiles = gl.arange(0, MAX_TILES, layout=layout)
+    first, n_iter, full_begin, full_end = window_tile_plan(tiles * BLOCK_M, seqlen_q, seqlen_k, left, right,
+                                                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    plan = plan_ptr + case * 4 * MAX_TILES + tiles
+    gl.store(plan, first)
+    gl.store(plan + MAX_TILES, n_iter)
+    gl.store(plan + 2 * MAX_TILES, full_begin)
+    gl.store(plan + 3 * MAX_TILES, full_end)
+    rows = gl.arange(0, MAX_ROWS, layout=layout)
+    bounds = bounds_ptr + case * 2 * MAX_ROWS + rows
+    gl.store(bounds, visible_key_start(rows, seqlen_q, seqlen_k, left))
+    gl.store(bounds + MAX_ROWS, window_key_end(rows, seqlen_q, seqlen_k, right))
+
+
+WINDOW_PROBE_SIGNATURE = {"seqlen_q_ptr": "*i32", "seqlen_k_ptr": "*i32", "left_ptr": "*i32", "right_ptr": "*i32",
+                          "plan_ptr": "*i32", "bounds_ptr": "*i32"}
+
+
+def test_gluon_window_probe_compiles_for_sm90():
+    from fa_lab.kernels.hopper.sm90_offline import compile_for_sm90
+
+    constants = dict(MAX_TILES=MAX_TILES, MAX_ROWS=MAX_ROWS, BLOCK_M=128, BLOCK_N=128)
+    build = compile_for_sm90(_gluon_window_probe, WINDOW_PROBE_SIGNATURE, constants, num_warps=4)
+    assert "_gluon_window_probe" in build.sass and build.local_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m, block_n", GLUON_BLOCKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gluon_window_ranges_are_block_info(block_m, block_n, causal):
+    """window_tile_plan is BlockInfo.key_tiles in tiles (one fully masked tile for a work tile that sees no
+    key), and visible_key_start / window_key_end bound each row's keys as BlockInfo.key_start / key_end do
+    (a row that sees no key may get any empty range)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon probe is compiled for sm_90 (Hopper)")
+    cases = [(n_q, n_k, window) for (n_q, n_k) in SHAPES for window in WINDOWS]
+    infos = [BlockInfo(n_q, n_k, causal, window) for n_q, n_k, window in cases]
+    bounds_lr = [info.window_bounds() for info in infos]
+    columns = [[c[0] for c in cases], [c[1] for c in cases], [b[0] for b in bounds_lr], [b[1] for b in bounds_lr]]
+    seqlen_q, seqlen_k, left, right = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in columns)
+    plan = torch.empty(len(cases), 4, MAX_TILES, dtype=torch.int32, device="cuda")
+    bounds = torch.empty(len(cases), 2, MAX_ROWS, dtype=torch.int32, device="cuda")
+    _gluon_window_probe[(len(cases),)](seqlen_q, seqlen_k, left, right, plan, bounds, MAX_TILES=MAX_TILES,
+                                       MAX_ROWS=MAX_ROWS, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    plan, bounds = plan.cpu(), bounds.cpu()
+    rows = torch.arange(MAX_ROWS)
+    for case, info in enumerate(infos):
+        for tile in range(cdiv(info.seqlen_q, block_m)):
+            tiles = info.key_tiles(tile * block_m, block_m, block_n)
+            first, n_iter, full_begin, full_end = plan[case, :, tile].tolist()
+            if tiles.end == 0:
+                assert (first, n_iter, full_begin, full_end) == (0, 1, 1, 0), (cases[case], tile)
+                continue
+            expected = (tiles.begin // block_n, cdiv(tiles.end, block_n) - tiles.begin // block_n,
+                        tiles.full_begin // block_n, tiles.full_end // block_n)
+            assert (first, n_iter, full_begin, full_end) == expected, (cases[case], tile)
+        start, end = bounds[case, 0].long(), bounds[case, 1].long()
+        seen = end > start.clamp(min=0)
+        want_start, want_end = info.key_start(rows), info.key_end(rows)
+        rows_ok = rows < info.seqlen_q
+        assert torch.equal(seen[rows_ok], (want_end > want_start)[rows_ok]), cases[case]
+        assert torch.equal(start.clamp(min=0)[rows_ok & seen], want_start[rows_ok & seen]), cases[case]
+        assert torch.equal(end[rows_ok & seen], want_end[rows_ok & seen]), cases[case]

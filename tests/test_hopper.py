@@ -66,13 +66,24 @@ def test_fp8_is_forward_only(generator):
                          [(False, 2, False, False), (True, 3, True, False), (False, 2, False, True),
                           (True, 2, False, True), (True, 3, True, True)])
 def test_gluon_kernel_compiles_for_sm90_within_its_resources(head_dim, fp8, causal, stages, pingpong, persistent):
+    _check_sm90_build(head_dim, fp8, causal, stages, pingpong, persistent, window=False)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gluon_window_kernel_compiles_for_sm90_within_its_resources(head_dim, persistent):
+    """The windowed variant (both band edges masked, the loop starting at the band's first tile), bf16."""
+    _check_sm90_build(head_dim, False, False, 2, False, persistent, window=True)
+
+
+def _check_sm90_build(head_dim, fp8, causal, stages, pingpong, persistent, window):
     """Every Gluon variant builds for sm_90 on this machine: no register spills in the K/V loop, shared memory
     within 227 KiB, and the FA3 structure visible in the PTX (consumer warpgroups raised to 240 registers,
     async WGMMAs). ptxas may keep a few scalars on the stack (the persistent loop's per-tile values), loaded
     once per work tile: at most 4 words, none of them touched inside the K/V loop."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_fa3_for_sm90
 
-    build = compile_fa3_for_sm90(head_dim, causal, stages, pingpong, fp8, persistent=persistent)
+    build = compile_fa3_for_sm90(head_dim, causal, stages, pingpong, fp8, persistent=persistent, window=window)
     assert build.kv_loop_spills == 0, "ptxas spilled registers inside the K/V loop"
     assert build.stack_bytes <= 16 and build.local_bytes == 0, "ptxas spilled more than a few scalars"
     assert build.shared_bytes <= SM90_SHARED_LIMIT
@@ -260,3 +271,48 @@ def test_gpu_fp8_error_on_outlier_data_matches_the_table():
     table = reproduce_error_table(seed=1)
     assert table["flash_fp8"] / 2 <= error <= 2 * table["flash_fp8"], (error, table["flash_fp8"])
     assert error < table["flash_fp8_no_incoherent"]  # the rotation is doing its job
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, heads_kv", [(8, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1100), (239, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_gluon_reads_grouped_kv_in_place(heads, heads_kv, head_dim, seqlen_q, seqlen_k, causal, persistent,
+                                             generator, monkeypatch):
+    """Grouped-query attention through the Gluon kernel: query head h reads K/V head h // group from the
+    (B, heads_kv, N, d) tensors themselves (no expanded copy is made), forward and gradients."""
+    import fa_lab.kernels.hopper.attention as hopper
+    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+
+    def no_copy(*_args):
+        raise AssertionError("the Gluon path expanded K/V")
+    monkeypatch.setattr(hopper, "expand_kv", no_copy)
+    options = HopperOptions(persistent=persistent)
+    q, k, v = make_qkv(2, heads, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator,
+                       heads_kv=heads_kv)
+    check_attention(lambda *a: triton_hopper_attention(*a, options=options), q, k, v, causal, None,
+                    generator=generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [(256, 0), (100, -1), (64, 64), (-1, 5), (3000, 3000)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, head_dim", [(1000, 1100, 128), (1100, 1000, 64), (239, 1, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_gluon_window(window, seqlen_q, seqlen_k, head_dim, causal, persistent, generator, monkeypatch):
+    """A local window in the Gluon kernel (not handed to the portable one): the loop starts at the band's
+    first K/V tile and masks both edges; windows wider than the sequence and rows that see no key
+    included; grouped K/V; forward and gradients against the float64 reference."""
+    import fa_lab.kernels.hopper.attention as hopper
+    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+
+    def not_portable(*_args, **_kwargs):
+        raise AssertionError("the window went to the portable kernel")
+    monkeypatch.setattr(hopper, "triton_forward", not_portable)
+    options = HopperOptions(persistent=persistent)
+    q, k, v = make_qkv(2, 4, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator, heads_kv=2)
+    check_attention(lambda q, k, v, causal, scale, window: triton_hopper_attention(
+        q, k, v, causal, scale, options=options, window=window), q, k, v, causal, None, generator=generator,
+        window=window)

@@ -1,7 +1,9 @@
 """impl="triton_hopper": the FA3 forward (Gluon on sm_90, the portable pipelined kernel elsewhere).
 
-Gradients come from the portable recomputation kernels (``impl="triton"``), fed with this
-forward's O and LSE: a backward tuned for Hopper did not pay for itself yet.
+The Gluon kernel takes grouped-query K/V and a local window itself; softcap and ALiBi go through
+``impl="triton"`` (:mod:`fa_lab.impls`). Gradients come from the portable recomputation kernels
+(``impl="triton"``), fed with this forward's O and LSE: a backward tuned for Hopper did not pay for
+itself yet.
 """
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ...block_info import BlockInfo
+from ...reference import expand_kv
 from .. import interpreting, load_triton
 from ..common import LOG2E, cdiv, check_triton_inputs, gluon_descriptor, head_dim_bucket
-from ..portable.attention import TritonAttentionFunction, pipelined_forward
+from ..portable.attention import ScoreOptions, TritonAttentionFunction, pipelined_forward, triton_forward
 from ..portable.configs import TileConfig, forward_config
 from .tile_schedule import schedule_tensor
 
@@ -65,8 +69,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions(), fp8_scales=None,
-                  out_dtype=None):
+                  out_dtype=None, window=(-1, -1)):
     """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse).
+
+    window: flash-attn's (left, right), bottom-right aligned (:class:`fa_lab.block_info.BlockInfo`); the
+    kernel visits only the K/V tiles of each work tile's band.
 
     fp8_scales: None for bf16/fp16 operands; for e4m3 operands (v given as V^T, (B, H, d, Nk))
     the tuple (q_descale, k_descale, v_exponent, v_descale_max) of
@@ -77,6 +84,9 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     from .fa3_kernel import attention_fwd_fa3_kernel
 
     batch, heads, seqlen_q, _ = q.shape
+    info = BlockInfo(seqlen_q, k.shape[2], causal, tuple(window))
+    left, right = info.window_bounds() if info.banded else (0, 0)
+    causal = causal and not info.banded  # a band already holds the causal bound
     fp8 = fp8_scales is not None
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -91,18 +101,24 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
                                    q.device)
     attention_fwd_fa3_kernel[grid](
         *descriptors, lse,
-        *(fp8_scales or (lse,) * 4), heads, seqlen_q, k.shape[2], schedule, scale * LOG2E,
-        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
-        PERSISTENT=options.persistent,
-        CONSUMER_REGS=CONSUMER_REGS[options.consumers], num_warps=4, maxnreg=launch_maxnreg(options.consumers))
+        *(fp8_scales or (lse,) * 4), heads, heads // k.shape[1], seqlen_q, k.shape[2], left, right, schedule,
+        scale * LOG2E, CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong,
+        FP8=fp8, PERSISTENT=options.persistent, CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded,
+        num_warps=4, maxnreg=launch_maxnreg(options.consumers))
     return out, lse
 
 
-def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions()):
-    """bf16/fp16 forward on prepared operands (as :func:`fa_lab.kernels.portable.attention.triton_forward`):
-    (out, lse)."""
+def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),
+                   window=(-1, -1)):
+    """bf16/fp16 forward on prepared operands (as :func:`fa_lab.kernels.portable.attention.triton_forward`,
+    k and v with heads_kv heads): (out, lse). The Gluon kernel reads grouped K/V in place and takes a
+    window; elsewhere a window goes to the portable kernel (:func:`triton_forward`), and the portable
+    pipelined kernel gets grouped K/V expanded to one head per query head."""
     if uses_gluon(q, options):
-        return gluon_forward(q, k, v, causal, scale, options)
+        return gluon_forward(q, k, v, causal, scale, options, window=window)
+    if BlockInfo(q.shape[2], k.shape[2], causal, tuple(window)).banded:
+        return triton_forward(q, k, v, causal, scale, options=ScoreOptions(tuple(window)))
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     config = config or forward_config(q.shape[-1], causal, interpreting())
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -112,10 +128,13 @@ def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, opt
     return out, lse
 
 
-def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions()):
-    """impl="triton_hopper": (out, lse); gradients through the portable recomputation backward."""
+def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),
+                            window=(-1, -1)):
+    """impl="triton_hopper": (out, lse); gradients through the portable recomputation backward (which,
+    like the Gluon forward, reads grouped K/V once per group, sums dK, dV over it, and skips the tiles
+    outside a window)."""
     load_triton()
     check_triton_inputs(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    forward_fn = functools.partial(hopper_forward, config=config, options=options)
-    return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, None)
+    forward_fn = functools.partial(hopper_forward, config=config, options=options, window=tuple(window))
+    return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, None, ScoreOptions(tuple(window)))

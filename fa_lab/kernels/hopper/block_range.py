@@ -2,9 +2,10 @@
 
 BlockInfo is the source of truth for which keys each query sees; kernels cannot call Python, so
 the arithmetic the Gluon FA3 kernel needs lives here once. tests/test_block_info_kernels.py
-compiles a probe kernel calling both functions for sm_90 on any machine and, on a GPU, runs it
+compiles probe kernels calling these functions for sm_90 on any machine and, on a GPU, runs them
 on every tile of many shapes against BlockInfo. Causal masking is bottom-right aligned: query
-row i sees keys j <= i + seqlen_k - seqlen_q.
+row i sees keys j <= i + seqlen_k - seqlen_q; a window (left, right) (``BlockInfo.window_bounds``,
+causal folded in) keys i + offset - left <= j <= i + offset + right.
 """
 from __future__ import annotations
 
@@ -41,3 +42,41 @@ def visible_key_end(offs_m, seqlen_q, seqlen_k, CAUSAL: gl.constexpr):
         return gl.minimum(offs_m + (seqlen_k - seqlen_q + 1), seqlen_k)
     else:
         return gl.full(offs_m.shape, seqlen_k, gl.int32, offs_m.type.layout)
+
+
+@gluon.jit
+def window_tile_plan(start_m, seqlen_q, seqlen_k, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first, n_iter, full_begin, full_end) in K/V tiles of the work tile of rows [start_m, +BLOCK_M) under a
+    window: ``BlockInfo.key_tiles(start_m, BLOCK_M, BLOCK_N)`` divided by BLOCK_N, with n_iter tiles from
+    ``first``; tiles before ``full_begin`` or from ``full_end`` on need the band's mask.
+
+    A work tile whose rows see no key visits one tile, fully masked (first 0, full_begin 1, full_end 0),
+    so every row leaves with l = 0 and gets O = 0, lse = -inf.
+    """
+    offset = seqlen_k - seqlen_q
+    last_row = gl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    start = gl.minimum(gl.maximum(start_m + offset - left, 0), seqlen_k)
+    end = gl.minimum(gl.maximum(last_row + offset + right + 1, 0), seqlen_k)
+    full_start = gl.minimum(gl.maximum(last_row + offset - left, 0), seqlen_k)
+    full_stop = gl.minimum(gl.maximum(start_m + offset + right + 1, 0), seqlen_k)
+    first = start // BLOCK_N
+    end_tile = gl.cdiv(end, BLOCK_N)
+    full_begin = gl.minimum(gl.maximum(gl.cdiv(full_start, BLOCK_N), first), end_tile)
+    full_end = gl.maximum(gl.minimum(full_stop, end) // BLOCK_N, full_begin)
+    empty = end <= start
+    return (gl.where(empty, 0, first), gl.where(empty, 1, end_tile - first), gl.where(empty, 1, full_begin),
+            gl.where(empty, 0, full_end))
+
+
+@gluon.jit
+def visible_key_start(offs_m, seqlen_q, seqlen_k, left):
+    """Per query row of offs_m, its first visible key under the window, ``BlockInfo.key_start(row)`` except
+    that it may be negative instead of 0 (the mask compares it with keys >= 0 either way)."""
+    return offs_m + (seqlen_k - seqlen_q - left)
+
+
+@gluon.jit
+def window_key_end(offs_m, seqlen_q, seqlen_k, right):
+    """Per query row of offs_m, one past its last visible key under the window: ``BlockInfo.key_end(row)``,
+    except that a row which sees no key may get an end below its start (its mask is all False either way)."""
+    return gl.minimum(offs_m + (seqlen_k - seqlen_q + right + 1), seqlen_k)

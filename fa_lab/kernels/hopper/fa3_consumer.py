@@ -16,14 +16,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .block_range import visible_key_end
+from .block_range import visible_key_end, visible_key_start, window_key_end
 from .fa3_config import LN2, P_SCALE, Q_QUANT_ROWS, ROWS_PER_CONSUMER
 from .fa3_softmax import carried_p, fp8_tile_scales, p_operand, softmax_tile, v_operand
 
 
 @gluon.jit
 def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
-             PERSISTENT: gl.constexpr):
+             PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
     """Consumer warpgroup CONSUMER: its 64 rows of every work tile of this CTA (one tile, or its share of the
     schedule when persistent). state: the :class:`.fa3_state.KernelState`."""
     BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
@@ -33,21 +33,23 @@ def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.c
         kv_count = 0  # K/V tiles consumed by this CTA so far (the rings' count)
         first, last, tiles_ptr = state.work.cta_tiles()
         for k in range(first, last):
-            tile = state.work.tile(gl.load(tiles_ptr + k), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+            tile = state.work.tile(gl.load(tiles_ptr + k), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
+                                   WINDOW=WINDOW)
             _consumer_tile(state, tile, kv_count, k - first, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG,
-                           FP8=FP8, PERSISTENT=PERSISTENT)
+                           FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW)
             kv_count += tile.n_iter
     else:
-        tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+        tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
+                                   WINDOW=WINDOW)
         _consumer_tile(state, tile, 0, 0, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG, FP8=FP8,
-                       PERSISTENT=PERSISTENT)
+                       PERSISTENT=PERSISTENT, WINDOW=WINDOW)
     tma.store_wait(0)  # this consumer's last O store
 
 
 @gluon.jit
 def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
-                   PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Rows [start_m + 64 * CONSUMER, +64) of one WorkTile through every K/V tile, then the epilogue.
+                   PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
+    """Rows [start_m + 64 * CONSUMER, +64) of one WorkTile through its K/V tiles, then the epilogue.
 
     kv_count: K/V tiles this CTA consumed before this work tile (step j takes ring tile kv_count + j);
     local: work tiles before it (the Q slot's count).
@@ -75,7 +77,12 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     q_smem = state.q.bufs.index(CONSUMER).reshape([ROWS_PER_CONSUMER, HEAD_DIM])
     row0 = tile.start_m + CONSUMER * ROWS_PER_CONSUMER
     offs_m = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_layout)
-    key_end = visible_key_end(offs_m, seqlen_q, seqlen_k, CAUSAL=CAUSAL)
+    if WINDOW:
+        key_start = visible_key_start(offs_m, seqlen_q, seqlen_k, state.work.left)
+        key_end = window_key_end(offs_m, seqlen_q, seqlen_k, state.work.right)
+    else:
+        key_start = offs_m  # (not read)
+        key_end = visible_key_end(offs_m, seqlen_q, seqlen_k, CAUSAL=CAUSAL)
     m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, row_layout)
     l_i = gl.full([ROWS_PER_CONSUMER], 0.0, gl.float32, row_layout)
     s = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout)
@@ -105,8 +112,8 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
                                                    tile.pid_bh * kv_tiles)
     s = warpgroup_mma_wait(0, deps=(s,))
     k_first.release()
-    p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_end, 0, tile.first_masked,
-                                      BLOCK_N=BLOCK_N, FP8=FP8, s_layout=s_layout)
+    p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, tile.first,
+                                      tile, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, s_layout=s_layout)
     p = carried_p(p, dtype, p_layout, FP8=FP8)
 
     for j in range(1, tile.n_iter):
@@ -131,8 +138,9 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         # Wait for the scores only (one group, P V, may stay in flight) and free K_j.
         s = warpgroup_mma_wait(1, deps=(s,))
         k_tile.release()
-        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_end, j, tile.first_masked,
-                                          BLOCK_N=BLOCK_N, FP8=FP8, s_layout=s_layout)
+        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end,
+                                          tile.first + j, tile, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW,
+                                          s_layout=s_layout)
         # The softmax above ran while the tensor cores computed P_{j-1} V_{j-1}.
         if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
             o = warpgroup_mma_wait(0, deps=(o,))

@@ -61,21 +61,24 @@ from .fa3_state import KernelState, QSlot, Ring, Turns, WorkList
 
 @gluon.jit
 def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_ptr, k_descale_ptr, v_exponent_ptr,
-                             v_descale_max_ptr, heads, seqlen_q, seqlen_k, schedule_ptr, qk_scale,
-                             CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                             v_descale_max_ptr, heads, group, seqlen_q, seqlen_k, left, right, schedule_ptr,
+                             qk_scale, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr):
+                             CONSUMER_REGS: gl.constexpr, WINDOW: gl.constexpr):
     """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
 
     q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
-    (B, H, Nk, d), block (1, 1, BLOCK_N, d); v_desc the same, or in FP8 over V^T
-    (B, H, d, Nk), block (1, 1, d, BLOCK_N). lse_ptr: (B, H, Nq) float32; qk_scale = scale * log2(e).
+    (B, H // group, Nk, d), block (1, 1, BLOCK_N, d) (query head h reads K/V head h // group); v_desc the
+    same, or in FP8 (group 1) over V^T (B, H, d, Nk), block (1, 1, d, BLOCK_N). lse_ptr: (B, H, Nq)
+    float32; qk_scale = scale * log2(e).
     Work tile t (of cdiv(Nq, 64 * CONSUMERS) * B * H) is WorkList.tile(t). Grid: one CTA per tile, or
     PERSISTENT: at most one per SM, CTA c computing the tiles that schedule_ptr (int32, from
     tile_schedule.schedule_tensor) lists for it; unused otherwise. FP8 only: q/k_descale_ptr
     (B, H, tiles) float32 per-tile descales (128-row tiles), v_descale_max_ptr (B, H) the largest
     V descale of each head, v_exponent_ptr (B, H, tiles) log2(v_descale / v_descale_max).
-    CONSUMER_REGS: registers per thread of a worker consumer warpgroup (setmaxnreg).
+    CONSUMER_REGS: registers per thread of a worker consumer warpgroup (setmaxnreg). WINDOW: a local
+    window (left, right) (``BlockInfo.window_bounds``, causal folded in; CAUSAL off): each work tile
+    visits only the K/V tiles of its band and masks the band's edge tiles.
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
@@ -106,8 +109,8 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_
     if PINGPONG:  # consumer 0 issues first: give it its first turn
         mbarrier.arrive(turn.index(0))
     # (Triton passes an int argument equal to 1 as a constexpr: the work list takes tensors all the same.)
-    work = WorkList(gl.to_tensor(m_tiles), gl.to_tensor(heads), gl.to_tensor(seqlen_q), gl.to_tensor(seqlen_k),
-                    schedule_ptr)
+    work = WorkList(gl.to_tensor(m_tiles), gl.to_tensor(heads), gl.to_tensor(group), gl.to_tensor(seqlen_q),
+                    gl.to_tensor(seqlen_k), gl.to_tensor(left), gl.to_tensor(right), schedule_ptr)
     state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, lse_ptr, qk_scale, q_descale_ptr, k_descale_ptr,
                         v_exponent_ptr, v_descale_max_ptr, QSlot(q_bufs, q_ready, q_empty),
                         Ring(k_bufs, k_ready, k_empty), Ring(v_bufs, v_ready, v_empty), Turns(turn), work)
@@ -115,14 +118,14 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_
     # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT)),
-            (producer, (state, CAUSAL, FP8, PERSISTENT)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
+            (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT)),
-            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT)),
-            (producer, (state, CAUSAL, FP8, PERSISTENT)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
+            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
+            (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -1,7 +1,8 @@
 """The Gluon FA3 kernel's producer partition: one warp that only issues TMA copies.
 
 For each work tile of its CTA it copies every consumer's Q rows into the Q slot and K_j, V_j
-(V_j^T in FP8) into the K and V rings, running up to STAGES K/V tiles ahead of the consumers.
+(V_j^T in FP8) of the tile's K/V head (grouped-query attention: one per group of query heads) into the
+K and V rings, running up to STAGES K/V tiles ahead of the consumers.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .fa3_config import ROWS_PER_CONSUMER
 
 
 @gluon.jit
-def producer(state, CAUSAL: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr):
+def producer(state, CAUSAL: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
     """TMA copies only, for every work tile of this CTA (one tile, or its share of the schedule when
     persistent). state: the :class:`.fa3_state.KernelState`."""
     BLOCK_N: gl.constexpr = state.k_desc.block_type.shape[2]
@@ -22,12 +23,14 @@ def producer(state, CAUSAL: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.cons
         kv_count = 0  # K/V tiles loaded by this CTA so far: the ring's position and phases run across work tiles
         first, last, tiles_ptr = state.work.cta_tiles()
         for k in range(first, last):
-            tile = state.work.tile(gl.load(tiles_ptr + k), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+            tile = state.work.tile(gl.load(tiles_ptr + k), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
+                                   WINDOW=WINDOW)
             # k - first: work tiles of this CTA before this one, the Q slot's count
             _producer_tile(state, tile, kv_count, k - first, FP8=FP8, PERSISTENT=PERSISTENT)
             kv_count += tile.n_iter
     else:  # one tile per CTA: the counts are constants
-        tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+        tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
+                                   WINDOW=WINDOW)
         _producer_tile(state, tile, 0, 0, FP8=FP8, PERSISTENT=PERSISTENT)
 
 
@@ -39,12 +42,13 @@ def _producer_tile(state, tile, kv_count, local, FP8: gl.constexpr, PERSISTENT: 
     BLOCK_N: gl.constexpr = state.k_desc.block_type.shape[2]
     if not PERSISTENT:
         state.q.fill(local, state.q_desc, tile.batch, tile.head, tile.start_m)
-    for j in range(tile.n_iter):
-        state.k.at(kv_count + j).fill(state.k_desc, [tile.batch, tile.head, j * BLOCK_N, 0])
+    for j in range(tile.n_iter):  # the tile's j-th K/V tile is tile first + j of the sequence
+        key = (tile.first + j) * BLOCK_N
+        state.k.at(kv_count + j).fill(state.k_desc, [tile.batch, tile.kv_head, key, 0])
         if FP8:  # V^T: the keys run along the last dim
-            state.v.at(kv_count + j).fill(state.v_desc, [tile.batch, tile.head, 0, j * BLOCK_N])
+            state.v.at(kv_count + j).fill(state.v_desc, [tile.batch, tile.kv_head, 0, key])
         else:
-            state.v.at(kv_count + j).fill(state.v_desc, [tile.batch, tile.head, j * BLOCK_N, 0])
+            state.v.at(kv_count + j).fill(state.v_desc, [tile.batch, tile.kv_head, key, 0])
         if PERSISTENT:
             if j == 0:
                 state.q.fill(local, state.q_desc, tile.batch, tile.head, tile.start_m)

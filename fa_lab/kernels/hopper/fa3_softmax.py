@@ -15,18 +15,26 @@ from .fa3_config import LOG2_P_SCALE
 
 
 @gluon.jit
-def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_end, j, first_masked, BLOCK_N: gl.constexpr,
-                 FP8: gl.constexpr, s_layout: gl.constexpr):
-    """Online-softmax update with raw scores s = Q K_j^T: (64, BLOCK_N) fp32.
+def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, tile, BLOCK_N: gl.constexpr,
+                 FP8: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr):
+    """Online-softmax update with raw scores s = Q K_j^T of K/V tile j of the sequence: (64, BLOCK_N) fp32.
 
     Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
-    the Q and K descales in FP8). Only tiles from ``first_masked`` on pay for a mask
+    the Q and K descales in FP8). Only tiles from the WorkTile's ``first_masked`` on pay for a mask
     (causal diagonal, ragged end): key_end (64,) int32 is each row's end of visible keys
-    (:func:`.block_range.visible_key_end`), so the mask is one compare per score. In FP8, p comes out
+    (:func:`.block_range.visible_key_end`), so the mask is one compare per score. With a WINDOW the
+    tiles before ``full_begin`` are masked too, and a score also needs its key at or after the row's
+    key_start (:func:`.block_range.visible_key_start`). In FP8, p comes out
     multiplied by 2**log2_p_scale (folded into the exponent, so it costs nothing per score) while l
     sums the true p.
     """
-    if j >= first_masked:
+    if WINDOW:
+        if (j < tile.full_begin) | (j >= tile.first_masked):
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = ((cols[None, :] < (key_end - j * BLOCK_N)[:, None])
+                       & (cols[None, :] >= (key_start - j * BLOCK_N)[:, None]))
+            s = gl.where(visible, s, float("-inf"))
+    elif j >= tile.first_masked:
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = cols[None, :] < (key_end - j * BLOCK_N)[:, None]
         s = gl.where(visible, s, float("-inf"))

@@ -12,7 +12,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon aggregate (its tutorials use it so)
 
-from .block_range import tile_plan
+from .block_range import tile_plan, window_tile_plan
 from .fa3_config import ROWS_PER_CONSUMER
 
 
@@ -161,41 +161,57 @@ class Turns:
 
 @aggregate
 class WorkTile:
-    """One work tile: BLOCK_M query rows from start_m of (batch, head) (pid_bh = batch * heads + head), and
-    its K/V loop: n_iter tiles, masked from first_masked on (:func:`.block_range.tile_plan`)."""
+    """One work tile: BLOCK_M query rows from start_m of (batch, head) (pid_bh = batch * heads + head), which
+    reads K/V head kv_head (head // group), and its K/V loop: n_iter tiles from tile ``first``, masked
+    before tile full_begin and from tile first_masked on (:func:`.block_range.tile_plan`; with a window
+    :func:`.block_range.window_tile_plan`; without one, first = full_begin = 0)."""
     batch: gl.tensor
     head: gl.tensor
+    kv_head: gl.tensor
     pid_bh: gl.tensor
     start_m: gl.tensor
+    first: gl.tensor
     n_iter: gl.tensor
+    full_begin: gl.tensor
     first_masked: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, batch, head, pid_bh, start_m, n_iter, first_masked):
+    def __init__(self, batch, head, kv_head, pid_bh, start_m, first, n_iter, full_begin, first_masked):
         self.batch = batch
         self.head = head
+        self.kv_head = kv_head
         self.pid_bh = pid_bh
         self.start_m = start_m
+        self.first = first
         self.n_iter = n_iter
+        self.full_begin = full_begin
         self.first_masked = first_masked
 
 
 @aggregate
 class WorkList:
     """The work tiles of the launch: m_tiles query tiles per (batch, head), and in a persistent launch
-    each CTA's share of them (schedule_ptr: int32, see tile_schedule.schedule_tensor; unused otherwise)."""
+    each CTA's share of them (schedule_ptr: int32, see tile_schedule.schedule_tensor; unused otherwise).
+    group: query heads per K/V head (grouped-query attention; 1 for MHA); left, right: the window's
+    bounds (``BlockInfo.window_bounds``; read only with WINDOW)."""
     m_tiles: gl.tensor
     heads: gl.tensor
+    group: gl.tensor
     seqlen_q: gl.tensor
     seqlen_k: gl.tensor
+    left: gl.tensor
+    right: gl.tensor
     schedule_ptr: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, m_tiles, heads, seqlen_q, seqlen_k, schedule_ptr):
+    def __init__(self, m_tiles, heads, group, seqlen_q, seqlen_k, left, right, schedule_ptr):
         self.m_tiles = m_tiles
         self.heads = heads
+        self.group = group
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
+        self.left = left
+        self.right = right
         self.schedule_ptr = schedule_ptr
 
     @gluon.jit
@@ -206,7 +222,8 @@ class WorkList:
                 self.schedule_ptr + gl.num_programs(0) + 1)
 
     @gluon.jit
-    def tile(self, tile_id, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    def tile(self, tile_id, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+             WINDOW: gl.constexpr):
         """The WorkTile numbered ``tile_id``.
 
         The m_tiles query tiles of one (batch, head) are consecutive (its K and V stay in L2 while they
@@ -218,9 +235,18 @@ class WorkList:
             pid_m = self.m_tiles - 1 - pid_m
         pid_bh = tile_id // self.m_tiles
         start_m = pid_m * BLOCK_M
-        n_iter, first_masked = tile_plan(start_m, self.seqlen_q, self.seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                         CAUSAL=CAUSAL)
-        return WorkTile(pid_bh // self.heads, pid_bh % self.heads, pid_bh, start_m, n_iter, first_masked)
+        if WINDOW:
+            first, n_iter, full_begin, first_masked = window_tile_plan(start_m, self.seqlen_q, self.seqlen_k,
+                                                                       self.left, self.right, BLOCK_M=BLOCK_M,
+                                                                       BLOCK_N=BLOCK_N)
+        else:
+            n_iter, first_masked = tile_plan(start_m, self.seqlen_q, self.seqlen_k, BLOCK_M=BLOCK_M,
+                                             BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+            first = gl.to_tensor(0)
+            full_begin = gl.to_tensor(0)
+        head = pid_bh % self.heads
+        return WorkTile(pid_bh // self.heads, head, head // self.group, pid_bh, start_m, first, n_iter, full_begin,
+                        first_masked)
 
 
 @aggregate

@@ -78,7 +78,7 @@ def compile_for_sm90(kernel, signature: dict[str, str], constants: dict, num_war
 
 def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
                          fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2,
-                         persistent: bool = False) -> Sm90Build:
+                         persistent: bool = False, window: bool = False) -> Sm90Build:
     """Compile :func:`.fa3_kernel.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU."""
     from .fa3_config import CONSUMER_REGS, descriptor_blocks, launch_maxnreg
     from .fa3_kernel import attention_fwd_fa3_kernel
@@ -90,10 +90,11 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
         "o_desc": descriptor_type(out_dtype, blocks["o"]),
         **{name: "*fp32" for name in ("lse_ptr", "q_descale_ptr", "k_descale_ptr", "v_exponent_ptr",
                                       "v_descale_max_ptr")},
-        "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "schedule_ptr": "*i32", "qk_scale": "fp32",
+        "heads": "i32", "group": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "left": "i32", "right": "i32",
+        "schedule_ptr": "*i32", "qk_scale": "fp32",
     }
     constants = {"CONSUMERS": consumers, "STAGES": stages, "CAUSAL": causal, "PINGPONG": pingpong, "FP8": fp8,
-                 "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers]}
+                 "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers], "WINDOW": window}
     return compile_for_sm90(attention_fwd_fa3_kernel, signature, constants, num_warps=4,
                             maxnreg=launch_maxnreg(consumers))
 
