@@ -2,19 +2,32 @@
 
 The forward works in log2 units (exp2 is the fast exponential), so a modified score is returned
 as ``log2(e) * s``, where ``s`` is the natural-unit score of :func:`fa_lab.score_mods.modify_scores`:
-``softcap * tanh(scale * q.k / softcap)``, then ``- slope * |i + offset - j|``. ``tanh`` is written as
-``2 sigmoid(2x) - 1``, which every Triton target (and the interpreter) has.
+``softcap * tanh(scale * q.k / softcap)``, then ``- slope * |i + offset - j|``.
+
+``tanh`` on a GPU is PTX's ``tanh.approx.f32``: one special-function instruction, like the exp2 of
+the softmax (flash-attn's soft cap uses the same instruction). ``2 sigmoid(2x) - 1`` costs an
+exponential and an IEEE division per score, and made softcap 30 cost 38% of the forward time at 8K
+on the H200 (docs/experiments/interfaces.md). The CPU interpreter runs no PTX, so there it is the
+sigmoid form.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from .. import interpreting
 
-@triton.jit
-def softcap_tanh(qk, softcap_scale):
-    """tanh(qk * softcap_scale), with softcap_scale = scale / softcap."""
-    return 2.0 * tl.sigmoid(2.0 * qk * softcap_scale) - 1.0
+if interpreting():
+    @triton.jit
+    def softcap_tanh(qk, softcap_scale):
+        """tanh(qk * softcap_scale), with softcap_scale = scale / softcap."""
+        return 2.0 * tl.sigmoid(2.0 * qk * softcap_scale) - 1.0
+else:
+    @triton.jit
+    def softcap_tanh(qk, softcap_scale):
+        """tanh(qk * softcap_scale), with softcap_scale = scale / softcap (tanh.approx.f32)."""
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [qk * softcap_scale],
+                                         dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
