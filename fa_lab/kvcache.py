@@ -42,6 +42,7 @@ class CacheLayout:
     paged: bool
     page_size: int  # capacity when the cache is dense
     capacity: int  # tokens one sequence can hold
+    seqlen_new: int = 0  # tokens appended to each sequence before attending
 
 
 def _tensor(name: str, value, ndim: int, layout: str):
@@ -53,8 +54,9 @@ def _tensor(name: str, value, ndim: int, layout: str):
 
 
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None) -> CacheLayout:
-    """Check every argument of :func:`attention_with_kvcache` that shapes the call; raises ValueError or
-    TypeError naming the argument before anything is computed or written."""
+    """Check every argument of :func:`attention_with_kvcache` that shapes the call (types, shapes, devices,
+    dtypes); raises ValueError or TypeError naming the argument before anything is computed or written.
+    The values inside cache_seqlens and block_table are :func:`check_cache_values`' job."""
     _tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t, 4, "(batch, capacity, heads_kv, head_dim), or (num_pages, page_size, heads_kv, "
@@ -107,19 +109,46 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, bl
             raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q {batch}; a paged pool needs "
                              "block_table")
         page_size = capacity = k_cache.shape[1]
-    lengths = cache_seqlens.tolist()
-    for b, n in enumerate(lengths):
-        if n < 0 or n + seqlen_new > capacity:
-            where = f"its {capacity // page_size} pages of {page_size}" if paged else f"its capacity {capacity}"
+    return CacheLayout(batch, seqlen_q, heads, k_cache.shape[2], head_dim, paged, page_size, capacity, seqlen_new)
+
+
+def check_cache_values(layout: CacheLayout, cache_seqlens, block_table, num_pages: int) -> list[int]:
+    """The keys per sequence after the append (cache_seqlens + seqlen_new), once every sequence fits its
+    capacity (or its pages) and, paged, the pages each one uses exist and belong to it alone; raises
+    ValueError naming the first offender otherwise. Reads the values back from the device once."""
+    summary = cache_seqlens.long()
+    if layout.paged:
+        summary = torch.cat([summary, _block_table_is_bad(layout, cache_seqlens, block_table, num_pages)[None]])
+    values = summary.tolist()
+    seqlen_new = layout.seqlen_new
+    for b, n in enumerate(values[:layout.batch]):
+        if n < 0 or n + seqlen_new > layout.capacity:
+            where = (f"its {layout.capacity // layout.page_size} pages of {layout.page_size}" if layout.paged
+                     else f"its capacity {layout.capacity}")
             raise ValueError(f"sequence {b} would hold cache_seqlens[{b}] + seqlen_new = {n} + {seqlen_new} tokens, "
                              f"more than {where}" if n >= 0 else f"cache_seqlens[{b}] = {n} is negative")
-    if paged:
-        _check_block_table(block_table, [n + seqlen_new for n in lengths], page_size, k_cache.shape[0])
-    return CacheLayout(batch, seqlen_q, heads, k_cache.shape[2], head_dim, paged, page_size, capacity)
+    lengths = [n + seqlen_new for n in values[:layout.batch]]
+    if layout.paged and values[-1]:
+        _explain_block_table(block_table, lengths, layout.page_size, num_pages)
+    return lengths
 
 
-def _check_block_table(block_table, lengths, page_size: int, num_pages: int) -> None:
-    """The pages each sequence uses (its first cdiv(length, page_size) entries) exist and belong to it alone."""
+def _block_table_is_bad(layout: CacheLayout, cache_seqlens, block_table, num_pages: int) -> torch.Tensor:
+    """A 0-d int64 tensor, 1 when a page in use is out of the pool or used twice (computed on the device)."""
+    used = (cache_seqlens.long().clamp(min=0) + layout.seqlen_new + layout.page_size - 1) // layout.page_size
+    slots = torch.arange(block_table.shape[1], device=block_table.device)
+    in_use = slots[None, :] < used[:, None]
+    pages = block_table.long()
+    outside = in_use & ((pages < 0) | (pages >= num_pages))
+    # Slots not in use get distinct negative values, so that only pages in use can repeat.
+    keyed = torch.where(in_use, pages, -1 - torch.arange(pages.numel(), device=pages.device).view(pages.shape))
+    ordered = keyed.flatten().sort().values
+    repeated = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    return (outside.any() | repeated.any()).long()
+
+
+def _explain_block_table(block_table, lengths, page_size: int, num_pages: int) -> None:
+    """Raise the ValueError that names the first bad entry of a block table (the slow path, on error only)."""
     owner = {}
     table = block_table.tolist()
     for b, n in enumerate(lengths):
@@ -134,22 +163,25 @@ def _check_block_table(block_table, lengths, page_size: int, num_pages: int) -> 
             owner[page] = (b, p)
 
 
-def cache_rows(layout: CacheLayout, block_table, batch_index: int, positions: torch.Tensor) -> torch.Tensor:
+def cache_rows(layout: CacheLayout, block_table, batch_index, positions: torch.Tensor) -> torch.Tensor:
     """The rows of the cache's flattened (pages * page_size) token axis that hold tokens ``positions`` of
-    sequence ``batch_index``: through the block table when paged, else batch_index * capacity + position."""
+    sequence ``batch_index``: through the block table when paged, else batch_index * capacity + position.
+    batch_index is an int, or a (B, 1) tensor of indices with positions (B, n): every sequence at once."""
     if not layout.paged:
         return batch_index * layout.capacity + positions
-    pages = block_table[batch_index].long()[positions // layout.page_size]
+    pages = block_table.long()[batch_index, positions // layout.page_size]
     return pages * layout.page_size + positions % layout.page_size
 
 
 def append_kv(layout: CacheLayout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table) -> None:
-    """Write k_new, v_new into the cache at each sequence's cache_seqlens, in place (through the pages)."""
+    """Write k_new, v_new into the cache at each sequence's cache_seqlens, in place (through the pages):
+    one scatter for the whole batch, with no value read back from the device."""
     flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-    seqlen_new = k_new.shape[1]
-    for b, n in enumerate(cache_seqlens.tolist()):
-        rows = cache_rows(layout, block_table, b, torch.arange(n, n + seqlen_new, device=k_cache.device))
-        flat_k[rows], flat_v[rows] = k_new[b], v_new[b]
+    batch, seqlen_new = k_new.shape[:2]
+    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k_cache.device)
+    rows = cache_rows(layout, block_table, torch.arange(batch, device=k_cache.device)[:, None], positions).flatten()
+    flat_k.index_copy_(0, rows, k_new.reshape(-1, *k_new.shape[2:]))
+    flat_v.index_copy_(0, rows, v_new.reshape(-1, *v_new.shape[2:]))
 
 
 def gather_kv(layout: CacheLayout, cache, block_table, batch_index: int, length: int) -> torch.Tensor:
@@ -192,7 +224,8 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None,
                            causal: bool = True, scale: float | None = None, window=(-1, -1), softcap: float = 0.0,
-                           num_splits: int = 0, impl: str = "torch", return_lse: bool = False):
+                           num_splits: int = 0, impl: str = "torch", return_lse: bool = False,
+                           check_values: bool = True):
     """Attention of new queries over a KV cache (flash-attn's flash_attn_with_kvcache). Forward only.
 
     q: (batch, seqlen_q, heads, d); k_cache, v_cache: (batch, capacity, heads_kv, d), or a paged pool
@@ -204,6 +237,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     forward per split) or "triton" (the split-KV decode kernel, which reads the pages itself).
     Returns out (batch, seqlen_q, heads, d), or (out, lse) with lse (batch, heads, seqlen_q) float32.
     A refused call raises before anything is written.
+
+    check_values: read cache_seqlens (and the block table's verdict) back from the device to refuse a
+    sequence that would overflow or a bad page before writing (:func:`check_cache_values`). That one
+    read waits for the GPU's queue to drain. A serving loop that guarantees those values, or captures
+    decode steps in a CUDA graph (which cannot hold a read-back), passes False: impl="triton" then
+    reads nothing from the device (flash-attn never checks them), and an automatic split count is
+    chosen for the cache's capacity instead of the longest sequence. impl="torch" always reads them.
     """
     layout = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     causal, scale, window, softcap = check_options(layout.head_dim, causal, scale, window, softcap)
@@ -211,15 +251,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen for the GPU), got {num_splits!r}")
     if impl not in ("torch", "triton"):
         raise ValueError(f"impl must be 'torch' or 'triton' for attention_with_kvcache, got {impl!r}")
-    seqlen_new = 0 if k_new is None else k_new.shape[1]
+    if check_values or impl == "torch":
+        lengths = check_cache_values(layout, cache_seqlens, block_table, k_cache.shape[0])
     if k_new is not None:
         append_kv(layout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    lengths = [n + seqlen_new for n in cache_seqlens.tolist()]
     row_tiles = cdiv(layout.heads // layout.heads_kv * layout.seqlen_q, DECODE_ROWS)
-    splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, max(lengths), row_tiles=row_tiles)
+    longest = max(lengths) if check_values or impl == "torch" else layout.capacity
+    splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, longest, row_tiles=row_tiles)
     if impl == "triton":
         from .kernels import triton_decode
-        out, lse = triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal, scale, window,
+        keys = (cache_seqlens + layout.seqlen_new if layout.seqlen_new else cache_seqlens).contiguous()
+        out, lse = triton_decode(q, k_cache, v_cache, keys, block_table, layout, causal, scale, window,
                                  softcap, splits)
         return (out, lse) if return_lse else out
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)

@@ -80,12 +80,14 @@ def test_decode_rows_follow_the_schema_and_the_heuristic_gap_reads_them():
         raise ValueError("refused")
 
     for impl, splits, ms in (("triton", 4, 2.0), ("triton_forced", 2, 2.5), ("triton_forced", 8, 1.9)):
-        row = decode.decode_row(impl, 1, 65536, 256, splits)
-        rows.append(decode.measure(row, lambda: (lambda: None), (), timer_of(ms), 4.0, decode.kv_bytes(1, 65536)))
+        row = decode.decode_row(impl, 1, 65536, 256, splits, timer="eager")
+        rows.append(decode.measure(row, lambda: [lambda: None], (), timer_of(ms), 4.0, decode.kv_bytes(1, 65536)))
     rows.append(decode.measure(decode.decode_row("fa4_paged", 1, 65536, 256, None), refuse, (), None, 4.0, 0))
     validate_results({"device": "test", "torch": torch.__version__, "triton": None, "date": "2026-12-01",
                       "rows": rows})
     assert rows[0]["tbps"] == pytest.approx(decode.kv_bytes(1, 65536) / 2e-3 / 1e12)
     assert rows[-1]["tbps"] is None
+    assert decode.copies_for(decode.kv_bytes(1, 4096)) * decode.kv_bytes(1, 4096) >= decode.L2_SPAN
+    assert decode.copies_for(decode.kv_bytes(32, 65536)) == 2
     [(batch, seqlen_k, page_size, ratio)] = decode.heuristic_gaps(rows)
     assert (batch, seqlen_k, page_size) == (1, 65536, 256) and ratio == pytest.approx(1.9 / 2.0)

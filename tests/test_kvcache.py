@@ -145,6 +145,62 @@ def test_a_refused_call_leaves_the_cache_untouched(generator):
         assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before), change
 
 
+def test_pages_past_a_sequences_length_are_not_checked(generator):
+    """Only the pages a sequence uses must exist and be its own: the slots past its length may hold anything."""
+    k_cache, v_cache = (torch.randn(4, 8, 2, 8, generator=generator) for _ in range(2))
+    q = torch.randn(2, 1, 4, 8, generator=generator)
+    table = torch.tensor([[0, 3], [1, 3]], dtype=torch.int32)  # slot 1 shared, but neither sequence reaches it
+    fa_lab.attention_with_kvcache(q, k_cache, v_cache, torch.tensor([8, 5], dtype=torch.int32), block_table=table)
+    with pytest.raises(ValueError, match="page 3"):
+        fa_lab.attention_with_kvcache(q, k_cache, v_cache, torch.tensor([9, 9], dtype=torch.int32),
+                                      block_table=table)
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_unchecked_triton_decode_reads_nothing_back_and_matches_the_checked_call(page_size, generator, monkeypatch):
+    """check_values=False: the same result, and no value copied to the host (what a CUDA graph needs)."""
+    k_cache, v_cache, table = make_cache(generator, 2, 16, 2, 16, torch.float16, page_size)
+    q = torch.randn(2, 1, 4, 16, generator=generator).half()
+    k_new, v_new = (torch.randn(2, 2, 2, 16, generator=generator).half() for _ in range(2))
+    seqlens = torch.tensor([5, 13], dtype=torch.int32)
+    args = dict(block_table=table, impl="triton", return_lse=True, num_splits=2)
+    k_checked, v_checked = k_cache.clone(), v_cache.clone()
+    want = fa_lab.attention_with_kvcache(q, k_checked, v_checked, seqlens, k_new, v_new, **args)
+
+    def no_read_back(*_args, **_kwargs):
+        raise AssertionError("a value was read back from the device")
+    for name in ("tolist", "item", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, no_read_back)
+    got = fa_lab.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, check_values=False, **args)
+    monkeypatch.undo()
+    assert torch.equal(k_cache, k_checked) and torch.equal(v_cache, v_checked)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("splits", [2, 5, 128])
+def test_the_merge_kernel_computes_online_softmaxs_merge(splits, generator):
+    """The decode kernel's merge of its splits is the jit copy of online_softmax.merge_splits: splits that
+    saw no key weigh 0, a row that no split saw gives zeros and lse = -inf, and the output moves the
+    query axis before the heads."""
+    from fa_lab.kernels import load_triton
+    from fa_lab.online_softmax import merge_splits
+
+    load_triton()
+    from fa_lab.kernels.portable.decode import merge_split_results
+
+    batch, heads, seqlen_q, head_dim = 2, 3, 2, 24
+    out = torch.randn(splits, batch, heads, seqlen_q, head_dim, generator=generator)
+    lse = 4 * torch.randn(splits, batch, heads, seqlen_q, generator=generator)
+    lse[1, 0, 1] = float("-inf")  # a split that saw no key
+    lse[:, 1, 2, 0] = float("-inf")  # a row that no split saw
+    merged, merged_lse = merge_split_results(out, lse, torch.float32)
+    want, want_lse = merge_splits(out, lse)
+    assert torch.equal(merged[1, 0, 2], torch.zeros(head_dim)) and merged_lse[1, 2, 0] == float("-inf")
+    torch.testing.assert_close(merged, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged_lse, want_lse, rtol=1e-5, atol=1e-6)
+
+
 def test_split_ranges_cover_the_keys_in_whole_blocks():
     for length in (1, 127, 128, 129, 1000, 5000):
         for splits in (1, 2, 3, 7, 64):

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the copy bandwidth, SDPA and the upstream kernels (fa4) where installed",
                             description="Chapter 06's decode benchmark: the shapes of fa_lab.bench.decode.")
     p.add_argument("--no-fa4", action="store_true", help="leave out the upstream flash-attn-4 rows")
+    p.add_argument("--tune", metavar="PATH", help="instead, time the decode kernel's candidate configs and split "
+                   "counts and write the log to PATH")
     _add_outputs(p, "save a PNG of TB/s against the cache length")
     p.set_defaults(handler=_run_decode)
     return parser
@@ -191,6 +193,9 @@ def _run_interfaces(args) -> int:
 def _run_decode(args) -> int:
     if _needs_cuda("decode"):
         return 2
+    if args.tune:
+        decode.tune_decode(args.tune)
+        return 0
     results = decode.run_decode(args.json, with_fa4=not args.no_fa4)
     lines = [f"split heuristic, batch {batch}, cache {seqlen_k}, pages {page_size}: {ratio:.3f} of the best forced"
              for batch, seqlen_k, page_size, ratio in decode.heuristic_gaps(results["rows"])]

@@ -2,15 +2,28 @@
 cache, measured as bytes of K and V read per second next to the copy bandwidth of the same device.
 
 Shapes: bf16, 32 query heads, 8 KV heads, head_dim 128, seqlen_q 1, batch 1/8/32 x cache 4K/16K/64K.
-Rows: ``triton`` (fa_lab.attention_with_kvcache, impl="triton") over a dense cache and paged caches of
-256/64/16-token pages, with the split count it picks and with each forced count of :data:`SPLIT_SWEEP`
-(the heuristic's check); ``sdpa_gqa`` (SDPA with ``enable_gqa=True`` on the dense cache); ``fa4``
-and ``fa4_paged`` (the upstream flash-attn-4 kernels, where installed and where they take the case);
-and ``chunked_prefill`` rows: 512 new queries appended to a 16K cache, in TFLOP/s next to
-``attention_varlen``'s forward on the same shapes. Times are medians of ``triton.testing.do_bench``.
+Rows: ``triton`` (fa_lab.attention_with_kvcache, impl="triton", check_values=False) over a dense cache
+and paged caches of 256/64/16-token pages, with the split count it picks and with each forced count of
+:data:`SPLIT_SWEEP` (the heuristic's check); ``triton_checked`` (the same call with its default
+check_values=True, dense); ``sdpa_gqa`` (SDPA with ``enable_gqa=True`` on the dense cache); ``fa4`` and
+``fa4_paged`` (the upstream flash-attn-4 kernels, where installed and where they take the case); and
+``chunked_prefill`` rows: 512 new queries appended to a 16K cache, in TFLOP/s next to
+``attention_varlen``'s forward on the same shapes.
+
+How decode is timed. A decode step is a few microseconds of GPU work, so a timer that launches one
+call at a time measures the host (Python, the launch, any read-back) as much as the GPU. Serving
+systems capture their decode steps in CUDA graphs, and so does this benchmark (``timer:
+"cuda_graph"``): one graph holds the same call over :func:`copies_for` different caches, so that
+together they exceed the L2 cache and every call reads its K and V from HBM, as the layers of a model
+do; the figure is the graph's time over the calls. A call that cannot be captured (a read-back inside)
+is timed eagerly with ``triton.testing.do_bench`` (``timer: "eager"``), which empties the L2 between
+calls; ``triton_checked`` is timed that way on purpose, to show what the check costs.
 """
 from __future__ import annotations
 
+import functools
+import math
+import statistics
 import sys
 
 import torch
@@ -22,8 +35,10 @@ from .schema import empty_row, environment, save_results
 HEADS, HEADS_KV, HEAD_DIM = 32, 8, 128
 BATCHES, CACHES = (1, 8, 32), (4096, 16384, 65536)
 PAGE_SIZES = (None, 256, 64, 16)
-SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_QUERIES, PREFILL_CACHE, PREFILL_BATCH = 512, 16384, 4
+L2_SPAN = 256 << 20  # bytes the captured calls read together: five times an H200's 50 MB L2
+GRAPH_REPEATS = 20
 
 
 def kv_bytes(batch: int, seqlen_k: int, heads_kv: int = HEADS_KV, head_dim: int = HEAD_DIM, item: int = 2) -> int:
@@ -31,11 +46,18 @@ def kv_bytes(batch: int, seqlen_k: int, heads_kv: int = HEADS_KV, head_dim: int 
     return 2 * batch * seqlen_k * heads_kv * head_dim * item
 
 
-def decode_row(impl: str, batch: int, seqlen_k: int, page_size, num_splits, seqlen_q: int = 1) -> dict:
+def copies_for(nbytes: int) -> int:
+    """How many caches of ``nbytes`` one graph cycles through so that it reads :data:`L2_SPAN` bytes or more
+    (at least 2, at most 32)."""
+    return max(2, min(32, math.ceil(L2_SPAN / nbytes)))
+
+
+def decode_row(impl: str, batch: int, seqlen_k: int, page_size, num_splits, seqlen_q: int = 1,
+               timer: str = "cuda_graph") -> dict:
     """A schema row (decode keys) with every figure null."""
     row = empty_row(impl, AttentionShape(batch, HEADS, seqlen_q, HEAD_DIM, seqlen_k=seqlen_k, causal=True,
                                          dtype="bf16"))
-    row.update(heads_kv=HEADS_KV, page_size=page_size, num_splits=num_splits)
+    row.update(heads_kv=HEADS_KV, page_size=page_size, num_splits=num_splits, timer=timer)
     return row
 
 
@@ -56,37 +78,68 @@ def make_cache(batch: int, seqlen_k: int, page_size, seqlen_q: int = 1):
     return q, k, v, table, seqlens
 
 
-def ours(batch, seqlen_k, page_size, num_splits):
+def graph_ms(calls: list, repeats: int = GRAPH_REPEATS) -> float:
+    """Median milliseconds per call of a CUDA graph that runs ``calls`` one after another (warmed up,
+    compiled, then captured once and replayed ``repeats`` times)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times)
+
+
+def ours(caches, num_splits, check_values: bool = False):
+    """One call of fa_lab.attention_with_kvcache per cache of ``caches`` (make_cache's tuples)."""
     import fa_lab
 
-    q, k, v, table, seqlens = make_cache(batch, seqlen_k, page_size)
-    return lambda: fa_lab.attention_with_kvcache(q, k, v, seqlens, block_table=table, num_splits=num_splits,
-                                                 impl="triton")
+    return [lambda c=c: fa_lab.attention_with_kvcache(c[0], c[1], c[2], c[4], block_table=c[3], num_splits=num_splits,
+                                                      impl="triton", check_values=check_values) for c in caches]
 
 
-def sdpa_gqa(batch, seqlen_k):
+def sdpa_gqa(caches):
+    """SDPA with enable_gqa over the dense caches, in SDPA's (B, heads, N, d) layout."""
     import torch.nn.functional as F
 
-    q = torch.randn(batch, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(batch, HEADS_KV, seqlen_k, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    views = [(c[0].transpose(1, 2), c[1].transpose(1, 2), c[2].transpose(1, 2)) for c in caches]
+    return [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for q, k, v in views]
 
 
-def fa4(batch, seqlen_k, page_size):
+def fa4(caches):
     """flash-attn-4: flash_attn_func on a dense cache, flash_attn_varlen_func with a page table when paged."""
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
-    q, k, v, table, seqlens = make_cache(batch, seqlen_k, page_size)
-    if table is None:
-        return lambda: flash_attn_func(q, k, v, causal=True)
-    q_packed = q.reshape(batch, HEADS, HEAD_DIM)
-    cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    return lambda: flash_attn_varlen_func(q_packed, k, v, cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=seqlens,
-                                          page_table=table, causal=True)
+    calls = []
+    for q, k, v, table, seqlens in caches:
+        if table is None:
+            calls.append(lambda q=q, k=k, v=v: flash_attn_func(q, k, v, causal=True))
+            continue
+        batch = q.shape[0]
+        q_packed = q.reshape(batch, HEADS, HEAD_DIM)
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        calls.append(lambda q=q_packed, k=k, v=v, cu=cu_q, t=table, n=seqlens: flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=n, page_table=t, causal=True))
+    return calls
 
 
 def copy_tbps(timer, nbytes: int) -> float:
-    """Device-to-device copy bandwidth, read plus write, of a buffer of ``nbytes``."""
+    """Device-to-device copy bandwidth, read plus write, of a buffer of ``nbytes`` (at least L2_SPAN)."""
+    nbytes = max(nbytes, L2_SPAN)
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src), return_mode="median")
@@ -94,11 +147,20 @@ def copy_tbps(timer, nbytes: int) -> float:
 
 
 def measure(row: dict, make, args: tuple, timer, copy: float, nbytes: int) -> dict:
-    """Fill the row's time and bandwidth from ``make(*args)``'s call; null figures when the impl refuses
-    the case."""
+    """Fill the row's time and bandwidth: ``make(*args)`` returns the calls, timed by graph_ms when the
+    row's timer is "cuda_graph" (falling back to ``timer`` on the first call, marked "eager", when
+    capture fails), else by ``timer``; null figures when the impl refuses the case."""
     try:
-        run = make(*args)
-        ms = timer(run, return_mode="median")
+        calls = make(*args)
+        if row["timer"] == "cuda_graph":
+            try:
+                ms = graph_ms(calls)
+            except Exception as exc:  # not capturable: time it the other way, and say so
+                print(f"{row['impl']}: not capturable ({exc!r:.200}); timed eagerly", file=sys.stderr)
+                row["timer"] = "eager"
+                torch.cuda.synchronize()
+        if row["timer"] == "eager":
+            ms = timer(calls[0], return_mode="median")
     except Exception as exc:  # a peer that does not take a case must not end the sweep
         print(f"{row['impl']} B={row['batch']} N={row['seqlen_k']} page={row['page_size']}: {exc!r:.300}",
               file=sys.stderr)
@@ -125,7 +187,7 @@ def chunked_prefill_rows(timer) -> list[dict]:
              "triton_varlen": lambda: fa_lab.attention_varlen(qp, kp, vp, cu_q, cu_k, causal=True, impl="triton")}
     rows = []
     for impl, run in cases.items():
-        row = decode_row(impl, batch, cache + n_new, None, None, seqlen_q=n_new)
+        row = decode_row(impl, batch, cache + n_new, None, None, seqlen_q=n_new, timer="eager")
         try:
             ms = timer(run, return_mode="median")
             row.update(fwd_ms=ms, fwd_tflops=flops / (ms * 1e-3) / 1e12)
@@ -142,32 +204,84 @@ def run_decode(json_path=None, timer=None, with_fa4: bool = True) -> dict:
     from ..kvcache import choose_num_splits
 
     results = {**environment("cuda"), "rows": []}
+    rows = results["rows"]
     for batch in BATCHES:
         for cache in CACHES:
             nbytes = kv_bytes(batch, cache)
             copy = copy_tbps(timer, nbytes)
-            rows = results["rows"]
+            copies = copies_for(nbytes)
             for page_size in PAGE_SIZES:
+                caches = [make_cache(batch, cache, page_size) for _ in range(copies)]
                 chosen = choose_num_splits(batch, HEADS_KV, cache)
-                rows.append(measure(decode_row("triton", batch, cache, page_size, chosen), ours,
-                                    (batch, cache, page_size, 0), timer, copy, nbytes))
+                rows.append(measure(decode_row("triton", batch, cache, page_size, chosen), ours, (caches, 0),
+                                    timer, copy, nbytes))
                 if page_size in (None, 256):  # the heuristic's check: every forced count
                     for splits in SPLIT_SWEEP:
                         rows.append(measure(decode_row("triton_forced", batch, cache, page_size, splits), ours,
-                                            (batch, cache, page_size, splits), timer, copy, nbytes))
-            rows.append(measure(decode_row("sdpa_gqa", batch, cache, None, None), sdpa_gqa, (batch, cache),
-                                timer, copy, nbytes))
-            if with_fa4:
-                rows.append(measure(decode_row("fa4", batch, cache, None, None), fa4, (batch, cache, None),
-                                    timer, copy, nbytes))
-                rows.append(measure(decode_row("fa4_paged", batch, cache, 256, None), fa4, (batch, cache, 256),
-                                    timer, copy, nbytes))
-            torch.cuda.empty_cache()
+                                            (caches, splits), timer, copy, nbytes))
+                if page_size is None:
+                    rows.append(measure(decode_row("triton_checked", batch, cache, None, chosen, timer="eager"),
+                                        ours, (caches, 0, True), timer, copy, nbytes))
+                    rows.append(measure(decode_row("sdpa_gqa", batch, cache, None, None), sdpa_gqa, (caches,),
+                                        timer, copy, nbytes))
+                if with_fa4 and page_size in (None, 256):
+                    rows.append(measure(decode_row("fa4" if page_size is None else "fa4_paged", batch, cache,
+                                                   page_size, None), fa4, (caches,), timer, copy, nbytes))
+                del caches
+                torch.cuda.empty_cache()
             if json_path:
                 save_results(results, json_path)
-    results["rows"] += chunked_prefill_rows(timer)
+    rows += chunked_prefill_rows(timer)
     if json_path:
         save_results(results, json_path)
+    return results
+
+
+TUNING_SHAPES = ((1, 16384), (1, 65536), (8, 4096), (8, 16384), (32, 16384), (32, 65536))
+
+
+def tune_decode(json_path=None, shapes=TUNING_SHAPES, page_sizes=(None, 256, 16)) -> dict:
+    """Time every candidate DecodeConfig of the decode kernel at every split count of SPLIT_SWEEP (up to
+    16 programs per SM) on ``shapes`` (batch, cache) and page sizes, in CUDA graphs as run_decode does.
+
+    Returns (and writes to ``json_path``) ``{device, torch, triton, date, log}``, one log entry per timing:
+    batch, seqlen_k, page_size, block_n, num_warps, num_stages, num_splits, us, tbps. The winners go into
+    the decode kernel's table (``fa_lab.kernels.portable.decode``) by hand.
+    """
+    import json
+
+    from ..kernels import load_triton
+    from ..kvcache import H200_SMS, check_kvcache
+
+    load_triton()
+    from ..kernels.portable.decode import DECODE_CANDIDATES, triton_decode
+
+    log = []
+    for batch, cache in shapes:
+        nbytes = kv_bytes(batch, cache)
+        for page_size in page_sizes:
+            caches = [make_cache(batch, cache, page_size) for _ in range(copies_for(nbytes))]
+            layout = check_kvcache(*(caches[0][i] for i in (0, 1, 2, 4)), block_table=caches[0][3])
+            for config in DECODE_CANDIDATES:
+                for splits in (s for s in SPLIT_SWEEP if batch * HEADS_KV * s <= 16 * H200_SMS):
+                    calls = [functools.partial(triton_decode, c[0], c[1], c[2], c[4], c[3], layout, True,
+                                               HEAD_DIM ** -0.5, (-1, -1), 0.0, splits, config) for c in caches]
+                    try:
+                        ms = graph_ms(calls)
+                    except Exception as exc:  # a config that does not fit
+                        print(f"tune decode {config}: {exc!r:.200}", file=sys.stderr)
+                        continue
+                    log.append({"batch": batch, "seqlen_k": cache, "page_size": page_size, **vars(config),
+                                "num_splits": splits, "us": ms * 1e3, "tbps": nbytes / (ms * 1e-3) / 1e12})
+            best = max((e for e in log if (e["batch"], e["seqlen_k"], e["page_size"]) == (batch, cache, page_size)),
+                       key=lambda e: e["tbps"], default=None)
+            print(f"tune decode B={batch} N={cache} pages={page_size}: best {best}", file=sys.stderr)
+            del caches
+            torch.cuda.empty_cache()
+    results = {**environment("cuda"), "log": log}
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump(results, out, indent=1)
     return results
 
 
@@ -188,7 +302,8 @@ def plot_decode(results: dict):
     """Achieved TB/s against the cache length, one panel per batch, with the copy bandwidth."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results["rows"] if r["tbps"] is not None and r["impl"] != "triton_forced"]
+    rows = [r for r in results["rows"]
+            if r["tbps"] is not None and r["impl"] not in ("triton_forced", "triton_checked")]
     fig, axes = plt.subplots(1, len(BATCHES), figsize=(4.2 * len(BATCHES), 3.6), sharey=True)
     for ax, batch in zip(axes, BATCHES):
         mine = [r for r in rows if r["batch"] == batch]

@@ -35,9 +35,10 @@ Rows of the interfaces benchmark (:mod:`.interfaces`) carry these keys too, and 
   (:meth:`fa_lab.block_info.BlockInfo.visible_pairs`).
 
 Rows of the decode benchmark (:mod:`.decode`) carry ``heads_kv`` (as above), ``page_size`` (null for a
-dense cache) and ``num_splits`` (the count the call used; null when the impl chooses it out of sight), and
-no other rows do; ``seqlen_k`` is the cache length, ``seqlen_q`` the new queries per sequence, and a
-memory-bound row's ``bytes`` counts the K and V it reads.
+dense cache), ``num_splits`` (the count the call used; null when the impl chooses it out of sight) and
+``timer`` (``"cuda_graph"`` or ``"eager"``, :mod:`.decode` says how each times a call), and no other
+rows do; ``seqlen_k`` is the cache length, ``seqlen_q`` the new queries per sequence, and a memory-bound
+row's ``bytes`` counts the K and V it reads.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ ROW_TYPES = {"impl": str, "dtype": str, "head_dim": int, "causal": bool, "seqlen
 ROW_KEYS = tuple(ROW_TYPES)
 INTERFACE_TYPES = {"case": str, "heads_kv": int, "window": list, "softcap": float, "alibi": bool,
                    "lengths": (list, type(None))}
-DECODE_TYPES = {"heads_kv": int, "page_size": (int, type(None)), "num_splits": (int, type(None))}
+DECODE_TYPES = {"heads_kv": int, "page_size": (int, type(None)), "num_splits": (int, type(None)), "timer": str}
 # The key that marks a row of an optional group, and the group's keys.
 OPTIONAL_GROUPS = {"case": INTERFACE_TYPES, "page_size": DECODE_TYPES}
 

@@ -4,16 +4,22 @@ One program computes one split of one (sequence, KV head): the keys of its split
 block table, against every query row of the KV head's group packed into one tile (pack_gqa: the
 ``group * seqlen_q`` rows of the group's query heads, so each K/V tile is read once per group, and a
 decode step with one query per head still fills a tile). It writes the split's normalized output and
-its LSE; :func:`fa_lab.online_softmax.merge_splits` merges the splits. Grid:
+its LSE, and :func:`merge_splits_kernel` merges the splits in one more launch (its math is
+:func:`fa_lab.online_softmax.merge_splits`', which the tests hold it to: done in PyTorch, the merge took
+seven small kernels, and at batch 1 they cost as much as the attention). Grid:
 ``(splits, batch * heads_kv, row_tiles)``.
 
-A dense cache is the paged case with one page per sequence (page b holds sequence b), so there is one
-kernel. Keys are gathered one row at a time (``page * page_size + position % page_size``), so any page
-size works. Split ``s`` of a sequence with ``L`` keys in ``blocks = cdiv(L, BLOCK_N)`` blocks covers
-keys ``[blocks * s // splits * BLOCK_N, blocks * (s + 1) // splits * BLOCK_N)`` cut to ``L``:
-:func:`fa_lab.kvcache.split_ranges`'s formula (empty splits are fine: they weigh 0 in the merge).
+How a key tile finds its rows (``GATHER``): a dense cache holds sequence b's tokens at rows
+``b * capacity + position``; a paged cache whose pages hold whole key tiles reads one block-table
+entry per tile; smaller pages read one entry per key (``page * page_size + position % page_size``),
+so any page size works. Split ``s`` of a sequence with ``L`` keys in ``blocks = cdiv(L, BLOCK_N)``
+blocks covers keys ``[blocks * s // splits * BLOCK_N, blocks * (s + 1) // splits * BLOCK_N)`` cut to
+``L``: :func:`fa_lab.kvcache.split_ranges`'s formula (empty splits are fine: they weigh 0 in the merge).
+The lengths are read on the device, so a launch needs no value from the GPU (CUDA graphs capture it).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
@@ -23,6 +29,25 @@ from .score_mod import in_window, softcap_tanh
 
 LN2 = tl.constexpr(common.LN2)
 LOG2E = tl.constexpr(common.LOG2E)
+DENSE, PAGE_PER_TILE, PAGE_PER_KEY = 0, 1, 2  # the GATHER modes
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """block_n: keys per tile (and the split granularity); num_warps, num_stages: launch options."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# The H200's choice (benchmarks/h200_decode_tuning.json: within a few percent of the best config at every
+# shape and page size there, dense and paged alike), and the interpreter's small tiles.
+DECODE_CUDA = DecodeConfig(128, 4, 3)
+INTERPRETER = DecodeConfig(16, 4, 1)
+# What ``fa-lab bench decode --tune`` times on the GPU.
+DECODE_CANDIDATES = (DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 4), DecodeConfig(128, 4, 2),
+                     DecodeConfig(128, 4, 3), DecodeConfig(128, 8, 3), DecodeConfig(64, 8, 3), DecodeConfig(32, 4, 4))
 
 
 @triton.jit
@@ -31,12 +56,13 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
                         heads, group, seqlen_q, page_size, max_pages, head_dim, qk_scale,
                         left, right, softcap_scale, softcap_log2,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, GATHER: tl.constexpr):
     """One split of one (sequence, KV head), rows ``row_tile * BLOCK_M ...`` of its packed group.
 
     q_ptr: (B, seqlen_q, H, head_dim) with the given strides; k_ptr, v_ptr: the cache's token rows
     (pages * page_size, heads_kv, head_dim), strides stride_row, stride_head, 1; table_ptr: int32
-    (B, max_pages); lengths_ptr: int32 (B,) keys per sequence; out_ptr: float32 (splits, B, H,
+    (B, max_pages) (unread when GATHER is DENSE, where page_size is the capacity); lengths_ptr: int32
+    (B,) keys per sequence; out_ptr: float32 (splits, B, H,
     seqlen_q, head_dim) and lse_ptr (splits, B, H, seqlen_q), both contiguous. qk_scale = scale *
     log2(e). WINDOW: (left, right) as ``BlockInfo.window_bounds`` gives them, causal folded in.
     """
@@ -67,8 +93,15 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
     for start_n in tl.range(key_begin, key_end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         key_ok = keys < key_end
-        page = tl.load(table_ptr + batch * max_pages + keys // page_size, mask=key_ok, other=0)
-        token = (page.to(tl.int64) * page_size + keys % page_size) * stride_row + kv_head * stride_head
+        if GATHER == 0:  # DENSE
+            row = batch.to(tl.int64) * page_size + keys
+        elif GATHER == 1:  # PAGE_PER_TILE: the tile lies in one page
+            page = tl.load(table_ptr + batch * max_pages + start_n // page_size)
+            row = page.to(tl.int64) * page_size + start_n % page_size + tl.arange(0, BLOCK_N)
+        else:  # PAGE_PER_KEY
+            page = tl.load(table_ptr + batch * max_pages + keys // page_size, mask=key_ok, other=0)
+            row = page.to(tl.int64) * page_size + keys % page_size
+        token = row * stride_row + kv_head * stride_head
         k = tl.load(k_ptr + token[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
         v = tl.load(v_ptr + token[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k))
@@ -99,19 +132,53 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
              mask=valid_rows[:, None] & col_ok[None, :])
 
 
-def triton_decode(q, k_cache, v_cache, lengths: list[int], block_table, layout, causal: bool, scale: float,
-                  window, softcap: float, splits: int, block_n: int | None = None):
+@triton.jit
+def merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, splits, heads, seqlen_q, head_dim,
+                        SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One query row's merge of its splits: the jit copy of :func:`fa_lab.online_softmax.merge_splits`.
+
+    out_ptr: float32 (splits, B, H, seqlen_q, head_dim), lse_ptr: (splits, B, H, seqlen_q), as
+    :func:`decode_split_kernel` writes them; program r merges row r of (B, H, seqlen_q) into merged_ptr
+    ((B, seqlen_q, H, head_dim), its dtype) and merged_lse_ptr ((B, H, seqlen_q) float32). SPLITS: splits
+    rounded up to a power of two. Splits that saw no key (lse = -inf) weigh 0; a row no split saw gets
+    zeros and lse = -inf.
+    """
+    row = tl.program_id(0)
+    rows = tl.num_programs(0)
+    split = tl.arange(0, SPLITS)
+    lses = tl.load(lse_ptr + split * rows + row, mask=split < splits, other=float("-inf"))
+    top = tl.max(lses, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.math.exp2((lses - top) * LOG2E)
+    total = tl.sum(weights, 0)
+    cols = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in tl.range(0, splits):
+        weight = tl.sum(tl.where(split == s, weights, 0.0), 0)
+        acc += weight * tl.load(out_ptr + (s * rows + row) * head_dim + cols, mask=cols < head_dim, other=0.0)
+    empty = total == 0.0
+    acc = acc / tl.where(empty, 1.0, total)
+    tl.store(merged_lse_ptr + row, tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total))))
+    query = row % seqlen_q
+    batch_head = row // seqlen_q  # the output is (B, seqlen_q, H, d): move the query before the head
+    batch, head = batch_head // heads, batch_head % heads
+    tl.store(merged_ptr + ((batch * seqlen_q + query) * heads + head) * head_dim + cols,
+             acc.to(merged_ptr.dtype.element_ty), mask=cols < head_dim)
+
+
+def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: bool, scale: float,
+                  window, softcap: float, splits: int, config: DecodeConfig | None = None):
     """Launch :func:`decode_split_kernel` over ``splits`` splits and merge them.
 
     q: (B, seqlen_q, H, d) float16/bfloat16; the cache as :func:`fa_lab.attention_with_kvcache` takes it
-    (already appended); lengths: keys per sequence; layout: its :class:`fa_lab.kvcache.CacheLayout`.
-    Returns (out (B, seqlen_q, H, d) in q.dtype, lse (B, H, seqlen_q) float32).
+    (already appended); lengths: int32 (B,) keys per sequence, on q's device; layout: its
+    :class:`fa_lab.kvcache.CacheLayout`. Returns (out (B, seqlen_q, H, d) in q.dtype, lse (B, H, seqlen_q)
+    float32). Nothing here reads a value back from the GPU.
     """
     import torch
 
     from ...block_info import BlockInfo
     from ...kvcache import DECODE_ROWS
-    from ...online_softmax import merge_splits
     from .. import interpreting
     from ..common import check_triton_inputs, head_dim_bucket, on_device
 
@@ -121,28 +188,46 @@ def triton_decode(q, k_cache, v_cache, lengths: list[int], block_table, layout, 
         raise ValueError("impl='triton' reads the KV cache in place and needs it contiguous")
     batch, seqlen_q, heads, head_dim = q.shape
     group = heads // layout.heads_kv
-    block_n = block_n or (16 if interpreting() else 64)
+    config = config or (INTERPRETER if interpreting() else DECODE_CUDA)
     rows = group * seqlen_q
     block_m = min(DECODE_ROWS, max(16, triton.next_power_of_2(rows)))
-    if layout.paged:
-        table, page_size = block_table, layout.page_size
-    else:  # one page per sequence: page b is sequence b
-        table = torch.arange(batch, dtype=torch.int32, device=q.device)[:, None]
-        page_size = layout.capacity
+    if not layout.paged:
+        table, page_size, gather = lengths, layout.capacity, DENSE  # (the table is not read)
+    else:
+        table, page_size = block_table.contiguous(), layout.page_size
+        gather = PAGE_PER_TILE if page_size % config.block_n == 0 else PAGE_PER_KEY
     info = BlockInfo(seqlen_q, seqlen_q, causal, tuple(window))  # (which path; bounds are per sequence)
     left, right = (info.left if info.left is not None else 1 << 30,
                    info.right if info.right is not None else 1 << 30) if info.banded else (0, 0)
     k_rows, v_rows = (t.reshape(-1, layout.heads_kv, head_dim) for t in (k_cache, v_cache))
     out = torch.empty((splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits, batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    lengths_t = torch.tensor(lengths, dtype=torch.int32, device=q.device)
     with on_device(q):
         decode_split_kernel[(splits, batch * layout.heads_kv, triton.cdiv(rows, block_m))](
-            q, k_rows, v_rows, table.contiguous(), lengths_t, out, lse,
+            q, k_rows, v_rows, table, lengths, out, lse,
             q.stride(0), q.stride(1), q.stride(2), k_rows.stride(0), k_rows.stride(1),
-            heads, group, seqlen_q, page_size, table.shape[1], head_dim, scale * common.LOG2E,
+            heads, group, seqlen_q, page_size, table.shape[-1], head_dim, scale * common.LOG2E,
             left, right, scale / softcap if softcap else 0.0, softcap * common.LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim_bucket(head_dim),
-            CAUSAL=causal and not info.banded, WINDOW=info.banded, SOFTCAP=bool(softcap))
-    merged, merged_lse = merge_splits(out, lse)
-    return merged.transpose(1, 2).to(q.dtype), merged_lse
+            BLOCK_M=block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
+            CAUSAL=causal and not info.banded, WINDOW=info.banded, SOFTCAP=bool(softcap), GATHER=gather,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits == 1:
+        return out[0].transpose(1, 2).to(q.dtype), lse[0]
+    return merge_split_results(out, lse, q.dtype)
+
+
+def merge_split_results(out, lse, dtype):
+    """Merge the splits with :func:`merge_splits_kernel`: out float32 (splits, B, H, seqlen_q, d), lse
+    (splits, B, H, seqlen_q), contiguous -> (merged (B, seqlen_q, H, d) in ``dtype``, lse (B, H, seqlen_q))."""
+    import torch
+
+    from ..common import head_dim_bucket, on_device
+
+    splits, batch, heads, seqlen_q, head_dim = out.shape
+    merged = torch.empty((batch, seqlen_q, heads, head_dim), dtype=dtype, device=out.device)
+    merged_lse = torch.empty(lse.shape[1:], dtype=torch.float32, device=out.device)
+    with on_device(out):
+        merge_splits_kernel[(batch * heads * seqlen_q,)](out, lse, merged, merged_lse, splits, heads, seqlen_q,
+                                                         head_dim, SPLITS=triton.next_power_of_2(splits),
+                                                         HEAD_DIM=head_dim_bucket(head_dim))
+    return merged, merged_lse
