@@ -19,6 +19,9 @@ selection blocks that its GQA group ranks highest by the compressed branch's pro
 (:func:`nsa_select`), and over a sliding window (:func:`nsa_attention`, a dense masked reference).
 
 Self-attention layouts as :func:`fa_lab.attention`: q (B, H, N, d), k, v (B, H_kv, N, d).
+``impl="triton"`` (block-sparse attention, NSA's selected branch) runs the selected-blocks kernel of
+:mod:`fa_lab.kernels.portable.sparse_select`, which takes both selections as they are: a per-tile list
+(``block_q`` queries per row) and NSA's per-query one (``block_q = 1``).
 """
 from __future__ import annotations
 
@@ -31,40 +34,42 @@ from .reference import expand_kv, softmax_with_lse
 
 # The references take float64 too (then they compute in float64; otherwise in float32).
 DTYPES = (*SUPPORTED_DTYPES, torch.float64)
+IMPLS = ("torch", "triton")
 
 
 def _compute_dtype(q) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def check_key_tiles(key_tiles, q, k, block_q: int, block_k: int, causal: bool) -> torch.Tensor:
+def check_key_tiles(key_tiles, q, k, block_q: int, block_k: int, causal: bool,
+                    name: str = "key_tiles") -> torch.Tensor:
     """key_tiles as int64 (B, H_kv, ceil(Nq / block_q), S), checked: indices in [-1, key tiles), no tile
     listed twice for one query tile, and with ``causal`` no tile that lies wholly after the diagonal of
-    every row of its query tile."""
+    every row of its query tile. ``name``: the argument's name in the messages."""
     if not isinstance(key_tiles, torch.Tensor) or key_tiles.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"key_tiles must be an int32 or int64 tensor, got {type(key_tiles).__name__}"
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {type(key_tiles).__name__}"
                         + (f" of {key_tiles.dtype}" if isinstance(key_tiles, torch.Tensor) else ""))
     q_tiles, k_tiles = cdiv(q.shape[2], block_q), cdiv(k.shape[2], block_k)
     want = (q.shape[0], k.shape[1], q_tiles)
     if key_tiles.ndim != 4 or tuple(key_tiles.shape[:3]) != want:
-        raise ValueError(f"key_tiles must have shape (batch, heads_kv, query tiles, S) = {want + ('S',)}, got "
+        raise ValueError(f"{name} must have shape (batch, heads_kv, query tiles, S) = {want + ('S',)}, got "
                          f"{tuple(key_tiles.shape)}")
     tiles = key_tiles.long()
     if bool(((tiles < -1) | (tiles >= k_tiles)).any()):
-        raise ValueError(f"key_tiles holds indices outside [-1, {k_tiles}): {k_tiles} key tiles of {block_k}")
+        raise ValueError(f"{name} holds indices outside [-1, {k_tiles}): {k_tiles} key tiles of {block_k}")
     ordered = tiles.sort(dim=-1).values
     repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
     if bool(repeated.any()):
         b, h, t, _ = (int(i) for i in torch.nonzero(repeated)[0])
-        raise ValueError(f"key_tiles[{b}, {h}, {t}] lists a key tile twice: {tiles[b, h, t].tolist()}")
+        raise ValueError(f"{name}[{b}, {h}, {t}] lists a key tile twice: {tiles[b, h, t].tolist()}")
     if causal:
         info = BlockInfo(q.shape[2], k.shape[2], causal=True)
-        last_rows = torch.clamp(torch.arange(q_tiles) * block_q + block_q, max=q.shape[2]) - 1
+        last_rows = torch.clamp(torch.arange(q_tiles, device=tiles.device) * block_q + block_q, max=q.shape[2]) - 1
         key_end = info.key_end(last_rows)  # (query tiles,): keys past it are after every row's diagonal
         future = (tiles >= 0) & (tiles * block_k >= key_end.view(1, 1, -1, 1))
         if bool(future.any()):
             b, h, t, s = (int(i) for i in torch.nonzero(future)[0])
-            raise ValueError(f"key_tiles[{b}, {h}, {t}] selects key tile {int(tiles[b, h, t, s])}, which no row of "
+            raise ValueError(f"{name}[{b}, {h}, {t}] selects key tile {int(tiles[b, h, t, s])}, which no row of "
                              f"query tile {t} may see under the causal mask: a causal call selects past tiles only")
     return tiles
 
@@ -80,14 +85,27 @@ def selection_mask(key_tiles, seqlen_q: int, seqlen_k: int, block_q: int, block_
     return per_row.repeat_interleave(block_k, dim=3)[..., :seqlen_k]
 
 
+def check_impl(impl) -> str:
+    """The implementation of a sparse call: "torch" (the references here) or "triton" (the kernel of
+    :mod:`fa_lab.kernels.portable.sparse_select`)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}; got {impl!r}")
+    return impl
+
+
 def block_sparse_attention(q, k, v, key_tiles, block_q: int, block_k: int, causal: bool = False,
-                           scale: float | None = None):
+                           scale: float | None = None, impl: str = "torch"):
     """Attention of each query tile over its selected key tiles only. Returns (out (B, H, Nq, d) in
     q.dtype, lse (B, H, Nq) float32); a row that sees no selected key gets zeros and lse = -inf.
 
-    Each query tile gathers its S selected K/V tiles (S * block_k keys) and runs one softmax over them:
-    memory O(block_q * S * block_k) per tile, never (Nq, Nk). Differentiable (through the gather).
+    impl="torch": each query tile gathers its S selected K/V tiles (S * block_k keys) and runs one
+    softmax over them: memory O(block_q * S * block_k) per tile, never (Nq, Nk). Differentiable
+    (through the gather). impl="triton": the selected-blocks kernel (float16/bfloat16), with the tile's
+    query rows of the whole GQA group in one program (:func:`fa_lab.kernels.triton_block_select_attention`).
     """
+    if check_impl(impl) == "triton":
+        from .kernels import triton_block_select_attention
+        return triton_block_select_attention(q, k, v, key_tiles, block_k, causal, scale, block_q=block_q)
     check_qkv(q, k, v, DTYPES)
     scale = resolve_scale(scale, q.shape[-1])
     tiles = check_key_tiles(key_tiles, q, k, block_q, block_k, causal).to(q.device)
@@ -233,12 +251,16 @@ def nsa_select(q, k_cmp, block_cmp: int, block_sel: int, top_n: int, scale: floa
 
 
 def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, window: int,
-                  scale: float | None = None):
+                  scale: float | None = None, impl: str = "torch"):
     """NSA's output: gates[..., 0] * compressed + gates[..., 1] * selected + gates[..., 2] * window
     attention, each causal. q (B, H, N, d), k, v (B, H_kv, N, d), gates (B, H, N, 3) (the learned
     gate's outputs). A dense reference: the three branches as masked attention. Returns (out, branches),
     branches the three (B, H, N, d) outputs. Differentiable in q, k, v and gates (the selection is discrete).
+    impl="triton" computes the selected branch with the selected-blocks kernel (float16/bfloat16; one
+    program per query and KV head, the group's query heads packed into its tile; that branch then comes
+    back in q's dtype), the others as above.
     """
+    check_impl(impl)
     check_qkv(q, k, v, DTYPES)
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"NSA is self-attention here: q has {q.shape[2]} tokens and k {k.shape[2]}")
@@ -254,9 +276,13 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
     out_cmp, _ = _masked_attention(q, expand_kv(k_cmp, heads), expand_kv(v_cmp, heads), ends[None, :] <= rows, scale)
     # Selected branch: the raw keys of the top_n blocks the group chose, causally.
     selected = nsa_select(q, k_cmp, block_cmp, block_sel, top_n, scale)  # (B, Hkv, N, top_n)
-    chosen = ((cols // block_sel)[None, None, None] == selected.clamp(min=-1)[..., None]).any(dim=-2)
-    out_sel, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads),
-                                   expand_kv(chosen, heads) & (cols <= rows), scale)
+    if impl == "triton":  # a per-query selection: one selection row per query
+        from .kernels import triton_block_select_attention
+        out_sel, _ = triton_block_select_attention(q, k, v, selected, block_sel, True, scale, block_q=1)
+    else:
+        chosen = ((cols // block_sel)[None, None, None] == selected.clamp(min=-1)[..., None]).any(dim=-2)
+        out_sel, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads),
+                                       expand_kv(chosen, heads) & (cols <= rows), scale)
     # Window branch: the last ``window`` keys, the query's own included.
     out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads),
                                    (cols <= rows) & (cols > rows - window), scale)

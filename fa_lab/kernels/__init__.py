@@ -1,4 +1,5 @@
-"""Triton kernels and their launchers: the lazy entry of impl "triton", "triton_hopper", "triton_hopper_fp8".
+"""Triton kernels and their launchers: the lazy entry of impl "triton", "triton_hopper", "triton_hopper_fp8"
+(and of the sparse kernels that :mod:`fa_lab.sparse` runs with impl="triton").
 
 :mod:`.portable` holds the plain-Triton kernels (any CUDA GPU, and the CPU interpreter),
 :mod:`.hopper` the Gluon FA3 kernel for sm_90 and the Hopper impls, :mod:`.common` what they share.
@@ -81,6 +82,14 @@ def triton_decode(*args, **kwargs):
     load_triton()
     from .portable.decode import triton_decode as run
     return run(*args, **kwargs)
+
+
+def triton_block_select_attention(q, k, v, block_indices, block_k, causal=False, scale=None, *, block_q=1):
+    """Differentiable attention over selected key blocks (NSA's selected branch, block-sparse attention):
+    returns (out, lse). See :mod:`fa_lab.kernels.portable.sparse_select`."""
+    load_triton()
+    from .portable.sparse_select import triton_block_select_attention as run
+    return run(q, k, v, block_indices, block_k, causal, scale, block_q=block_q)
 
 
 def triton_hopper_attention(q, k, v, causal, scale, **options):

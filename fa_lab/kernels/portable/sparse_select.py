@@ -1,0 +1,276 @@
+"""Attention over selected key blocks as Triton kernels: NSA's selected branch and block-sparse attention.
+
+A selection ``indices (B, H_kv, R, S)`` lists, for each *selection row* ``r`` (the queries
+``[r * block_q, (r + 1) * block_q)``, cut to seqlen_q) of each KV head, up to ``S`` key blocks of
+``block_k`` keys (-1: an unused slot, anywhere in the list). ``block_q = 1`` is NSA's per-query
+selection (:func:`fa_lab.sparse.nsa_select`'s output as it is), ``block_q > 1`` block-sparse
+attention's per-tile list (:func:`fa_lab.sparse.block_sparse_attention`'s ``key_tiles``).
+
+One program takes one selection row of one KV head and packs the rows of every query head of its
+GQA group into the tile (``group * queries`` rows, head-major: packed row ``p`` is query head
+``kv_head * group + p // queries`` at position ``r * block_q + p % queries``), so that each selected
+K/V block is read once per group, not once per query head, and a per-query selection still fills
+a tile. Rows that do not fit one tile of BLOCK_M go to further programs. Grid:
+``(R, B * H_kv, cdiv(group * block_q, BLOCK_M))``.
+
+The forward gathers the selected blocks through the index tensor, in chunks of BLOCK_N keys, and
+runs the online softmax over them (:func:`.forward.online_softmax_tile`, exp2 with the folded
+1/ln 2, float32 state). With ``causal`` key ``j`` is visible to query ``i`` iff
+``j <= i + seqlen_k - seqlen_q`` (the course's bottom-right alignment). A row that sees no key gets
+zeros and lse = -inf.
+
+The backward is one kernel over the same grid: it recomputes P from the saved LSE, writes dQ of its
+own rows (no other program has them) and adds its dK, dV contributions to float32 buffers with
+``tl.atomic_add``, since several selection rows may select the same block; delta = rowsum(dO * O)
+comes from :func:`.backward.attention_bwd_preprocess_kernel`. The atomic adds make dK and dV exact
+up to float32 rounding but not bitwise reproducible on a GPU (the order of the adds varies).
+
+Tensors are contiguous (B, H, N, d) (the launcher makes them so); the kernels read rows through
+pointers with the head_dim masked, so head_dim needs no padding.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...inputs import check_block_size, check_qkv, resolve_scale
+from ...sparse import check_key_tiles
+from .. import interpreting
+from ..common import LOG2E, cdiv, check_triton_inputs, head_dim_bucket, on_device
+from .backward import attention_bwd_preprocess_kernel
+from .configs import TileConfig
+from .forward import online_softmax_tile, write_output_rows
+
+
+@triton.jit
+def packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M: tl.constexpr):
+    """The tile's rows: (rows, query, valid, last_query).
+
+    rows: (BLOCK_M,) indices into the (B * H * seqlen_q) rows of q, o, lse; query: their positions;
+    valid: False for the padding past the group's ``group * queries`` rows; last_query: the selection
+    row's last position (what bounds its causal key range).
+    """
+    first = sel_row * block_q
+    queries = tl.minimum(block_q, seqlen_q - first)  # the last selection row may be ragged
+    packed = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = packed < group * queries
+    query = first + packed % queries
+    # (batch * heads + head) = pid_bkv * group + member, since head = kv_head * group + member.
+    rows = (pid_bkv * group + packed // queries) * seqlen_q + query
+    return rows, query, valid, first + queries - 1
+
+
+@triton.jit
+def row_tile(rows, valid, head_dim, HEAD_DIM: tl.constexpr):
+    """(offsets, mask) of a (len(rows), HEAD_DIM) tile of a contiguous (rows, head_dim) tensor."""
+    cols = tl.arange(0, HEAD_DIM)
+    return rows.to(tl.int64)[:, None] * head_dim + cols[None, :], valid[:, None] & (cols[None, :] < head_dim)
+
+
+@triton.jit
+def selected_keys(index_ptr, slot, seqlen_k, block_k, key_limit):
+    """(start, stop): the keys of the block in ``slot`` of the selection row at index_ptr, cut to
+    seqlen_k and to ``key_limit`` (the causal end); an unused slot (-1) gives an empty range."""
+    block = tl.load(index_ptr + slot)
+    start = block * block_k
+    stop = tl.minimum(tl.minimum(start + block_k, seqlen_k), key_limit)
+    return start, tl.where(block >= 0, stop, start)
+
+
+@triton.jit
+def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
+                            group, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, qk_scale,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            CAUSAL: tl.constexpr):
+    """O and the LSE of one tile of packed rows over the blocks its selection row lists.
+
+    q_ptr, o_ptr: (B, H, seqlen_q, head_dim); k_ptr, v_ptr: (B, H // group, seqlen_k, head_dim);
+    index_ptr: int32 (B, H // group, R, slots); lse_ptr: (B, H, seqlen_q) float32; all contiguous.
+    qk_scale = scale * log2(e).
+    """
+    sel_row, pid_bkv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M)
+    causal_offset = seqlen_k - seqlen_q
+    key_limit = last_query + causal_offset + 1 if CAUSAL else seqlen_k  # no row of the tile sees a key past it
+    offsets, mask = row_tile(rows, valid, head_dim, HEAD_DIM)
+    q = tl.load(q_ptr + offsets, mask=mask, other=0.0)
+    selection = index_ptr + (pid_bkv * tl.num_programs(0) + sel_row) * slots
+    kv_row0 = pid_bkv * seqlen_k
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for slot in tl.range(0, slots):
+        start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
+        for start_n in tl.range(start, stop, BLOCK_N):
+            keys = start_n + tl.arange(0, BLOCK_N)
+            kv_offsets, kv_mask = row_tile(kv_row0 + keys, keys < stop, head_dim, HEAD_DIM)
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            # Always the masked update: a chunk may end inside its block, and any block may hold
+            # the causal diagonal of some rows (``stop`` plays seqlen_k: keys from it on are hidden).
+            p, alpha, l_i, m_new = online_softmax_tile(tl.dot(q, tl.trans(k)), l_i, m_i, qk_scale, query, start_n,
+                                                       stop, causal_offset, BLOCK_N, True, CAUSAL)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+
+    # The epilogue of a packed batch, over the group's rows of o as (group * seqlen_q, 1, head_dim) and
+    # of lse as (1, group * seqlen_q) (offsets within one group fit in int32): padding rows are sent
+    # past the end, where its row mask drops them.
+    group_row0 = pid_bkv * group * seqlen_q
+    group_rows = group * seqlen_q
+    write_output_rows(acc, l_i, m_i, o_ptr + group_row0.to(tl.int64) * head_dim, head_dim, lse_ptr + group_row0,
+                      0, 0, 1, 0, tl.where(valid, rows - group_row0, group_rows), group_rows, HEAD_DIM)
+
+
+@triton.jit
+def block_select_bwd_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, index_ptr, dq_ptr, dk_ptr, dv_ptr,
+                            group, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, qk_scale, scale,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            CAUSAL: tl.constexpr):
+    """dQ of one tile of packed rows, and its share of dK, dV of the blocks it selected.
+
+    Layouts as the forward; do_ptr, dq_ptr like q; lse2_ptr (lse * log2 e, +inf where lse = -inf)
+    and delta_ptr: (B, H, seqlen_q) float32; dk_ptr, dv_ptr: float32 (B, H // group, seqlen_k,
+    head_dim), zeroed by the launcher, to which the kernel adds P^T dO and dS^T Q (dK still unscaled).
+    """
+    sel_row, pid_bkv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M)
+    causal_offset = seqlen_k - seqlen_q
+    key_limit = last_query + causal_offset + 1 if CAUSAL else seqlen_k
+    offsets, mask = row_tile(rows, valid, head_dim, HEAD_DIM)
+    q = tl.load(q_ptr + offsets, mask=mask, other=0.0)
+    do = tl.load(do_ptr + offsets, mask=mask, other=0.0)
+    # Padding rows load lse2 = +inf, so their P is exactly 0 (as is that of rows that see no key).
+    lse2 = tl.load(lse2_ptr + rows, mask=valid, other=float("inf"))
+    delta = tl.load(delta_ptr + rows, mask=valid, other=0.0)
+    selection = index_ptr + (pid_bkv * tl.num_programs(0) + sel_row) * slots
+    kv_row0 = pid_bkv * seqlen_k
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for slot in tl.range(0, slots):
+        start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
+        for start_n in tl.range(start, stop, BLOCK_N):
+            keys = start_n + tl.arange(0, BLOCK_N)
+            kv_offsets, kv_mask = row_tile(kv_row0 + keys, keys < stop, head_dim, HEAD_DIM)
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            visible = keys[None, :] < stop
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= query[:, None] + causal_offset)
+            p = tl.where(visible, tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]), 0.0)
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+            # Other selection rows may have chosen this block too: add, do not store (relaxed: nothing
+            # reads the sums before the kernel ends).
+            tl.atomic_add(dv_ptr + kv_offsets, tl.dot(tl.trans(p.to(do.dtype)), do), mask=kv_mask, sem="relaxed")
+            tl.atomic_add(dk_ptr + kv_offsets, tl.dot(tl.trans(ds.to(q.dtype)), q), mask=kv_mask, sem="relaxed")
+    tl.store(dq_ptr + offsets, (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- launchers -------------------------------------------------------------------------------------
+
+def tile_config(rows: int, block_k: int, head_dim: int, backward: bool) -> TileConfig:
+    """The tile of a launch: block_m covers a selection row's ``rows = group * block_q`` packed rows
+    (a power of two, at least 16 for tl.dot) up to a cap, block_n one selected block or a chunk of it.
+
+    On a GPU the caps and warps keep every tile free of register spills and within an H200's shared
+    memory (checked by compiling for sm_90 offline, with a launch's divisibility hints): 128 rows in the
+    forward at head_dim <= 64, else 64; the backward, whose q, dO and dQ tiles stay resident, 64 rows
+    and 64 keys, 32 and 32 at head_dim 256; 8 warps for the larger tiles. The interpreter takes 64 and 64.
+    """
+    padded = head_dim_bucket(head_dim)
+    if interpreting():
+        cap_m, cap_n = 64, 64
+    elif backward:
+        cap_m, cap_n = (32, 32) if padded > 128 else (64, 64)
+    else:
+        cap_m, cap_n = (128 if padded <= 64 else 64), 64
+    block_m = min(max(16, triton.next_power_of_2(rows)), cap_m)
+    block_n = min(max(16, triton.next_power_of_2(block_k)), cap_n)
+    large = (backward and padded >= 128) or block_m * padded >= 128 * 64
+    return TileConfig(block_m, block_n, num_warps=8 if large else 4)
+
+
+def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: bool, scale: float):
+    """Forward on contiguous q (B, H, Nq, d), k, v (B, Hkv, Nk, d) and int32 indices (B, Hkv, R, S).
+
+    Returns (out (B, H, Nq, d) in q.dtype, lse (B, H, Nq) float32).
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
+    config = tile_config(group * block_q, block_k, head_dim, backward=False)
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
+    block_select_fwd_kernel[grid](
+        q, k, v, indices, out, lse, group, seqlen_q, seqlen_k, head_dim, block_q, block_k, indices.shape[3],
+        scale * LOG2E, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
+        CAUSAL=causal, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out, lse
+
+
+def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, block_k: int, causal: bool,
+                          scale: float):
+    """Backward on the forward's operands and outputs; grad_out like out. Returns (dq, dk, dv) in
+    q.dtype, shaped like q, k, v (dk, dv summed over the group's query heads and the selecting rows)."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
+    grad_out = grad_out.contiguous()
+    rows, pre_block = batch * heads * seqlen_q, 64
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    attention_bwd_preprocess_kernel[(cdiv(rows, pre_block),)](
+        out, grad_out, lse, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim), BLOCK=pre_block)
+    dq = torch.empty_like(q)
+    dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+    config = tile_config(group * block_q, block_k, head_dim, backward=True)
+    grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
+    block_select_bwd_kernel[grid](
+        q, k, v, grad_out, lse2, delta, indices, dq, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q, block_k,
+        indices.shape[3], scale * LOG2E, scale, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim_bucket(head_dim), CAUSAL=causal, num_warps=config.num_warps, num_stages=config.num_stages)
+    return dq, (dk * scale).to(k.dtype), dv.to(v.dtype)
+
+
+class BlockSelectFunction(torch.autograd.Function):
+    """Autograd wrapper: saves the contiguous q, k, v, the indices, O and the LSE for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, indices, block_q, block_k, causal, scale):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        with on_device(q):
+            out, lse = block_select_forward(q, k, v, indices, block_q, block_k, causal, scale)
+        ctx.save_for_backward(q, k, v, indices, out, lse)
+        ctx.args = (block_q, block_k, causal, scale)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, indices, out, lse = ctx.saved_tensors
+        with on_device(q):
+            dq, dk, dv = block_select_backward(q, k, v, out, lse, grad_out.to(q.dtype), indices, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def triton_block_select_attention(q, k, v, block_indices, block_k: int, causal: bool = False,
+                                  scale: float | None = None, *, block_q: int = 1):
+    """Differentiable attention of each query over the key blocks its selection row lists.
+
+    q: (B, H, Nq, d), k, v: (B, Hkv, Nk, d), float16 or bfloat16 (H a multiple of Hkv: the group
+    shares the selection). block_indices: int32/int64 (B, Hkv, cdiv(Nq, block_q), S), key blocks of
+    ``block_k`` keys, -1 for an unused slot; block_q = 1 (the default) is a per-query selection such as
+    :func:`fa_lab.sparse.nsa_select`'s, block_q > 1 a per-tile list such as block-sparse attention's.
+    A selection is checked before anything runs (:func:`fa_lab.sparse.check_key_tiles`: indices in
+    range, no block twice in one row, none that a causal call's rows all lie before).
+    Returns (out (B, H, Nq, d) in q.dtype, lse (B, H, Nq) float32, detached); rows that see no key
+    get zeros and lse = -inf.
+    """
+    check_qkv(q, k, v)
+    check_triton_inputs(q)
+    block_q, block_k = check_block_size("block_q", block_q), check_block_size("block_k", block_k)
+    scale = resolve_scale(scale, q.shape[-1])
+    indices = check_key_tiles(block_indices, q, k, block_q, block_k, causal, name="block_indices")
+    indices = indices.to(device=q.device, dtype=torch.int32).contiguous()
+    return BlockSelectFunction.apply(q, k, v, indices, block_q, block_k, bool(causal), scale)

@@ -1,0 +1,238 @@
+"""Chapter 07's selected-blocks kernel (fa_lab/kernels/portable/sparse_select.py) under the tolerance rule.
+
+Block-sparse attention over per-tile key lists (``block_sparse_attention(..., impl="triton")``) and
+per-query selections as NSA makes them (``nsa_select``, ``nsa_attention(..., impl="triton")``), each
+against float64 dense attention restricted to the same selection (:func:`fa_lab.sparse.selection_mask`),
+with plain attention in the kernel's dtype under that mask as the baseline: out, LSE, dq, dk, dv. On a CPU
+the kernels run in Triton's interpreter (small shapes); the ``gpu`` tests compile them at d = 128.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa_lab.block_info import BlockInfo, cdiv
+from fa_lab.reference import expand_kv, softmax_with_lse
+from fa_lab.sparse import block_sparse_attention, nsa_attention, nsa_compress, nsa_select, selection_mask
+from fa_lab.testing import LSE_FLOOR, compare, make_qkv
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter
+
+
+def kernel(block_q, block_k, causal):
+    """The launcher as a function of (q, k, v, indices) -> (out, lse)."""
+    from fa_lab.kernels import triton_block_select_attention
+
+    return lambda q, k, v, indices: triton_block_select_attention(q, k, v, indices, block_k, causal, block_q=block_q)
+
+
+def masked_attention(q, k, v, mask):
+    """(out, lse) of attention restricted to ``mask`` (B, H, Nq, Nk), computed in q's dtype as
+    naive_attention does: float64 gives the reference, the kernel's dtype the rule's baseline."""
+    s = torch.matmul(q, expand_kv(k, q.shape[1]).transpose(-2, -1)) * q.shape[-1] ** -0.5
+    p, lse = softmax_with_lse(s.masked_fill(~mask, float("-inf")))
+    return torch.matmul(p.to(v.dtype), expand_kv(v, q.shape[1])), lse
+
+
+def outputs_and_grads(fn, q, k, v, grad_out):
+    """(out, lse, dq, dk, dv) of fn(q, k, v) -> (out, lse) on fresh leaves."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves)
+    out.backward(grad_out)
+    return (out, lse, *(t.grad for t in leaves))
+
+
+def dense_mask(indices, q, k, block_q, block_k, causal):
+    """The dense (B, H, Nq, Nk) mask of a selection, the causal mask included."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    mask = expand_kv(selection_mask(indices.cpu(), seqlen_q, seqlen_k, block_q, block_k), q.shape[1])
+    if causal:
+        mask = mask & BlockInfo(seqlen_q, seqlen_k, causal=True).mask()
+    return mask.to(q.device)
+
+
+def check_against_dense(fn, q, k, v, mask, generator):
+    """fn(q, k, v) -> (out, lse) against masked attention in float64 under the tolerance rule; returns
+    fn's (out, lse, dq, dk, dv)."""
+    grad_out = torch.randn(q.shape, generator=generator).to(q.device, q.dtype)
+    actual = outputs_and_grads(fn, q, k, v, grad_out)
+    reference = outputs_and_grads(lambda *t: masked_attention(*t, mask), *(t.double() for t in (q, k, v)),
+                                  grad_out.double())
+    baseline = outputs_and_grads(lambda *t: masked_attention(*t, mask), q, k, v, grad_out)
+    assert actual[0].dtype == q.dtype and actual[1].dtype == torch.float32
+    failures = []
+    for name, got, want, base in zip(("out", "lse", "dq", "dk", "dv"), actual, reference, baseline):
+        result = compare(name, got, want, base, q.dtype, floor=LSE_FLOOR if name == "lse" else None)
+        if not result.ok:
+            failures.append(str(result))
+    assert not failures, "; ".join(failures)
+    return actual
+
+
+def random_selection(generator, batch, heads_kv, seqlen_q, seqlen_k, block_q, block_k, slots, causal,
+                     empty_row=None):
+    """(B, Hkv, cdiv(Nq, block_q), slots) int64: distinct key blocks per selection row in random slots,
+    -1 in the others (about one in five dropped, and every slot of ``empty_row``). With causal only
+    blocks that start before the row's last query's causal end (what check_key_tiles allows)."""
+    rows, blocks = cdiv(seqlen_q, block_q), cdiv(seqlen_k, block_k)
+    allowed = torch.full((rows,), blocks)
+    if causal:
+        last = torch.clamp(torch.arange(rows) * block_q + block_q, max=seqlen_q) - 1
+        allowed = (BlockInfo(seqlen_q, seqlen_k, causal=True).key_end(last) + block_k - 1) // block_k
+    score = torch.rand(batch, heads_kv, rows, blocks, generator=generator)
+    score = score.masked_fill(torch.arange(blocks) >= allowed[:, None], -1.0)
+    best = score.topk(min(slots, blocks), dim=-1)
+    chosen = torch.where(best.values >= 0, best.indices, -1)
+    chosen = torch.nn.functional.pad(chosen, (0, slots - chosen.shape[-1]), value=-1)
+    chosen = chosen.masked_fill(torch.rand(chosen.shape, generator=generator) < 0.2, -1)
+    if empty_row is not None:
+        chosen[:, :, empty_row] = -1
+    order = torch.rand(chosen.shape, generator=generator).argsort(dim=-1)  # -1 in any slot, not only the last
+    return chosen.gather(-1, order)
+
+
+def assert_rows_see_nothing(actual, rows):
+    out, lse, dq = actual[:3]
+    assert bool((out[:, :, rows] == 0).all()) and bool(torch.isneginf(lse[:, :, rows]).all())
+    assert bool((dq[:, :, rows] == 0).all())
+
+
+TILE_CASES = [  # (dtype, batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, strided)
+    (torch.bfloat16, 2, 2, 2, 77, 77, 32, 32, 32, 2, False),
+    (torch.float16, 1, 4, 1, 130, 130, 64, 16, 64, 2, False),
+    (torch.bfloat16, 1, 4, 2, 77, 130, 32, 64, 32, 3, True),  # 128 packed rows: two programs per tile
+    (torch.float16, 1, 2, 1, 130, 77, 64, 32, 48, 2, False),  # causal: the first 53 rows see no key
+    (torch.bfloat16, 1, 2, 2, 130, 130, 32, 32, 128, 1, False),  # a block of two chunks of 64 keys
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, "
+                         "strided", TILE_CASES)
+def test_block_sparse_kernel_meets_the_tolerance_rule(causal, dtype, batch, heads, heads_kv, seqlen_q, seqlen_k,
+                                                      head_dim, block_q, block_k, slots, strided, generator):
+    q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, DEVICE, generator, strided,
+                       heads_kv=heads_kv)
+    tiles = random_selection(generator, batch, heads_kv, seqlen_q, seqlen_k, block_q, block_k, slots, causal,
+                             empty_row=1)
+    mask = dense_mask(tiles, q, k, block_q, block_k, causal)
+    run = lambda q, k, v: block_sparse_attention(q, k, v, tiles, block_q, block_k, causal, impl="triton")
+    actual = check_against_dense(run, q, k, v, mask, generator)
+    assert_rows_see_nothing(actual, slice(block_q, 2 * block_q))  # the tile that selects nothing
+    if causal and seqlen_q > seqlen_k:
+        assert_rows_see_nothing(actual, slice(0, seqlen_q - seqlen_k))
+
+
+QUERY_CASES = [  # (dtype, heads, heads_kv, seqlen, head_dim, block_k, slots): one selection row per query
+    (torch.bfloat16, 4, 1, 77, 32, 32, 2),
+    (torch.float16, 2, 1, 130, 64, 64, 2),
+    (torch.bfloat16, 2, 2, 77, 32, 16, 3),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, heads, heads_kv, seqlen, head_dim, block_k, slots", QUERY_CASES)
+def test_per_query_selection_meets_the_tolerance_rule(causal, dtype, heads, heads_kv, seqlen, head_dim, block_k,
+                                                      slots, generator):
+    q, k, v = make_qkv(1, heads, seqlen, seqlen, head_dim, dtype, DEVICE, generator, heads_kv=heads_kv)
+    selected = random_selection(generator, 1, heads_kv, seqlen, seqlen, 1, block_k, slots, causal, empty_row=5)
+    mask = dense_mask(selected, q, k, 1, block_k, causal)
+    actual = check_against_dense(lambda *t: kernel(1, block_k, causal)(*t, selected.to(DEVICE)), q, k, v, mask,
+                                 generator)
+    assert_rows_see_nothing(actual, slice(5, 6))
+
+
+@pytest.mark.parametrize("heads, heads_kv, seqlen, block_sel", [(4, 1, 77, 32), (4, 2, 130, 64)])
+def test_nsa_selection_through_the_kernel(heads, heads_kv, seqlen, block_sel, generator):
+    """nsa_select's selection (B, Hkv, N, top_n), as it is, into the kernel: one selection row per query."""
+    q, k, v = make_qkv(1, heads, seqlen, seqlen, 32, torch.bfloat16, DEVICE, generator, heads_kv=heads_kv)
+    block_cmp, top_n = 16, 2
+    selected = nsa_select(q.detach(), nsa_compress(k.detach(), block_cmp), block_cmp, block_sel, top_n, 32 ** -0.5)
+    assert selected.shape == (1, heads_kv, seqlen, top_n)
+    mask = dense_mask(selected, q, k, 1, block_sel, causal=True)
+    check_against_dense(lambda *t: kernel(1, block_sel, True)(*t, selected), q, k, v, mask, generator)
+
+
+def test_nsa_attention_runs_its_selected_branch_in_the_kernel(generator):
+    q, k, v = make_qkv(1, 4, 77, 77, 32, torch.bfloat16, DEVICE, generator, heads_kv=1, requires_grad=False)
+    gates = torch.rand(1, 4, 77, 3, generator=generator).to(DEVICE)
+    out, branches = nsa_attention(q, k, v, gates, 16, 32, 2, 16, impl="triton")
+    selected = nsa_select(q, nsa_compress(k, 16), 16, 32, 2, 32 ** -0.5)
+    mask = dense_mask(selected, q, k, 1, 32, causal=True)
+    assert branches[1].dtype == torch.bfloat16  # the kernel's (the torch branch computes in float32)
+    want, _ = masked_attention(q.double(), k.double(), v.double(), mask)
+    result = compare("selected branch", branches[1], want, masked_attention(q, k, v, mask)[0], torch.bfloat16)
+    assert result.ok, str(result)
+    mixed = sum(gates[..., i:i + 1] * branch.float() for i, branch in enumerate(branches))
+    torch.testing.assert_close(out, mixed.to(out.dtype), rtol=0, atol=0)
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Make any launch of the selected-blocks kernel fail the test: checks must come first."""
+    from fa_lab.kernels import load_triton
+
+    load_triton()
+    from fa_lab.kernels.portable import sparse_select
+
+    def launched(*args):
+        raise AssertionError("the kernel ran on input that should have been refused")
+    monkeypatch.setattr(sparse_select.BlockSelectFunction, "apply", launched)
+
+
+@pytest.mark.parametrize("block_q, change, error, words", [
+    (16, {"tiles": torch.tensor([[[[0, 5]] * 4]])}, ValueError, "outside"),
+    (16, {"tiles": torch.tensor([[[[1, 1]] * 4]])}, ValueError, "twice"),
+    (16, {"tiles": torch.tensor([[[[3, -1], [0, 1], [0, 1], [0, 1]]]]), "causal": True}, ValueError, "causal"),
+    (1, {"tiles": torch.tensor([[[[1, -1]] * 16 + [[0, -1]] * 48]]), "causal": True}, ValueError, "causal"),
+    (1, {"tiles": torch.tensor([[[[0, 1]] * 4]])}, ValueError, "shape"),
+    (16, {"tiles": torch.tensor([[[[0.0, 1.0]] * 4]])}, TypeError, "int32 or int64"),
+    (16, {"dtype": torch.float32}, TypeError, "float16 and bfloat16"),
+    (0, {}, ValueError, "block_q"),
+])
+def test_bad_selections_are_refused_before_any_kernel_runs(block_q, change, error, words, no_kernel):
+    """Four query tiles and four key blocks of 16, or 64 query rows (block_q = 1)."""
+    q, k, v = make_qkv(1, 2, 64, 64, 16, change.get("dtype", torch.float16), heads_kv=1, requires_grad=False)
+    rows = max(1, cdiv(64, max(block_q, 1)))
+    args = {"tiles": torch.tensor([[[[0, 1]] * rows]]), "causal": False, **change}
+    with pytest.raises(error, match=words):
+        kernel(block_q, 16, args["causal"])(q, k, v, args["tiles"])
+    if block_q > 1 and "dtype" not in change:  # block_sparse_attention's impl="triton" refuses the same
+        with pytest.raises(error, match=words):
+            block_sparse_attention(q, k, v, args["tiles"], block_q, 16, args["causal"], impl="triton")
+
+
+def test_unknown_impls_are_refused():
+    q, k, v = make_qkv(1, 2, 32, 32, 16, torch.float16, heads_kv=1, requires_grad=False)
+    with pytest.raises(ValueError, match="impl must be one of 'torch', 'triton'; got 'cuda'"):
+        block_sparse_attention(q, k, v, torch.zeros(1, 1, 2, 1, dtype=torch.int64), 16, 16, impl="cuda")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        nsa_attention(q, k, v, torch.rand(1, 2, 32, 3), 8, 16, 1, 8, impl="Triton")
+
+
+# ---------------------------------------------------------------- GPU (device machine)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads, heads_kv, seqlen_q, seqlen_k, block_q, block_k, slots", [
+    (8, 2, 1000, 1000, 64, 64, 6), (8, 8, 777, 1537, 128, 64, 8), (16, 1, 1025, 1025, 16, 128, 4)])
+def test_gpu_block_sparse_kernel(causal, heads, heads_kv, seqlen_q, seqlen_k, block_q, block_k, slots, generator):
+    q, k, v = make_qkv(2, heads, seqlen_q, seqlen_k, 128, torch.bfloat16, "cuda", generator, heads_kv=heads_kv)
+    tiles = random_selection(generator, 2, heads_kv, seqlen_q, seqlen_k, block_q, block_k, slots, causal,
+                             empty_row=2)
+    mask = dense_mask(tiles, q, k, block_q, block_k, causal)
+    run = lambda q, k, v: block_sparse_attention(q, k, v, tiles.cuda(), block_q, block_k, causal, impl="triton")
+    actual = check_against_dense(run, q, k, v, mask, generator)
+    assert_rows_see_nothing(actual, slice(2 * block_q, 3 * block_q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, heads_kv", [(16, 1), (8, 2)])
+def test_gpu_nsa_selection(heads, heads_kv, generator):
+    seqlen, block_cmp, block_sel, top_n = 2049, 32, 64, 16
+    q, k, v = make_qkv(1, heads, seqlen, seqlen, 128, torch.bfloat16, "cuda", generator, heads_kv=heads_kv)
+    selected = nsa_select(q.detach(), nsa_compress(k.detach(), block_cmp), block_cmp, block_sel, top_n,
+                          128 ** -0.5)
+    mask = dense_mask(selected, q, k, 1, block_sel, causal=True)
+    check_against_dense(lambda *t: kernel(1, block_sel, True)(*t, selected), q, k, v, mask, generator)
