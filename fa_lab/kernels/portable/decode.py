@@ -5,8 +5,8 @@ block table, against every query row of the KV head's group packed into one tile
 ``group * seqlen_q`` rows of the group's query heads, so each K/V tile is read once per group, and a
 decode step with one query per head still fills a tile). It writes the split's normalized output and
 its LSE, and :func:`merge_splits_kernel` merges the splits in one more launch (its math is
-:func:`fa_lab.online_softmax.merge_splits`', which the tests hold it to: done in PyTorch, the merge took
-seven small kernels, and at batch 1 they cost as much as the attention). Grid:
+:func:`fa_lab.online_softmax.merge_splits`', which the tests hold it to: done in PyTorch, the merge was a
+chain of small kernels that cost as much as the attention at batch 1; docs/experiments/interfaces.md). Grid:
 ``(splits, batch * heads_kv, row_tiles)``.
 
 How a key tile finds its rows (``GATHER``): a dense cache holds sequence b's tokens at rows
