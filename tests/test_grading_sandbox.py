@@ -139,6 +139,9 @@ ANSWERS = {  # what each lab asks for, and so must hide
               "fa_lab.score_mods.alibi_bias", "fa_lab.score_mods.modify_scores", "fa_lab.impls.run"),
     "lab06": ("fa_lab.kvcache.attention_with_kvcache", "fa_lab.kvcache.gather_kv", "fa_lab.kvcache.choose_num_splits",
               "fa_lab.online_softmax.merge_splits", "fa_lab.reference.reference_attention"),
+    "lab07": ("fa_lab.sparse.block_sparse_attention", "fa_lab.sparse.moba_gate", "fa_lab.sparse.moba_attention",
+              "fa_lab.sparse.selection_mask", "fa_lab.online_softmax.merge_splits",
+              "fa_lab.kernels.triton_block_select_attention", "fa_lab.reference.reference_attention"),
 }
 # What the lab notebooks import and use outside the graded functions (their first cell and helpers).
 KEPT = {"lab00": (), "lab02": (),
@@ -147,7 +150,8 @@ KEPT = {"lab00": (), "lab02": (),
         "lab04": ("fa_lab.flash_torch.flash_forward", "fa_lab.fp8.outlier_qkv", "fa_lab.fp8.random_signs",
                   "fa_lab.fp8.rmse", "fa_lab.reference.reference_attention"),
         "lab05": ("fa_lab.testing.make_qkv",),
-        "lab06": ("fa_lab.testing.make_qkv",)}
+        "lab06": ("fa_lab.testing.make_qkv",),
+        "lab07": ()}
 
 
 @pytest.mark.parametrize("lab", sorted(ANSWERS))
