@@ -10,6 +10,8 @@
 #            (fa4, installed first as ../shared/peers/fetch_fa4_wheels.sh says): h200_interfaces.json/.png
 #   decode - chapter 06's decode over dense and paged caches, the split sweep, chunked prefill, with
 #            SDPA and fa4: h200_decode.json/.png
+#   sparse - chapter 07's NSA selected-blocks branch with fla-core's kernel (its wheel carried as the
+#            device README says, on PYTHONPATH) and dense attention: h200_sparse.json/.png
 #   decode-tune - the decode kernel's candidate configs x split counts (h200_decode_tuning.json); the
 #            winners go into fa_lab/kernels/portable/decode.py
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
@@ -31,6 +33,8 @@ case "$step" in
            --log "$out/h200_hopper_variants.json" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
   interfaces) $bench interfaces --json "$out/h200_interfaces.json" --plot "$out/h200_interfaces.png" \
            2>&1 | tee "$out/interfaces.log" | grep -v "^bench" ;;
+  sparse) $bench sparse --json "$out/h200_sparse.json" --plot "$out/h200_sparse.png" \
+           2>&1 | tee "$out/sparse.log" | grep -v "^bench" ;;
   decode-tune) $bench decode --tune "$out/h200_decode_tuning.json" 2>&1 | tee "$out/decode_tune.log" | grep -v "^bench" ;;
   decode) $bench decode --json "$out/h200_decode.json" --plot "$out/h200_decode.png" \
            2>&1 | tee "$out/decode.log" | grep -v "^bench" ;;
@@ -39,5 +43,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|tests OUTDIR" >&2; exit 2 ;;
 esac

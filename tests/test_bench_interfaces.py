@@ -91,3 +91,30 @@ def test_decode_rows_follow_the_schema_and_the_heuristic_gap_reads_them():
     assert decode.copies_for(decode.kv_bytes(32, 65536)) == 2
     [(batch, seqlen_k, page_size, ratio)] = decode.heuristic_gaps(rows)
     assert (batch, seqlen_k, page_size) == (1, 65536, 256) and ratio == pytest.approx(1.9 / 2.0)
+
+
+def test_the_sparse_benchmarks_selection_is_nsas_and_its_pairs_are_counted_exactly():
+    """nsa_selection: each query's own block, past blocks only, no block twice, -1 where the past is short;
+    selection_pairs: the visible pairs of that selection, counted here from its dense mask."""
+    from fa_lab.bench import sparse as bench
+    from fa_lab.sparse import check_key_tiles, selection_mask
+
+    seqlen = 300  # 5 blocks of 64: early queries have fewer past blocks than SELECTED
+    selection = bench.nsa_selection(seqlen, torch.Generator().manual_seed(1), device="cpu")
+    assert selection.shape == (1, bench.HEADS_KV, seqlen, min(bench.SELECTED, 5)) and selection.dtype == torch.int32
+    own = torch.arange(seqlen) // bench.BLOCK_K
+    assert bool((selection == own.view(1, 1, -1, 1)).any(-1).all())
+    assert bool((selection <= own.view(1, 1, -1, 1)).all())
+    assert bool(((selection >= 0).sum(-1) == (own + 1).clamp(max=selection.shape[-1]).view(1, 1, -1)).all())
+    q = torch.randn(1, bench.HEADS, seqlen, 8)
+    k = torch.randn(1, bench.HEADS_KV, seqlen, 8)
+    check_key_tiles(selection, q, k, 1, bench.BLOCK_K, causal=True)  # accepted as a causal selection
+    mask = selection_mask(selection, seqlen, seqlen, 1, bench.BLOCK_K) & torch.ones(seqlen, seqlen).tril().bool()
+    assert bench.selection_pairs(selection) == int(mask.sum())
+    rows = [bench.sparse_row(impl, 16384) for impl in bench.IMPLS]
+    rows[0].update(fwd_ms=2.0, bwd_ms=5.0)
+    rows[1].update(fwd_ms=3.0, bwd_ms=6.0)
+    validate_results({"device": "test", "torch": torch.__version__, "triton": None, "date": "2026-12-01",
+                      "rows": rows})
+    found = dict(bench.speedups(rows))
+    assert found["fla_nsa time / ours fwd, 16K"] == pytest.approx(1.5) and "dense time / ours fwd, 16K" not in found

@@ -7,8 +7,8 @@
   :mod:`.tuning`: tile tuning of the Triton kernels; :mod:`.hopper`: the Hopper kernels' ablation
   and protocol; :mod:`.interfaces`: chapter 05's options (GQA, varlen, window, softcap, ALiBi) with
   the upstream FlashAttention kernels; :mod:`.decode`: decode over a (paged) KV cache against the
-  copy bandwidth;
-- :mod:`.cli`: ``fa-lab bench cpu|gpu|hopper|interfaces|decode``.
+  copy bandwidth; :mod:`.sparse`: NSA's selected blocks with flash-linear-attention's kernel;
+- :mod:`.cli`: ``fa-lab bench cpu|gpu|hopper|interfaces|decode|sparse``.
 
 Importing this package loads neither the runners nor matplotlib: notebooks read recorded results
 through :func:`load_results`, :func:`describe` and :func:`plot_results`.

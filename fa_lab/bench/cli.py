@@ -1,4 +1,4 @@
-"""``fa-lab bench cpu|gpu|hopper|interfaces|decode``: parse the flags, run one benchmark, print its table,
+"""``fa-lab bench cpu|gpu|hopper|interfaces|decode|sparse``: parse the flags, run one benchmark, print its table,
 write its files.
 
 Every flag a subcommand accepts changes what it measures or writes. The GPU protocols fix batch
@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 
-from . import cpu, decode, gpu, interfaces
+from . import cpu, decode, gpu, interfaces, sparse
 from .plots import plot_results
 from .report import describe, format_table
 from .schema import save_results
@@ -42,8 +42,10 @@ def _add_outputs(parser, plot_help: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fa-lab bench", description="Benchmarks: cpu (this CPU), gpu (the "
                                      "FA3-paper protocol with every peer), hopper (the Hopper kernels), "
-                                     "interfaces (GQA, varlen, window, softcap, ALiBi), decode (a KV cache).")
-    commands = parser.add_subparsers(dest="benchmark", required=True, metavar="{cpu,gpu,hopper,interfaces,decode}")
+                                     "interfaces (GQA, varlen, window, softcap, ALiBi), decode (a KV cache), "
+                                     "sparse (NSA's selected blocks).")
+    commands = parser.add_subparsers(dest="benchmark", required=True,
+                                     metavar="{cpu,gpu,hopper,interfaces,decode,sparse}")
 
     full = cpu.FULL
     p = commands.add_parser("cpu", help="naive, torch and sdpa on this CPU: wall-clock time and peak memory")
@@ -106,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "counts and write the log to PATH")
     _add_outputs(p, "save a PNG of TB/s against the cache length")
     p.set_defaults(handler=_run_decode)
+
+    p = commands.add_parser("sparse", help="NSA's selected-blocks attention on a CUDA GPU, next to fla-core's "
+                            "where installed and to dense attention",
+                            description="Chapter 07's benchmark: the case of fa_lab.bench.sparse.")
+    p.add_argument("--seqlens", type=int, nargs="+", default=list(sparse.SEQLENS), help="default %(default)s")
+    _add_outputs(p, "save a PNG of forward and backward TFLOP/s against the sequence length")
+    p.set_defaults(handler=_run_sparse)
     return parser
 
 
@@ -200,3 +209,11 @@ def _run_decode(args) -> int:
     lines = [f"split heuristic, batch {batch}, cache {seqlen_k}, pages {page_size}: {ratio:.3f} of the best forced"
              for batch, seqlen_k, page_size, ratio in decode.heuristic_gaps(results["rows"])]
     return _finish(results, args, lines=lines, plot=decode.plot_decode)
+
+
+def _run_sparse(args) -> int:
+    if _needs_cuda("sparse"):
+        return 2
+    results = sparse.run_sparse(args.json, seqlens=tuple(args.seqlens))
+    lines = [f"{what}: {value:.3f}" for what, value in sparse.speedups(results["rows"])]
+    return _finish(results, args, lines=lines, metrics=("fwd_tflops", "bwd_tflops"))

@@ -39,6 +39,10 @@ dense cache), ``num_splits`` (the count the call used; null when the impl choose
 ``timer`` (``"cuda_graph"`` or ``"eager"``, :mod:`.decode` says how each times a call), and no other
 rows do; ``seqlen_k`` is the cache length, ``seqlen_q`` the new queries per sequence, and a memory-bound
 row's ``bytes`` counts the K and V it reads.
+
+Rows of the sparse benchmark (:mod:`.sparse`) carry ``case`` (``nsa_select``, or ``dense`` for the
+dense reference), ``heads_kv``, ``block_k`` (keys per selected block) and ``selected`` (blocks per
+query), and no other rows do; their TFLOP/s count the pairs the selection keeps.
 """
 from __future__ import annotations
 
@@ -59,8 +63,9 @@ ROW_KEYS = tuple(ROW_TYPES)
 INTERFACE_TYPES = {"case": str, "heads_kv": int, "window": list, "softcap": float, "alibi": bool,
                    "lengths": (list, type(None))}
 DECODE_TYPES = {"heads_kv": int, "page_size": (int, type(None)), "num_splits": (int, type(None)), "timer": str}
-# The key that marks a row of an optional group, and the group's keys.
-OPTIONAL_GROUPS = {"case": INTERFACE_TYPES, "page_size": DECODE_TYPES}
+SPARSE_TYPES = {"case": str, "heads_kv": int, "block_k": int, "selected": int}
+# The key that marks a row of an optional group, and the group's keys (the first marker a row has decides).
+OPTIONAL_GROUPS = {"selected": SPARSE_TYPES, "case": INTERFACE_TYPES, "page_size": DECODE_TYPES}
 
 
 def empty_row(impl: str, shape: AttentionShape) -> dict:
@@ -111,7 +116,8 @@ def validate_results(results: dict) -> dict:
         if not isinstance(row, dict) or set(row) != set(ROW_KEYS) | set(group):
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"row {index} has keys {got}; every row needs exactly {list(ROW_KEYS)}, an "
-                             f"interfaces row also {list(INTERFACE_TYPES)}, a decode row {list(DECODE_TYPES)}")
+                             f"interfaces row also {list(INTERFACE_TYPES)}, a decode row {list(DECODE_TYPES)}, "
+                             f"a sparse row {list(SPARSE_TYPES)}")
         for key, types in {**ROW_TYPES, **group}.items():
             if not isinstance(row[key], types) or (isinstance(row[key], bool) and types is not bool):
                 raise ValueError(f"row {index}: {key} is {row[key]!r}, which is not a valid {key}")
