@@ -12,11 +12,12 @@ from .score_mods import check_alibi_slopes
 
 use_interpreter_without_gpu()  # before anything imports triton: see fa_lab/kernels/__init__.py
 
-from .kvcache import attention_with_kvcache  # noqa: E402  (after the interpreter switch, like every import)
+from .context_parallel import ring_attention  # noqa: E402  (after the interpreter switch, like every import)
+from .kvcache import attention_with_kvcache  # noqa: E402
 from .varlen import attention_varlen  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["IMPLS", "attention", "attention_varlen", "attention_with_kvcache"]
+__all__ = ["IMPLS", "attention", "attention_varlen", "attention_with_kvcache", "ring_attention"]
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: str = "torch",
