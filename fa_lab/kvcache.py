@@ -251,6 +251,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen for the GPU), got {num_splits!r}")
     if impl not in ("torch", "triton"):
         raise ValueError(f"impl must be 'torch' or 'triton' for attention_with_kvcache, got {impl!r}")
+    if not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be True or False, got {check_values!r}")
     if check_values or impl == "torch":
         lengths = check_cache_values(layout, cache_seqlens, block_table, k_cache.shape[0])
     if k_new is not None:

@@ -126,6 +126,7 @@ def _refused(generator):
         ({"num_splits": -1}, ValueError, ["num_splits"]),
         ({"block_table": table, "impl": "naive"}, ValueError, ["impl"]),
         ({"k_cache": torch.randn(4, 16, 2, 8, generator=generator)[:, :8]}, ValueError, ["contiguous"]),
+        ({"check_values": None}, TypeError, ["check_values"]),
     ]
 
 
