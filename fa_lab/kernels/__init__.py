@@ -1,5 +1,6 @@
 """Triton kernels and their launchers: the lazy entry of impl "triton", "triton_hopper", "triton_hopper_fp8"
-(and of the sparse kernels that :mod:`fa_lab.sparse` runs with impl="triton").
+(and of the sparse kernels that :mod:`fa_lab.sparse` runs with impl="triton", and the linear-attention
+kernels of :mod:`fa_lab.linear`).
 
 :mod:`.portable` holds the plain-Triton kernels (any CUDA GPU, and the CPU interpreter),
 :mod:`.hopper` the Gluon FA3 kernel for sm_90 and the Hopper impls, :mod:`.common` what they share.
@@ -90,6 +91,30 @@ def triton_block_select_attention(q, k, v, block_indices, block_k, causal=False,
     load_triton()
     from .portable.sparse_select import triton_block_select_attention as run
     return run(q, k, v, block_indices, block_k, causal, scale, block_q=block_q)
+
+
+def triton_chunk_linear_attention(q, k, v, g, initial_state, scale, chunk_size):
+    """Chunkwise linear attention / simple GLA / GLA, h and o passes: returns (o, final_state).
+    See :mod:`fa_lab.kernels.portable.linear_chunk`."""
+    load_triton()
+    from .portable.linear_chunk import triton_chunk_linear_attention as run
+    return run(q, k, v, g, initial_state, scale, chunk_size)
+
+
+def triton_chunk_delta_rule(q, k, v, beta, g, initial_state, scale, chunk_size):
+    """The chunkwise (gated) delta rule: WY in PyTorch, the h and o passes in Triton; returns (o, final_state).
+    See :mod:`fa_lab.kernels.portable.linear_delta`."""
+    load_triton()
+    from .portable.linear_delta import triton_chunk_delta_rule as run
+    return run(q, k, v, beta, g, initial_state, scale, chunk_size)
+
+
+def triton_fused_recurrent(q, k, v, g, beta, initial_state, scale):
+    """The recurrence token by token, state in registers (decode; beta: the delta rule): returns
+    (o, final_state). See :mod:`fa_lab.kernels.portable.linear_recurrent`."""
+    load_triton()
+    from .portable.linear_recurrent import triton_fused_recurrent as run
+    return run(q, k, v, g, beta, initial_state, scale)
 
 
 def triton_hopper_attention(q, k, v, causal, scale, **options):

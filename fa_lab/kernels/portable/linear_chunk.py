@@ -1,0 +1,305 @@
+"""Chunkwise gated linear attention as two Triton passes: fla's ``chunk_fwd_h`` and ``chunk_fwd_o``.
+
+The math is :mod:`fa_lab.linear.chunk`'s. With chunks of C tokens and G the log-decay cumulated
+inside each chunk:
+
+- the ``h`` pass, grid ``(cdiv(d_k, BLOCK_K), cdiv(d_v, BLOCK_V), batch * heads)``: one program owns a
+  (BLOCK_K, BLOCK_V) tile of one head's state, keeps it in registers, and walks the chunks in order,
+  storing each chunk's start state ``h_c`` (float32) before folding the chunk in:
+  ``h <- diag(exp(G_last)) h + (K o exp(G_last - G))^T V``;
+- the ``o`` pass, grid ``(chunks, batch * heads, cdiv(d_v, BLOCK_V))``: one program per chunk and
+  value block, all chunks in parallel, computes ``diag(exp(G)) Q h_c`` (the inter-chunk term) plus the
+  intra-chunk causal term ``(Q K^T o D) V``, with d_k walked in BLOCK_K steps.
+
+GLA's per-dim gate has no single decay matrix D, and the factorization ``(q_i e^{G_i}) (k_j e^{-G_j})``
+overflows once a chunk's decays multiply below float32's range. Its o pass
+(:func:`chunk_gla_fwd_o_kernel`) cuts the chunk into sub-chunks of 16 tokens, as fla's ``chunk_gla``
+does: between a query sub-chunk and an earlier key sub-chunk it factors through the query sub-chunk's
+first row r, ``e^{G_i - G_r} e^{G_r - G_j}``, both factors <= 1, so the products are tensor-core
+matmuls; inside the diagonal sub-chunk it forms the exact pairwise decays (a 16 x 16 x BLOCK_K tile).
+
+Why ``exp2`` and where log2(e) goes: a GPU's special-function unit computes 2^x (``ex2``), so ``exp(x)``
+costs a multiply by log2(e) and an ``ex2`` per element. The launcher multiplies the cumulated gate by
+``RCP_LN2 = 1 / ln 2 = log2(e)`` (fla's name; :data:`fa_lab.kernels.common.LOG2E` here) once per token,
+in the same PyTorch op that cumulates it, and every decay in both passes is then one ``exp2`` of a
+difference: ``exp(G_i - G_j) = exp2(G_i * RCP_LN2 - G_j * RCP_LN2)``. The multiply is paid N times
+(d_k N for GLA) instead of once per element of every C x C decay tile and state tile.
+
+Operands reach ``tl.dot`` in the inputs' dtype (decayed keys and scores are rounded to it, as fla does),
+with float32 accumulators; float32 inputs run ``input_precision="ieee"`` (not TF32). A ragged last
+chunk is masked on load; the gate is padded with zero log-decays to whole chunks before it is cumulated,
+so the padded chunk's last row holds the cumulated decay of its last real token.
+
+The backward recomputes in PyTorch: :class:`RecomputedBackward` runs the kernels forward and, on
+backward, autograd through :func:`fa_lab.linear.chunk.chunk_gla` (or the delta rule's chunk form) in
+float32. Correct, but it stores what the PyTorch form stores; a backward kernel (fla's dh/dqkw passes)
+is future work.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import common
+
+GATE_CODES = {"none": 0, "scalar": 1, "per_dim": 2}  # the kernels' GATE constexpr, by fa_lab.linear's gate kind
+SUB_CHUNK = 16  # the per-dim o pass's sub-chunk: the smallest tl.dot tile
+CHUNK_SIZES = (16, 32, 64, 128)
+
+
+@triton.jit
+def chunk_fwd_h_kernel(k_ptr, v_ptr, g_ptr, h0_ptr, h_ptr, ht_ptr, seqlen, chunks, d_k, d_v,
+                       CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATE: tl.constexpr,
+                       HAS_H0: tl.constexpr, PRECISION: tl.constexpr):
+    """Store every chunk's start state of one (BLOCK_K, BLOCK_V) state tile of one (batch, head).
+
+    k_ptr (B*H, N, d_k), v_ptr (B*H, N, d_v) contiguous; g_ptr: the cumulated gate in log2 units,
+    float32 (B*H, chunks * CHUNK) (GATE 1) or (B*H, chunks * CHUNK, d_k) (GATE 2); h0_ptr (B*H, d_k, d_v)
+    float32 (read if HAS_H0); h_ptr (B*H, chunks, d_k, d_v) and ht_ptr (B*H, d_k, d_v) float32 outputs.
+    """
+    pid_k, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok, v_ok = cols_k < d_k, cols_v < d_v
+    tile = cols_k[:, None] * d_v + cols_v[None, :]
+    tile_ok = k_ok[:, None] & v_ok[None, :]
+    h = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    if HAS_H0:
+        h += tl.load(h0_ptr + bh * d_k * d_v + tile, mask=tile_ok, other=0.0)
+    padded = chunks * CHUNK
+    for c in range(chunks):
+        tl.store(h_ptr + (bh * chunks + c) * d_k * d_v + tile, h, mask=tile_ok)
+        rows = c * CHUNK + tl.arange(0, CHUNK)
+        row_ok = rows < seqlen
+        k = tl.load(k_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :],
+                    mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        last = bh * padded + c * CHUNK + CHUNK - 1
+        if GATE == 1:
+            g = tl.load(g_ptr + bh * padded + rows)
+            g_last = tl.load(g_ptr + last)
+            h = h * tl.math.exp2(g_last)
+            k = (k * tl.math.exp2(g_last - g)[:, None]).to(v.dtype)
+        elif GATE == 2:
+            g = tl.load(g_ptr + (bh * padded + rows)[:, None] * d_k + cols_k[None, :], mask=k_ok[None, :], other=0.0)
+            g_last = tl.load(g_ptr + last * d_k + cols_k, mask=k_ok, other=0.0)
+            h = h * tl.math.exp2(g_last)[:, None]
+            k = (k * tl.math.exp2(g_last[None, :] - g)).to(v.dtype)
+        h = tl.dot(tl.trans(k), v, h, input_precision=PRECISION)
+    tl.store(ht_ptr + bh * d_k * d_v + tile, h, mask=tile_ok)
+
+
+@triton.jit
+def chunk_fwd_o_kernel(q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seqlen, chunks, d_k, d_v, scale,
+                       CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATE: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """o of one chunk and value block, no gate (GATE 0) or a scalar gate (GATE 1).
+
+    q_ptr, k_ptr (B*H, N, d_k), v_ptr and o_ptr (B*H, N, d_v) contiguous; g_ptr, h_ptr as
+    :func:`chunk_fwd_h_kernel` takes and writes them.
+    """
+    c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = rows < seqlen
+    cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = cols_v < d_v
+    acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
+    scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for start_k in range(0, d_k, BLOCK_K):
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        k_ok = cols_k < d_k
+        qk_mask = row_ok[:, None] & k_ok[None, :]
+        q = tl.load(q_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], mask=qk_mask, other=0.0)
+        k = tl.load(k_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], mask=qk_mask, other=0.0)
+        h = tl.load(h_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
+                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        acc = tl.dot(q, h.to(q.dtype), acc, input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
+    causal = rows[:, None] >= rows[None, :]
+    if GATE == 1:
+        g = tl.load(g_ptr + bh * chunks * CHUNK + rows)
+        acc = acc * tl.math.exp2(g)[:, None]
+        scores = scores * tl.math.exp2(tl.where(causal, g[:, None] - g[None, :], float("-inf")))
+    else:
+        scores = tl.where(causal, scores, 0.0)
+    v = tl.load(v_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :],
+                mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+    acc = tl.dot(scores.to(v.dtype), v, acc, input_precision=PRECISION)
+    tl.store(o_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], (acc * scale).to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _load_rows(ptr, bh, rows, seqlen, cols, width):
+    """rows x cols of a (B*H, N, width) tensor, zeros outside N and width (float32)."""
+    return tl.load(ptr + (bh * seqlen + rows)[:, None] * width + cols[None, :],
+                   mask=(rows < seqlen)[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def chunk_gla_fwd_o_kernel(q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seqlen, chunks, d_k, d_v, scale,
+                           CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """o of one chunk and value block under GLA's per-dim gate, sub-chunk by sub-chunk (pointers as in
+    :func:`chunk_fwd_o_kernel`; g_ptr (B*H, chunks * CHUNK, d_k))."""
+    c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    dtype = q_ptr.dtype.element_ty
+    padded = chunks * CHUNK
+    cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = cols_v < d_v
+    for s in tl.static_range(CHUNK // SUB):
+        rows_s = c * CHUNK + s * SUB + tl.arange(0, SUB)
+        acc = tl.zeros([SUB, BLOCK_V], dtype=tl.float32)
+        for start_k in range(0, d_k, BLOCK_K):  # inter-chunk: (q o exp(G)) h_c
+            cols_k = start_k + tl.arange(0, BLOCK_K)
+            q_s = _load_rows(q_ptr, bh, rows_s, seqlen, cols_k, d_k)
+            g_s = _load_rows(g_ptr, bh, rows_s, padded, cols_k, d_k)
+            h = tl.load(h_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
+                        mask=(cols_k < d_k)[:, None] & v_ok[None, :], other=0.0)
+            acc = tl.dot((q_s * tl.math.exp2(g_s)).to(dtype), h.to(dtype), acc, input_precision=PRECISION)
+        for t in tl.static_range(s + 1):  # intra-chunk: key sub-chunks up to the query's own
+            rows_t = c * CHUNK + t * SUB + tl.arange(0, SUB)
+            scores = tl.zeros([SUB, SUB], dtype=tl.float32)
+            for start_k in range(0, d_k, BLOCK_K):
+                cols_k = start_k + tl.arange(0, BLOCK_K)
+                q_s = _load_rows(q_ptr, bh, rows_s, seqlen, cols_k, d_k)
+                g_s = _load_rows(g_ptr, bh, rows_s, padded, cols_k, d_k)
+                k_t = _load_rows(k_ptr, bh, rows_t, seqlen, cols_k, d_k)
+                g_t = _load_rows(g_ptr, bh, rows_t, padded, cols_k, d_k)
+                if t < s:  # through the query sub-chunk's first row r: exp2(G_i - G_r) exp2(G_r - G_j), both <= 1
+                    g_r = tl.load(g_ptr + (bh * padded + c * CHUNK + s * SUB) * d_k + cols_k, mask=cols_k < d_k,
+                                  other=0.0)
+                    q_r = (q_s * tl.math.exp2(g_s - g_r[None, :])).to(dtype)
+                    k_r = (k_t * tl.math.exp2(g_r[None, :] - g_t)).to(dtype)
+                    scores = tl.dot(q_r, tl.trans(k_r), scores, input_precision=PRECISION)
+                else:  # the diagonal sub-chunk: exact pairwise decays, masked in the exponent
+                    keep = (tl.arange(0, SUB)[:, None] >= tl.arange(0, SUB)[None, :])[:, :, None]
+                    decay = tl.math.exp2(tl.where(keep, g_s[:, None, :] - g_t[None, :, :], float("-inf")))
+                    scores += tl.sum(q_s[:, None, :] * k_t[None, :, :] * decay, axis=2)
+            v_t = tl.load(v_ptr + (bh * seqlen + rows_t)[:, None] * d_v + cols_v[None, :],
+                          mask=(rows_t < seqlen)[:, None] & v_ok[None, :], other=0.0)
+            acc = tl.dot(scores.to(dtype), v_t, acc, input_precision=PRECISION)
+        tl.store(o_ptr + (bh * seqlen + rows_s)[:, None] * d_v + cols_v[None, :],
+                 (acc * scale).to(o_ptr.dtype.element_ty), mask=(rows_s < seqlen)[:, None] & v_ok[None, :])
+
+
+# ---------------------------------------------------------------- launchers
+
+
+def check_kernel_inputs(q, v, chunk_size: int | None) -> None:
+    """Refuse what the linear-attention kernels cannot run, before any launch."""
+    from .. import interpreting
+
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"impl='triton' runs float16, bfloat16 and float32; q has dtype {q.dtype}: "
+                        "use impl='torch' for float64")
+    if not q.is_cuda and not interpreting():
+        raise ValueError(f"q is on {q.device}, but this machine has CUDA, so Triton compiles kernels for the GPU. "
+                         "Move the inputs to 'cuda', or use impl='torch' on the CPU.")
+    for name, dim in (("head_dim_k", q.shape[-1]), ("head_dim_v", v.shape[-1])):
+        if dim > 256:
+            raise ValueError(f"impl='triton' takes {name} up to 256, got {dim}")
+    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"impl='triton' with form='chunk' needs chunk_size in {CHUNK_SIZES} (a power of two: "
+                         f"a chunk is one tl.dot tile), got {chunk_size}; impl='torch' takes any chunk_size")
+
+
+def block_size(dim: int, cap: int = 64) -> int:
+    """A power-of-two tile width for a head dim: at least 16 (tl.dot's minimum), at most ``cap``."""
+    return min(cap, max(16, triton.next_power_of_2(dim)))
+
+
+def output_warps(chunk_size: int) -> int:
+    """Warps of an o-pass program: its (C, C) score tile and (C, BLOCK_V) accumulator grow with the chunk."""
+    return 4 if chunk_size <= 64 else 8
+
+
+def log2_cumulated_gate(g, chunk_size: int):
+    """g (B, H, N[, d_k]) natural-log decays -> float32 (B*H, chunks * C[, d_k]), cumulated within each chunk
+    and multiplied by RCP_LN2 = log2(e), once (the kernels' every decay is then one exp2)."""
+    from ...linear.chunk import chunk_local_cumsum
+
+    cum = chunk_local_cumsum(g.float(), chunk_size) * common.LOG2E
+    return cum.flatten(0, 1).flatten(1, 2).contiguous()
+
+
+def chunk_forward(q, k, v, g, initial_state, scale: float, chunk_size: int):
+    """Run both passes (no autograd). q, k (B, H, N, d_k), v (B, H, N, d_v), g None, (B, H, N) or
+    (B, H, N, d_k); returns (o (B, H, N, d_v) in q.dtype, final state (B, H, d_k, d_v) float32)."""
+    from ...linear.inputs import gate_kind
+    from ..common import cdiv, on_device
+
+    batch, heads, seqlen, d_k = q.shape
+    d_v = v.shape[-1]
+    chunks = cdiv(seqlen, chunk_size)
+    gate = GATE_CODES[gate_kind(g)]
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    cum = log2_cumulated_gate(g, chunk_size) if g is not None else q
+    h0 = initial_state.float().contiguous() if initial_state is not None else q
+    h = torch.empty(batch * heads, chunks, d_k, d_v, dtype=torch.float32, device=q.device)
+    final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
+    o = torch.empty(batch, heads, seqlen, d_v, dtype=q.dtype, device=q.device)
+    block_k, block_v = block_size(d_k), block_size(d_v)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    warps = output_warps(chunk_size)
+    with on_device(q):
+        chunk_fwd_h_kernel[(cdiv(d_k, block_k), cdiv(d_v, block_v), batch * heads)](
+            k, v, cum, h0, h, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size, BLOCK_K=block_k,
+            BLOCK_V=block_v, GATE=gate, HAS_H0=initial_state is not None, PRECISION=precision)
+        grid = (chunks, batch * heads, cdiv(d_v, block_v))
+        if gate == GATE_CODES["per_dim"]:
+            chunk_gla_fwd_o_kernel[grid](q, k, v, cum, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size,
+                                         SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32), BLOCK_V=block_v,
+                                         PRECISION=precision, num_warps=warps)
+        else:
+            chunk_fwd_o_kernel[grid](q, k, v, cum, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size,
+                                     BLOCK_K=block_k, BLOCK_V=block_v, GATE=gate, PRECISION=precision,
+                                     num_warps=warps)
+    return o, final_state
+
+
+class RecomputedBackward(torch.autograd.Function):
+    """A kernel forward with a PyTorch backward: autograd through ``reference`` recomputed in float32.
+
+    forward(kernel, reference, q, k, v, g, beta, initial_state) -> (o, final_state), where both
+    callables take (q, k, v, g, beta, initial_state) (None for absent ones) and return (o, final state).
+    """
+
+    @staticmethod
+    def forward(ctx, kernel, reference, q, k, v, g, beta, initial_state):
+        ctx.reference = reference
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        return kernel(q, k, v, g, beta, initial_state)
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_state):
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            leaves = [None if t is None else t.detach().float().requires_grad_(n) for t, n in zip(inputs, needs)]
+            o, final_state = ctx.reference(*leaves)
+            wanted = [i for i, leaf in enumerate(leaves) if leaf is not None and leaf.requires_grad]
+            grads = torch.autograd.grad((o, final_state), [leaves[i] for i in wanted],
+                                        (grad_o.float(), grad_state.float()), allow_unused=True)
+        result = [None] * len(inputs)
+        for i, grad in zip(wanted, grads):
+            result[i] = None if grad is None else grad.to(inputs[i].dtype)
+        return (None, None, *result)
+
+
+def triton_chunk_linear_attention(q, k, v, g, initial_state, scale: float, chunk_size: int):
+    """Differentiable chunkwise linear attention / simple GLA / GLA (by g's shape) on checked inputs.
+
+    Returns (o (B, H, N, d_v) in q.dtype, final state (B, H, d_k, d_v) float32). The backward is
+    autograd through :func:`fa_lab.linear.chunk.chunk_gla` recomputed in float32 (module docstring).
+    """
+    from ...linear.chunk import chunk_gla
+    from ...linear.inputs import gate_kind
+
+    check_kernel_inputs(q, v, chunk_size)
+    gate = gate_kind(g)
+    kernel = lambda q, k, v, g, beta, h0: chunk_forward(q, k, v, g, h0, scale, chunk_size)
+    reference = lambda q, k, v, g, beta, h0: chunk_gla(q, k, v, g, gate, scale, h0, 64)
+    return RecomputedBackward.apply(kernel, reference, q, k, v, g, None, initial_state)
