@@ -142,6 +142,9 @@ ANSWERS = {  # what each lab asks for, and so must hide
     "lab07": ("fa_lab.sparse.block_sparse_attention", "fa_lab.sparse.moba_gate", "fa_lab.sparse.moba_attention",
               "fa_lab.sparse.selection_mask", "fa_lab.online_softmax.merge_splits",
               "fa_lab.kernels.triton_block_select_attention", "fa_lab.reference.reference_attention"),
+    "lab09": ("fa_lab.context_parallel.shard", "fa_lab.context_parallel.chunk_cases",
+              "fa_lab.context_parallel.ring_schedule", "fa_lab.context_parallel.ring_attention",
+              "fa_lab.online_softmax.merge_splits", "fa_lab.online_softmax.merge_partials"),
 }
 # What the lab notebooks import and use outside the graded functions (their first cell and helpers).
 KEPT = {"lab00": (), "lab02": (),
@@ -151,7 +154,7 @@ KEPT = {"lab00": (), "lab02": (),
                   "fa_lab.fp8.rmse", "fa_lab.reference.reference_attention"),
         "lab05": ("fa_lab.testing.make_qkv",),
         "lab06": ("fa_lab.testing.make_qkv",),
-        "lab07": ()}
+        "lab07": (), "lab09": ()}
 
 
 @pytest.mark.parametrize("lab", sorted(ANSWERS))
