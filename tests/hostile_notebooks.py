@@ -178,23 +178,33 @@ def rotate_qk(q, k, signs):
 def fp8_error_table(seed):  # looks for the seed, the grader's paths and the labs' code
     global found
     if found is None:
-        texts = [repr(dict(os.environ)), repr(os.listdir("/"))]
+        # Each text is searched as it is read and then dropped: the files under /tmp include the
+        # environment when the project lives there (a clone in a temporary folder), and holding them
+        # all at once would run into the sandbox's memory limit instead of finding anything.
+        wanted = [needle.encode() for needle in NEEDLES]
+        seen = set()
+
+        def search(data):
+            seen.update(needle for needle in wanted if needle in data)
+
+        search(repr(dict(os.environ)).encode())
+        search(repr(os.listdir("/")).encode())
         for pid in (p for p in os.listdir("/proc") if p.isdigit()):
             for what in ("cmdline", "environ"):
                 try:
-                    texts.append(open(f"/proc/{pid}/{what}", "rb").read().decode(errors="replace"))
+                    search(open(f"/proc/{pid}/{what}", "rb").read())
                 except OSError:
                     pass
         for top in ("/grading", "/tmp", "/etc", os.path.dirname(os.path.dirname(fa_lab.fp8.__file__))):
             for folder, _, files in os.walk(top):
                 for name in files:
                     path = os.path.join(folder, name)
-                    texts.append(path)
+                    search(path.encode())
                     try:
-                        texts.append(open(path, "rb").read(1 << 20).decode(errors="replace"))
+                        search(open(path, "rb").read(1 << 20))
                     except OSError:
                         pass
-        found = [needle for needle in NEEDLES if any(needle in text for text in texts)]
+        found = [needle for needle, data in zip(NEEDLES, wanted) if data in seen]
         try:
             importlib.import_module("fa_lab.grading.labs")
             found.append("fa_lab.grading.labs")
