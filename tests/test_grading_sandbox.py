@@ -142,6 +142,9 @@ ANSWERS = {  # what each lab asks for, and so must hide
     "lab07": ("fa_lab.sparse.block_sparse_attention", "fa_lab.sparse.moba_gate", "fa_lab.sparse.moba_attention",
               "fa_lab.sparse.selection_mask", "fa_lab.online_softmax.merge_splits",
               "fa_lab.kernels.triton_block_select_attention", "fa_lab.reference.reference_attention"),
+    "lab08": ("fa_lab.linear.linear_attention", "fa_lab.linear.delta_rule", "fa_lab.linear.tril.solve_tril",
+              "fa_lab.linear.chunk.chunk_fwd_h", "fa_lab.linear.chunk.chunk_fwd_o", "fa_lab.linear.chunk.chunk_gla",
+              "fa_lab.kernels.triton_chunk_linear_attention"),
     "lab09": ("fa_lab.context_parallel.shard", "fa_lab.context_parallel.chunk_cases",
               "fa_lab.context_parallel.ring_schedule", "fa_lab.context_parallel.ring_attention",
               "fa_lab.online_softmax.merge_splits", "fa_lab.online_softmax.merge_partials"),
@@ -154,7 +157,7 @@ KEPT = {"lab00": (), "lab02": (),
                   "fa_lab.fp8.rmse", "fa_lab.reference.reference_attention"),
         "lab05": ("fa_lab.testing.make_qkv",),
         "lab06": ("fa_lab.testing.make_qkv",),
-        "lab07": (), "lab09": ()}
+        "lab07": (), "lab08": (), "lab09": ()}
 
 
 @pytest.mark.parametrize("lab", sorted(ANSWERS))

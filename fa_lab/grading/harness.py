@@ -38,7 +38,8 @@ CALLING_CONVENTIONS = ("call", "autograd")
 # Modules whose every function counts as "calling the answer" (fa_lab.kernels' submodules hold
 # the kernels; fa_lab.kernels itself also has helpers such as load_triton, which stay allowed).
 FORBIDDEN_MODULES = ("fa_lab.flash_torch", "fa_lab.online_softmax", "fa_lab.kernels.", "fa_lab.grading.labs",
-                     "fa_lab.impls", "fa_lab.varlen", "fa_lab.kvcache", "fa_lab.sparse", "fa_lab.context_parallel")
+                     "fa_lab.impls", "fa_lab.varlen", "fa_lab.kvcache", "fa_lab.sparse", "fa_lab.context_parallel",
+                     "fa_lab.linear")
 # Exceptions among them: the interpreter fixes that load_triton installs, which Triton's interpreter
 # calls from inside any kernel (the learner's too).
 ALLOWED_MODULES = ("fa_lab.kernels.interpreter_fixes",)
