@@ -183,18 +183,23 @@ def interface_row(impl: str, case: InterfaceCase) -> dict:
     return row
 
 
+def time_forward_backward(run, leaves, timer) -> tuple[float, float]:
+    """(forward ms, backward ms): medians of ``timer`` (do_bench's interface) over ``run()`` and over the
+    backward of one of its outputs with a fixed random gradient, the leaves' gradients reset each time."""
+    fwd_ms = timer(run, return_mode="median")
+    out = run()
+    grad = torch.randn_like(out)
+    bwd_ms = timer(lambda: out.backward(grad, retain_graph=True), grad_to_none=list(leaves), return_mode="median")
+    return fwd_ms, bwd_ms
+
+
 def measure(impl: str, prepare, case: InterfaceCase, timer=None) -> dict:
     """One row: forward and backward medians and TFLOP/s; null figures when the impl refuses the case."""
     if timer is None:
         from triton.testing import do_bench as timer
     row = interface_row(impl, case)
     try:
-        run, leaves = prepare(case)
-        fwd_ms = timer(run, return_mode="median")
-        out = run()
-        grad = torch.randn_like(out)
-        bwd_ms = timer(lambda: out.backward(grad, retain_graph=True), grad_to_none=list(leaves),
-                       return_mode="median")
+        fwd_ms, bwd_ms = time_forward_backward(*prepare(case), timer)
     except Exception as exc:  # a peer that does not take a case must not end the sweep
         print(f"{impl} {case.case} N={max(case.lengths)} causal={case.causal}: {exc!r:.300}", file=sys.stderr)
         return row

@@ -22,6 +22,7 @@ import torch
 
 from ..block_info import BlockInfo
 from ..iomodel import AttentionShape
+from .interfaces import time_forward_backward
 from .schema import empty_row, environment, save_results
 
 HEADS, HEADS_KV, HEAD_DIM, BLOCK_K, SELECTED = 64, 4, 128, 64, 16
@@ -85,12 +86,7 @@ def measure(impl: str, make, seqlen: int, tensors, selection, flops_fwd: float, 
     row = sparse_row(impl, seqlen)
     try:
         made = make(*tensors, selection)
-        run, leaves = made if isinstance(made, tuple) else (made, tensors)
-        fwd_ms = timer(run, return_mode="median")
-        out = run()
-        grad = torch.randn_like(out)
-        bwd_ms = timer(lambda: out.backward(grad, retain_graph=True), grad_to_none=list(leaves),
-                       return_mode="median")
+        fwd_ms, bwd_ms = time_forward_backward(*(made if isinstance(made, tuple) else (made, tensors)), timer)
     except Exception as exc:  # a peer that is not installed or refuses must not end the sweep
         print(f"{impl} N={seqlen}: {exc!r:.300}", file=sys.stderr)
         return row

@@ -49,6 +49,23 @@ CHUNK_SIZES = (16, 32, 64, 128)
 
 
 @triton.jit
+def state_tile(h0_ptr, bh, pid_k, pid_v, d_k, d_v, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+               HAS_H0: tl.constexpr):
+    """Tile (pid_k, pid_v) of head ``bh``'s (d_k, d_v) state: (cols_k, cols_v, k_ok, v_ok, tile, tile_ok, h)
+    with its key and value columns, their masks, its offsets within one state and its start value, h0's
+    tile (h0_ptr (B*H, d_k, d_v) float32) when HAS_H0, else zeros (float32)."""
+    cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok, v_ok = cols_k < d_k, cols_v < d_v
+    tile = cols_k[:, None] * d_v + cols_v[None, :]
+    tile_ok = k_ok[:, None] & v_ok[None, :]
+    h = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    if HAS_H0:
+        h += tl.load(h0_ptr + bh * d_k * d_v + tile, mask=tile_ok, other=0.0)
+    return cols_k, cols_v, k_ok, v_ok, tile, tile_ok, h
+
+
+@triton.jit
 def chunk_fwd_h_kernel(k_ptr, v_ptr, g_ptr, h0_ptr, h_ptr, ht_ptr, seqlen, chunks, d_k, d_v,
                        CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATE: tl.constexpr,
                        HAS_H0: tl.constexpr, PRECISION: tl.constexpr):
@@ -59,14 +76,8 @@ def chunk_fwd_h_kernel(k_ptr, v_ptr, g_ptr, h0_ptr, h_ptr, ht_ptr, seqlen, chunk
     float32 (read if HAS_H0); h_ptr (B*H, chunks, d_k, d_v) and ht_ptr (B*H, d_k, d_v) float32 outputs.
     """
     pid_k, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok, v_ok = cols_k < d_k, cols_v < d_v
-    tile = cols_k[:, None] * d_v + cols_v[None, :]
-    tile_ok = k_ok[:, None] & v_ok[None, :]
-    h = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    if HAS_H0:
-        h += tl.load(h0_ptr + bh * d_k * d_v + tile, mask=tile_ok, other=0.0)
+    cols_k, cols_v, k_ok, v_ok, tile, tile_ok, h = state_tile(h0_ptr, bh, pid_k, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
+                                                              HAS_H0)
     padded = chunks * CHUNK
     for c in range(chunks):
         tl.store(h_ptr + (bh * chunks + c) * d_k * d_v + tile, h, mask=tile_ok)

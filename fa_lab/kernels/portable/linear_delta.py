@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .linear_chunk import state_tile
+
 
 @triton.jit
 def chunk_delta_fwd_h_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h0_ptr, h_ptr, v_new_ptr, ht_ptr, seqlen, chunks, d_k, d_v,
@@ -34,14 +36,8 @@ def chunk_delta_fwd_h_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h0_ptr, h_ptr, v_new_pt
     h0_ptr, ht_ptr (B*H, d_k, d_v) and h_ptr (B*H, chunks, d_k, d_v) float32.
     """
     pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    cols_k = tl.arange(0, BLOCK_K)
-    cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok, v_ok = cols_k < d_k, cols_v < d_v
-    tile = cols_k[:, None] * d_v + cols_v[None, :]
-    tile_ok = k_ok[:, None] & v_ok[None, :]
-    h = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    if HAS_H0:
-        h += tl.load(h0_ptr + bh * d_k * d_v + tile, mask=tile_ok, other=0.0)
+    cols_k, cols_v, k_ok, v_ok, tile, tile_ok, h = state_tile(h0_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
+                                                              HAS_H0)
     for c in range(chunks):
         tl.store(h_ptr + (bh * chunks + c) * d_k * d_v + tile, h, mask=tile_ok)
         rows = c * CHUNK + tl.arange(0, CHUNK)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from .linear_chunk import state_tile
 
 RCP_LN2 = tl.constexpr(common.LOG2E)
 
@@ -41,14 +42,8 @@ def fused_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, 
     h0_ptr (B*H, d_k, d_v) float32 (read if HAS_H0); ht_ptr (B*H, d_k, d_v) float32 output.
     """
     pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    cols_k = tl.arange(0, BLOCK_K)
-    cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok, v_ok = cols_k < d_k, cols_v < d_v
-    tile = cols_k[:, None] * d_v + cols_v[None, :]
-    tile_ok = k_ok[:, None] & v_ok[None, :]
-    state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
-    if HAS_H0:
-        state += tl.load(h0_ptr + bh * d_k * d_v + tile, mask=tile_ok, other=0.0)
+    cols_k, cols_v, k_ok, v_ok, tile, tile_ok, state = state_tile(h0_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K,
+                                                                  BLOCK_V, HAS_H0)
     for t in range(seqlen):
         token = bh * seqlen + t
         q = tl.load(q_ptr + token * d_k + cols_k, mask=k_ok, other=0.0).to(tl.float32)
