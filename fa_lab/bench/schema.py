@@ -64,8 +64,8 @@ INTERFACE_TYPES = {"case": str, "heads_kv": int, "window": list, "softcap": floa
                    "lengths": (list, type(None))}
 DECODE_TYPES = {"heads_kv": int, "page_size": (int, type(None)), "num_splits": (int, type(None)), "timer": str}
 SPARSE_TYPES = {"case": str, "heads_kv": int, "block_k": int, "selected": int}
-# The key that marks a row of an optional group, and the group's keys (the first marker a row has decides).
-OPTIONAL_GROUPS = {"selected": SPARSE_TYPES, "case": INTERFACE_TYPES, "page_size": DECODE_TYPES}
+# The optional key groups: a row has ROW_KEYS and exactly one of these, or none.
+OPTIONAL_GROUPS = (INTERFACE_TYPES, DECODE_TYPES, SPARSE_TYPES)
 
 
 def empty_row(impl: str, shape: AttentionShape) -> dict:
@@ -111,8 +111,8 @@ def validate_results(results: dict) -> dict:
     if not isinstance(results["rows"], list):
         raise ValueError("results['rows'] must be a list of rows")
     for index, row in enumerate(results["rows"]):
-        group = next((types for marker, types in OPTIONAL_GROUPS.items()
-                      if isinstance(row, dict) and marker in row), {})
+        extra = set(row) - set(ROW_KEYS) if isinstance(row, dict) else set()
+        group = next((types for types in OPTIONAL_GROUPS if set(types) == extra), {})
         if not isinstance(row, dict) or set(row) != set(ROW_KEYS) | set(group):
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"row {index} has keys {got}; every row needs exactly {list(ROW_KEYS)}, an "

@@ -62,13 +62,13 @@ def sparse_row(impl: str, seqlen: int) -> dict:
 def ours(q, k, v, selection):
     from ..kernels import triton_block_select_attention
 
-    return lambda: triton_block_select_attention(q, k, v, selection, BLOCK_K, True)[0]
+    return (lambda: triton_block_select_attention(q, k, v, selection, BLOCK_K, True)[0]), (q, k, v)
 
 
 def dense(q, k, v, _selection):
     import fa_lab
 
-    return lambda: fa_lab.attention(q, k, v, causal=True, impl="triton_hopper")
+    return (lambda: fa_lab.attention(q, k, v, causal=True, impl="triton_hopper")), (q, k, v)
 
 
 def fla_nsa(q, k, v, selection):
@@ -82,11 +82,11 @@ def fla_nsa(q, k, v, selection):
 
 
 def measure(impl: str, make, seqlen: int, tensors, selection, flops_fwd: float, timer) -> dict:
-    """One row; null figures when the impl is missing or refuses the case."""
+    """One row (``make(q, k, v, selection) -> (run, leaves)``); null figures when the impl is missing or
+    refuses the case."""
     row = sparse_row(impl, seqlen)
     try:
-        made = make(*tensors, selection)
-        fwd_ms, bwd_ms = time_forward_backward(*(made if isinstance(made, tuple) else (made, tensors)), timer)
+        fwd_ms, bwd_ms = time_forward_backward(*make(*tensors, selection), timer)
     except Exception as exc:  # a peer that is not installed or refuses must not end the sweep
         print(f"{impl} N={seqlen}: {exc!r:.300}", file=sys.stderr)
         return row

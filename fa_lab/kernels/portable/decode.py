@@ -196,9 +196,10 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     else:
         table, page_size = block_table.contiguous(), layout.page_size
         gather = PAGE_PER_TILE if page_size % config.block_n == 0 else PAGE_PER_KEY
-    info = BlockInfo(seqlen_q, seqlen_q, causal, tuple(window))  # (which path; bounds are per sequence)
-    left, right = (info.left if info.left is not None else 1 << 30,
-                   info.right if info.right is not None else 1 << 30) if info.banded else (0, 0)
+    # Which path, and the window's bounds with an unbounded side beyond every sequence's keys (the
+    # capacity); the kernel aligns them per sequence.
+    info = BlockInfo(seqlen_q, layout.capacity, causal, tuple(window))
+    left, right = info.window_bounds() if info.banded else (0, 0)
     k_rows, v_rows = (t.reshape(-1, layout.heads_kv, head_dim) for t in (k_cache, v_cache))
     out = torch.empty((splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits, batch, heads, seqlen_q), dtype=torch.float32, device=q.device)

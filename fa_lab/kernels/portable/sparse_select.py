@@ -79,6 +79,17 @@ def selected_keys(index_ptr, slot, seqlen_k, block_k, key_limit):
 
 
 @triton.jit
+def load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(keys, offsets, mask, k, v): keys start_n + arange(BLOCK_N), the offsets and mask of their rows of one KV
+    head (from row kv_row0 of the contiguous (B * Hkv * seqlen_k, head_dim) tensors; keys from ``stop`` on
+    masked), and their (BLOCK_N, HEAD_DIM) K and V rows, zeros where masked."""
+    keys = start_n + tl.arange(0, BLOCK_N)
+    offsets, mask = row_tile(kv_row0 + keys, keys < stop, head_dim, HEAD_DIM)
+    k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
+    return keys, offsets, mask, k, tl.load(v_ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
                             group, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, qk_scale,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -104,10 +115,8 @@ def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
     for slot in tl.range(0, slots):
         start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
         for start_n in tl.range(start, stop, BLOCK_N):
-            keys = start_n + tl.arange(0, BLOCK_N)
-            kv_offsets, kv_mask = row_tile(kv_row0 + keys, keys < stop, head_dim, HEAD_DIM)
-            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            keys, kv_offsets, kv_mask, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N,
+                                                             HEAD_DIM)
             # Always the masked update: a chunk may end inside its block, and any block may hold
             # the causal diagonal of some rows (``stop`` plays seqlen_k: keys from it on are hidden).
             p, alpha, l_i, m_new = online_softmax_tile(tl.dot(q, tl.trans(k)), l_i, m_i, qk_scale, query, start_n,
@@ -152,10 +161,8 @@ def block_select_bwd_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, in
     for slot in tl.range(0, slots):
         start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
         for start_n in tl.range(start, stop, BLOCK_N):
-            keys = start_n + tl.arange(0, BLOCK_N)
-            kv_offsets, kv_mask = row_tile(kv_row0 + keys, keys < stop, head_dim, HEAD_DIM)
-            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            keys, kv_offsets, kv_mask, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N,
+                                                             HEAD_DIM)
             visible = keys[None, :] < stop
             if CAUSAL:
                 visible = visible & (keys[None, :] <= query[:, None] + causal_offset)
