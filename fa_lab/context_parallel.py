@@ -35,12 +35,13 @@ The backward
 ------------
 :class:`RingAttentionFunction` saves q, k, v, the merged output O and the global LSE. Its backward sends
 the K/V shards round the ring once more, with a dK/dV accumulator travelling beside each shard. At each
-step a rank recomputes its part of the visiting block with :func:`fa_lab.flash_torch.flash_backward`,
-given the global O and LSE: P = exp(S - lse) is then already the final softmax, D = rowsum(dO * O) is the
-global one, and the block's (dQ, dK, dV) are exactly its share of the gradients. dQ stays local; the
-block's dK/dV is added to the accumulator, which moves on with the shard and reaches its owner after W
-steps. This backward is the torch impl's tiled recomputation (tiles of at most 512 x 256 scores) whatever
-``impl`` ran the forward. Gradients are summed in float32 and cast to the inputs' dtypes at the end.
+step a rank recomputes its part of the visiting block given the global O and LSE (:func:`step_backward`):
+P = exp(S - lse) is then already the final softmax, D = rowsum(dO * O) is the global one, and the
+block's (dQ, dK, dV) are exactly its share of the gradients. dQ stays local; the block's dK/dV is added
+to the accumulator, which moves on with the shard and reaches its owner after W steps. The step is the
+Triton backward kernel for impl "triton" and "triton_hopper" on a GPU, else the torch impl's tiled
+recomputation (:func:`fa_lab.flash_torch.flash_backward`, tiles of at most 512 x 256 scores). Gradients
+are summed in float32 and cast to the inputs' dtypes at the end.
 
 One rank, no process group
 --------------------------
@@ -325,9 +326,23 @@ def _ring_forward(q, k, v, causal, scale, impl, ring: _Ring, layout):
     return acc.to(q.dtype), acc_lse
 
 
-def _ring_backward(q, k, v, out, lse, grad_out, causal, scale, ring: _Ring, layout):
+def step_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, impl: str):
+    """One ring step's share of the gradients, (dq, dk, dv) float32, given the global out and LSE.
+
+    q, out, grad_out (B, H, n, d); k, v (B, Hkv, m, d); lse (B, H, n) float32. impl "triton" or
+    "triton_hopper" on a GPU, with float16/bfloat16 inputs, runs the Triton backward kernel
+    (:func:`fa_lab.kernels.triton_backward_from_lse`); everything else the torch impl's tiled
+    recomputation (:func:`fa_lab.flash_torch.flash_backward`) in float32.
+    """
+    if impl in ("triton", "triton_hopper") and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from .kernels import triton_backward_from_lse
+
+        return tuple(g.float() for g in triton_backward_from_lse(q, k, v, out, lse, grad_out, causal, scale))
+    return flash_backward(q.float(), k.float(), v.float(), out, lse, grad_out, causal, scale)
+
+
+def _ring_backward(q, k, v, out, lse, grad_out, causal, scale, impl, ring: _Ring, layout):
     """(dq, dk, dv) of this rank's shards: K/V go round again, each with its dK/dV accumulator."""
-    q32 = q.float()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv, spare = torch.stack([k, v]), None
     arriving = None  # the transfer of the dK/dV accumulator of the shard that visits at the next step
@@ -341,9 +356,9 @@ def _ring_backward(q, k, v, out, lse, grad_out, causal, scale, ring: _Ring, layo
         if call is not None:
             (r0, r1), (j0, j1) = call.rows, call.keys
             rows = slice(r0, r1)
-            dq_part, dk_part, dv_part = flash_backward(
-                q32[:, :, rows], kv[0, :, :, j0:j1].float(), kv[1, :, :, j0:j1].float(), out[:, :, rows],
-                lse[:, :, rows], grad_out[:, :, rows], call.causal, scale)
+            dq_part, dk_part, dv_part = step_backward(
+                q[:, :, rows], kv[0, :, :, j0:j1], kv[1, :, :, j0:j1], out[:, :, rows], lse[:, :, rows],
+                grad_out[:, :, rows], call.causal, scale, impl)
             dq[:, :, rows] += dq_part
             dkv[0, :, :, j0:j1] += dk_part
             dkv[1, :, :, j0:j1] += dv_part
@@ -367,7 +382,7 @@ class RingAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, impl, ring, layout):
         out, lse = _ring_forward(q, k, v, causal, scale, impl, ring, layout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, ring, layout)
+        ctx.args = (causal, scale, impl, ring, layout)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -406,7 +421,8 @@ def ring_attention(q, k, v, causal: bool = False, scale: float | None = None, gr
         of it must call ring_attention with the same shapes and options (checked once, by an all_gather).
     layout: "contiguous" (rank r holds positions [r N_local, (r + 1) N_local)) or "zigzag" (2W chunks,
         rank r holds chunks r and 2W - 1 - r; seqlen_local even): the module docstring has the cases.
-    impl: which fa_lab impl computes each step's attention (the backward is always the torch impl's).
+    impl: which fa_lab impl computes each step's attention; its backward is the Triton kernel's for
+        "triton" and "triton_hopper" on a GPU, else the torch impl's (:func:`step_backward`).
     Returns out (dtype of q, this rank's queries) or, with return_lse, (out, lse) with lse (batch, heads,
     seqlen_local) float32, detached. Gradients flow to q, k, v; dk and dv end on the rank that holds k, v.
     A group of one rank returns fa_lab.attention(q, k, v, ...).

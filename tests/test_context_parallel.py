@@ -30,11 +30,12 @@ from fa_lab.context_parallel import (
     ring_schedule,
     ring_step,
     shard,
+    step_backward,
     step_call,
     unshard,
 )
 from fa_lab.reference import naive_attention, reference_attention
-from fa_lab.testing import LSE_FLOOR, compare, make_qkv
+from fa_lab.testing import LSE_FLOOR, check_attention, compare, make_qkv
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
 
@@ -361,3 +362,68 @@ def _nccl_worker(rank, world):
 @pytest.mark.gpu
 def test_one_rank_over_nccl_is_attention():
     run_ranks(_nccl_worker, 1, backend="nccl")
+
+
+# ---- one process plays every rank: the backward's steps -----------------------------------------------
+
+class _SimulatedRingBackward(torch.autograd.Function):
+    """The global (out, lse) from fa_lab.attention; a backward made of ring steps: every rank's step_backward
+    over every shard that visits it, summed where the ring's accumulators would sum them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, world, layout, impl):
+        out, lse = fa_lab.attention(q, k, v, causal, scale, impl=impl, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = causal, scale, world, layout, impl
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, world, layout, impl = ctx.args
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        part = {name: [shard(t, r, world, layout) for r in range(world)]
+                for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("do", grad_out))}
+        lse_part = [shard(lse, r, world, layout) for r in range(world)]
+        dq = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in part["q"]]
+        dk = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in part["k"]]
+        dv = [torch.zeros_like(t) for t in dk]
+        for rank, steps in enumerate(ring_schedule(world, layout, causal, q.shape[2] // world)):
+            for step, call in enumerate(steps):
+                if call is None:
+                    continue
+                source, rows, keys = (rank - step) % world, slice(*call.rows), slice(*call.keys)
+                grads = step_backward(part["q"][rank][:, :, rows], part["k"][source][:, :, keys],
+                                      part["v"][source][:, :, keys], part["out"][rank][:, :, rows],
+                                      lse_part[rank][:, :, rows], part["do"][rank][:, :, rows], call.causal,
+                                      scale, impl)
+                assert all(g.dtype == torch.float32 for g in grads)
+                dq[rank][:, :, rows] += grads[0]
+                dk[source][:, :, keys] += grads[1]
+                dv[source][:, :, keys] += grads[2]
+        return (*(unshard(g, layout).to(t.dtype) for g, t in zip((dq, dk, dv), (q, k, v))),
+                None, None, None, None, None)
+
+
+def _check_simulated_ring(impl, dtype, device, world, layout, causal, heads_kv):
+    generator = torch.Generator().manual_seed(world * 10 + causal)
+    q, k, v = make_qkv(1, 4, 96 * world, head_dim=64, dtype=dtype, device=device, generator=generator,
+                       heads_kv=heads_kv)
+    run = lambda q, k, v, causal, scale: _SimulatedRingBackward.apply(q, k, v, causal, scale, world, layout, impl)
+    check_attention(run, q, k, v, causal, generator=generator)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_ring_steps_backward_sums_to_the_gradients_of_attention(layout, causal):
+    """Every step's share (the torch path) summed as the ring sums it: dq, dk, dv of attention."""
+    _check_simulated_ring("torch", torch.float32, "cpu", 3, layout, causal, heads_kv=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "triton_hopper"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_ring_steps_backward_kernel_sums_to_the_gradients_of_attention(impl, layout, causal):
+    """The same with the Triton backward kernel in each step (bf16 on the GPU), 4 ranks, GQA."""
+    _check_simulated_ring(impl, torch.bfloat16, "cuda", 4, layout, causal, heads_kv=2)

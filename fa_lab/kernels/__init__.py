@@ -71,6 +71,14 @@ def triton_attention(q, k, v, causal, scale, **configs):
     return run(q, k, v, causal, scale, **configs)
 
 
+def triton_backward_from_lse(q, k, v, out, lse, grad_out, causal, scale):
+    """The Triton backward of one call given its (merged) out and LSE: (dq, dk, dv).
+    See :mod:`fa_lab.kernels.portable.attention`."""
+    load_triton()
+    from .portable.attention import triton_backward_from_lse as run
+    return run(q, k, v, out, lse, grad_out, causal, scale)
+
+
 def triton_varlen_attention(q, k, v, cu_q, cu_k, bounds, causal, scale, *options):
     """Differentiable Triton attention of a packed batch. See :mod:`fa_lab.kernels.portable.attention`."""
     load_triton()

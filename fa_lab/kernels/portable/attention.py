@@ -130,6 +130,18 @@ def triton_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
     return dq, dk, dv
 
 
+def triton_backward_from_lse(q, k, v, out, lse, grad_out, causal: bool, scale: float):
+    """The backward of one attention call whose forward ran elsewhere: given its output and natural-log
+    LSE, return (dq, dk, dv) in q's dtype. q, out, grad_out (B, H, Nq, d); k, v (B, Hkv, Nk, d); lse
+    (B, H, Nq) float32. With a merged (global) out and LSE, as ring attention passes them, the result is
+    this block's exact share of the global gradients (P = exp(S - lse) is then the final softmax)."""
+    head_dim = q.shape[-1]
+    operands = [kernel_operand(t.contiguous()) for t in (q, k, v, out.to(q.dtype), grad_out.to(q.dtype))]
+    with on_device(q):
+        dq, dk, dv = triton_backward(*operands[:4], lse.float().contiguous(), operands[4], causal, scale)
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
+
+
 class TritonAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: saves the prepared q, k, v, O and the LSE for the backward.
 
