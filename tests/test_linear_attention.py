@@ -262,10 +262,12 @@ def test_fused_recurrent_one_step_from_zero_state(generator):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("form, gate, delta", [("chunk", "scalar", False), ("chunk", "per_dim", False),
+@pytest.mark.parametrize("form, gate, delta", [("chunk", "none", False), ("chunk", "scalar", False),
+                                               ("chunk", "per_dim", False), ("chunk", "none", True),
                                                ("chunk", "scalar", True), ("recurrent", "scalar", True)])
 def test_kernel_gradients(form, gate, delta, dtype, generator):
-    """impl="triton" backward (autograd through the recomputed PyTorch chunk form) against float64."""
+    """impl="triton" backward against float64: the backward kernels (every gate, the delta rule), or autograd
+    through the recomputed PyTorch chunk form (the gated delta rule, the fused recurrence)."""
     inputs = make_inputs(generator, gate, delta=delta, seqlen=77, dtype=dtype, device=DEVICE)
     grads = random_grads(generator, inputs)
     actual = run_with_grads(call(delta, form=form, impl="triton", chunk_size=32), inputs, *grads)
@@ -427,11 +429,13 @@ def test_gpu_fused_recurrent_kernel(gate, delta, generator):
 
 
 @pytest.mark.gpu
-def test_gpu_chunk_kernel_gradients(generator):
-    inputs = make_inputs(generator, "scalar", seqlen=4096, d_k=128, d_v=128, dtype=torch.bfloat16, device="cuda",
-                         batch=1, heads=4)
+@pytest.mark.parametrize("gate, delta", [("none", False), ("scalar", False), ("per_dim", False), ("none", True),
+                                         ("scalar", True)])
+def test_gpu_chunk_kernel_gradients(gate, delta, generator):
+    inputs = make_inputs(generator, gate, delta=delta, seqlen=4096, d_k=128, d_v=128, dtype=torch.bfloat16,
+                         device="cuda", batch=1, heads=4)
     grads = [t.cuda() for t in random_grads(generator, inputs)]
-    actual = run_with_grads(call(False, impl="triton", form="chunk"), inputs, *grads)
-    expected = run_with_grads(call(False, form="chunk"), [None if t is None else t.double() for t in inputs], *grads)
+    actual = run_with_grads(call(delta, impl="triton", form="chunk"), inputs, *grads)
+    expected = run_with_grads(call(delta, form="chunk"), [None if t is None else t.double() for t in inputs], *grads)
     for name in expected:
         assert relative_rmse(actual[name], expected[name]) <= RMSE_BOUND[torch.bfloat16], name

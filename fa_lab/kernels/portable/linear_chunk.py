@@ -30,10 +30,10 @@ with float32 accumulators; float32 inputs run ``input_precision="ieee"`` (not TF
 chunk is masked on load; the gate is padded with zero log-decays to whole chunks before it is cumulated,
 so the padded chunk's last row holds the cumulated decay of its last real token.
 
-The backward recomputes in PyTorch: :class:`RecomputedBackward` runs the kernels forward and, on
-backward, autograd through :func:`fa_lab.linear.chunk.chunk_gla` (or the delta rule's chunk form) in
-float32. Correct, but it stores what the PyTorch form stores; a backward kernel (fla's dh/dqkw passes)
-is future work.
+The backward is kernels too, :mod:`.linear_chunk_bwd` (fla's dh, dv and dqk passes). The delta rule
+recomputes in PyTorch instead: :class:`RecomputedBackward` runs the kernels forward and, on backward,
+autograd through its PyTorch chunk form in float32. Correct, but it stores what the PyTorch form
+stores and runs at PyTorch's pace.
 """
 from __future__ import annotations
 
@@ -150,6 +150,40 @@ def _load_rows(ptr, bh, rows, seqlen, cols, width):
 
 
 @triton.jit
+def gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_s, rows_t, row_r, seqlen, padded, d_k, SUB: tl.constexpr,
+               BLOCK_K: tl.constexpr, DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
+    """(SUB, SUB) float32 scores ``sum_d q_i[d] k_j[d] 2^(G_i[d] - G_j[d])`` of query rows ``rows_s`` against
+    key rows ``rows_t`` under GLA's per-dim gate (g_ptr (B*H, padded, d_k) in log2 units), d_k walked in
+    BLOCK_K steps. An earlier key sub-chunk goes through the query sub-chunk's first row ``row_r``,
+    ``2^(G_i - G_r) 2^(G_r - G_j)``, both factors <= 1, as one tensor-core matmul; the DIAGONAL sub-chunk
+    takes the exact pairwise decays (a SUB x SUB x BLOCK_K tile), masked above the diagonal in the exponent."""
+    dtype = q_ptr.dtype.element_ty
+    scores = tl.zeros([SUB, SUB], dtype=tl.float32)
+    for start_k in range(0, d_k, BLOCK_K):
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        q_s = _load_rows(q_ptr, bh, rows_s, seqlen, cols_k, d_k)
+        g_s = _load_rows(g_ptr, bh, rows_s, padded, cols_k, d_k)
+        k_t = _load_rows(k_ptr, bh, rows_t, seqlen, cols_k, d_k)
+        g_t = _load_rows(g_ptr, bh, rows_t, padded, cols_k, d_k)
+        if DIAGONAL:
+            decay = tl.math.exp2(tl.where(lower_triangle(SUB)[:, :, None], g_s[:, None, :] - g_t[None, :, :],
+                                          float("-inf")))
+            scores += tl.sum(q_s[:, None, :] * k_t[None, :, :] * decay, axis=2)
+        else:
+            g_r = tl.load(g_ptr + (bh * padded + row_r) * d_k + cols_k, mask=cols_k < d_k, other=0.0)
+            q_r = (q_s * tl.math.exp2(g_s - g_r[None, :])).to(dtype)
+            k_r = (k_t * tl.math.exp2(g_r[None, :] - g_t)).to(dtype)
+            scores = tl.dot(q_r, tl.trans(k_r), scores, input_precision=PRECISION)
+    return scores
+
+
+@triton.jit
+def lower_triangle(SUB: tl.constexpr):
+    """(SUB, SUB) bool: row i >= column j, the causal pairs of a diagonal sub-chunk."""
+    return tl.arange(0, SUB)[:, None] >= tl.arange(0, SUB)[None, :]
+
+
+@triton.jit
 def chunk_gla_fwd_o_kernel(q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seqlen, chunks, d_k, d_v, scale,
                            CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                            PRECISION: tl.constexpr):
@@ -172,23 +206,8 @@ def chunk_gla_fwd_o_kernel(q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seqlen, chu
             acc = tl.dot((q_s * tl.math.exp2(g_s)).to(dtype), h.to(dtype), acc, input_precision=PRECISION)
         for t in tl.static_range(s + 1):  # intra-chunk: key sub-chunks up to the query's own
             rows_t = c * CHUNK + t * SUB + tl.arange(0, SUB)
-            scores = tl.zeros([SUB, SUB], dtype=tl.float32)
-            for start_k in range(0, d_k, BLOCK_K):
-                cols_k = start_k + tl.arange(0, BLOCK_K)
-                q_s = _load_rows(q_ptr, bh, rows_s, seqlen, cols_k, d_k)
-                g_s = _load_rows(g_ptr, bh, rows_s, padded, cols_k, d_k)
-                k_t = _load_rows(k_ptr, bh, rows_t, seqlen, cols_k, d_k)
-                g_t = _load_rows(g_ptr, bh, rows_t, padded, cols_k, d_k)
-                if t < s:  # through the query sub-chunk's first row r: exp2(G_i - G_r) exp2(G_r - G_j), both <= 1
-                    g_r = tl.load(g_ptr + (bh * padded + c * CHUNK + s * SUB) * d_k + cols_k, mask=cols_k < d_k,
-                                  other=0.0)
-                    q_r = (q_s * tl.math.exp2(g_s - g_r[None, :])).to(dtype)
-                    k_r = (k_t * tl.math.exp2(g_r[None, :] - g_t)).to(dtype)
-                    scores = tl.dot(q_r, tl.trans(k_r), scores, input_precision=PRECISION)
-                else:  # the diagonal sub-chunk: exact pairwise decays, masked in the exponent
-                    keep = (tl.arange(0, SUB)[:, None] >= tl.arange(0, SUB)[None, :])[:, :, None]
-                    decay = tl.math.exp2(tl.where(keep, g_s[:, None, :] - g_t[None, :, :], float("-inf")))
-                    scores += tl.sum(q_s[:, None, :] * k_t[None, :, :] * decay, axis=2)
+            scores = gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_s, rows_t, c * CHUNK + s * SUB, seqlen, padded, d_k,
+                                SUB, BLOCK_K, t == s, PRECISION)
             v_t = tl.load(v_ptr + (bh * seqlen + rows_t)[:, None] * d_v + cols_v[None, :],
                           mask=(rows_t < seqlen)[:, None] & v_ok[None, :], other=0.0)
             acc = tl.dot(scores.to(dtype), v_t, acc, input_precision=PRECISION)
@@ -300,17 +319,31 @@ class RecomputedBackward(torch.autograd.Function):
         return (None, None, *result)
 
 
+class ChunkLinearFunction(torch.autograd.Function):
+    """Kernels both ways: :func:`chunk_forward`, and the backward passes of :mod:`.linear_chunk_bwd`.
+    forward(q, k, v, g, initial_state, scale, chunk_size) -> (o, final_state)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, scale, chunk_size):
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.args = scale, chunk_size
+        return chunk_forward(q, k, v, g, initial_state, scale, chunk_size)
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_state):
+        from .linear_chunk_bwd import chunk_backward
+
+        q, k, v, g, initial_state = ctx.saved_tensors
+        dq, dk, dv, dg, d_initial = chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, *ctx.args)
+        return (dq, dk, dv, None if g is None else dg.to(g.dtype),
+                None if initial_state is None else d_initial.to(initial_state.dtype), None, None)
+
+
 def triton_chunk_linear_attention(q, k, v, g, initial_state, scale: float, chunk_size: int):
     """Differentiable chunkwise linear attention / simple GLA / GLA (by g's shape) on checked inputs.
 
-    Returns (o (B, H, N, d_v) in q.dtype, final state (B, H, d_k, d_v) float32). The backward is
-    autograd through :func:`fa_lab.linear.chunk.chunk_gla` recomputed in float32 (module docstring).
+    Returns (o (B, H, N, d_v) in q.dtype, final state (B, H, d_k, d_v) float32); the backward is kernels
+    too (:class:`ChunkLinearFunction`).
     """
-    from ...linear.chunk import chunk_gla
-    from ...linear.inputs import gate_kind
-
     check_kernel_inputs(q, v, chunk_size)
-    gate = gate_kind(g)
-    kernel = lambda q, k, v, g, beta, h0: chunk_forward(q, k, v, g, h0, scale, chunk_size)
-    reference = lambda q, k, v, g, beta, h0: chunk_gla(q, k, v, g, gate, scale, h0, 64)
-    return RecomputedBackward.apply(kernel, reference, q, k, v, g, None, initial_state)
+    return ChunkLinearFunction.apply(q, k, v, g, initial_state, scale, chunk_size)

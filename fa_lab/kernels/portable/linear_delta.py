@@ -13,8 +13,12 @@ inputs' dtype as fla stores them, and launches:
   (its ``blockdim64``) so that d_k = 256 fits; here one tile of the padded d_k is left to the compiler;
 - :func:`.linear_chunk.chunk_fwd_o_kernel` with v_new in place of v.
 
-Gates are in log2 units with RCP_LN2 folded in once, as in :mod:`.linear_chunk`. The backward is autograd
-through :func:`fa_lab.linear.delta.chunk_delta_rule` recomputed in float32 (:class:`.linear_chunk.RecomputedBackward`).
+Gates are in log2 units with RCP_LN2 folded in once, as in :mod:`.linear_chunk`. The backward of the
+delta rule is kernels too (:func:`delta_chunk_backward`: the states walked back by
+:func:`chunk_delta_bwd_dh_kernel`, the chunk-parallel passes of :mod:`.linear_chunk_bwd`, autograd only
+through the WY representation's chunk-parallel PyTorch ops). The gated delta rule's is autograd through
+:func:`fa_lab.linear.delta.chunk_delta_rule` recomputed in float32 (:class:`.linear_chunk.RecomputedBackward`):
+its gate reaches w through T, which the kernels do not differentiate yet.
 """
 from __future__ import annotations
 
@@ -58,6 +62,122 @@ def chunk_delta_fwd_h_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h0_ptr, h_ptr, v_new_pt
     tl.store(ht_ptr + bh * d_k * d_v + tile, h, mask=tile_ok)
 
 
+@triton.jit
+def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr, dh_ptr, dv_new_ptr, dh0_ptr, seqlen,
+                              chunks, d_k, d_v, scale, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_V: tl.constexpr, HAS_DHT: tl.constexpr, PRECISION: tl.constexpr):
+    """The delta rule's dh pass, the h pass reversed, for one BLOCK_V-wide slice of one head's state.
+
+    Walking the chunks backwards from the final state's gradient (dht_ptr, read if HAS_DHT): store
+    dH_{c+1}; form the corrected values' gradient ``dV_new = dV_local + K dH_{c+1}`` (dv_local_ptr: the
+    intra-chunk term, float32) and store it (dv_new_ptr float32); then, since h_{c+1} = h_c + K^T V_new
+    and V_new = U - W h_c, ``dH_c = dH_{c+1} + scale Q^T dO - W^T dV_new``. Ends with the initial state's
+    gradient (dh0_ptr). q, k, w (B*H, N, d_k), do (B*H, N, d_v) contiguous; states float32 as the h pass's.
+    """
+    pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    cols_k, cols_v, k_ok, v_ok, tile, tile_ok, dh = state_tile(dht_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
+                                                               HAS_DHT)
+    for back in range(chunks):
+        c = chunks - 1 - back
+        tl.store(dh_ptr + (bh * chunks + c) * d_k * d_v + tile, dh, mask=tile_ok)
+        rows = c * CHUNK + tl.arange(0, CHUNK)
+        row_ok = rows < seqlen
+        key_rows = (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :]
+        value_rows = (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :]
+        key_ok, value_ok = row_ok[:, None] & k_ok[None, :], row_ok[:, None] & v_ok[None, :]
+        k = tl.load(k_ptr + key_rows, mask=key_ok, other=0.0)
+        w = tl.load(w_ptr + key_rows, mask=key_ok, other=0.0)
+        q = tl.load(q_ptr + key_rows, mask=key_ok, other=0.0)
+        do = tl.load(do_ptr + value_rows, mask=value_ok, other=0.0)
+        dv_new = tl.load(dv_local_ptr + value_rows, mask=value_ok, other=0.0)
+        dv_new = tl.dot(k, dh.to(k.dtype), dv_new, input_precision=PRECISION)
+        tl.store(dv_new_ptr + value_rows, dv_new, mask=value_ok)
+        dh = tl.dot(tl.trans((q.to(tl.float32) * scale).to(k.dtype)), do, dh, input_precision=PRECISION)
+        dh -= tl.dot(tl.trans(w), dv_new.to(w.dtype), input_precision=PRECISION)
+    tl.store(dh0_ptr + bh * d_k * d_v + tile, dh, mask=tile_ok)
+
+
+def delta_chunk_backward(q, k, v, beta, initial_state, grad_o, grad_state, scale: float, chunk_size: int):
+    """(dq, dk, dv, dbeta, d initial_state) of the (ungated) delta rule on kernel-ready inputs, shapes as
+    :func:`delta_chunk_forward`; grad_state None or (B, H, d_k, d_v). dq, dk, dv in the inputs' dtype,
+    dbeta and the initial state's gradient float32.
+
+    w and u are recomputed in PyTorch with autograd (float32); the kernels recompute the states and
+    corrected values (the forward's h pass), the intra-chunk dV (:func:`.linear_chunk_bwd.chunk_bwd_dv_kernel`
+    without its carried term), walk the states back (:func:`chunk_delta_bwd_dh_kernel`), and form dQ, the
+    direct dK and dW (:func:`.linear_chunk_bwd.chunk_bwd_dqk_kernel` over v_new); autograd then carries
+    dW and dU = dV_new through the WY representation to k, v and beta.
+    """
+    from ...linear.decay import from_chunks, to_chunks
+    from ...linear.delta import prepare_wy_repr
+    from ..common import cdiv, on_device
+    from .linear_chunk import block_size, output_warps
+    from .linear_chunk_bwd import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel
+
+    batch, heads, seqlen, d_k = q.shape
+    d_v = v.shape[-1]
+    chunks = cdiv(seqlen, chunk_size)
+    with torch.enable_grad():
+        leaves = [t.detach().float().requires_grad_() for t in (k, v, beta)]
+        w32, u32 = (from_chunks(t, seqlen) for t in prepare_wy_repr(*(to_chunks(t, chunk_size) for t in leaves),
+                                                                   None, "none"))
+    w, u = (t.detach().to(q.dtype).contiguous() for t in (w32, u32))
+    q, k, grad_o = (t.contiguous() for t in (q, k, grad_o.to(q.dtype)))
+    h0 = initial_state.float().contiguous() if initial_state is not None else q
+    dht = grad_state.float().contiguous() if grad_state is not None else q
+    states = torch.empty(batch * heads, chunks, d_k, d_v, dtype=torch.float32, device=q.device)
+    d_states = torch.empty_like(states)
+    final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
+    d_initial = torch.empty_like(final_state)
+    v_new = torch.empty(batch, heads, seqlen, d_v, dtype=q.dtype, device=q.device)
+    dv_local = torch.empty(v_new.shape, dtype=torch.float32, device=q.device)
+    dv_new = torch.empty_like(dv_local)
+    dq, dk_direct = torch.empty_like(q), torch.empty_like(k)
+    dw = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    warps = output_warps(chunk_size)
+    with on_device(q):
+        block_v = block_size(d_v, 32)
+        sweep = dict(CHUNK=chunk_size, BLOCK_K=block_size(d_k, 256), BLOCK_V=block_v, PRECISION=precision)
+        chunk_delta_fwd_h_kernel[(cdiv(d_v, block_v), batch * heads)](
+            k, w, u, q, h0, states, v_new, final_state, seqlen, chunks, d_k, d_v, GATED=False,
+            HAS_H0=initial_state is not None, **sweep)
+        block_k, block_v = block_size(d_k), block_size(d_v)
+        tiles = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, GATE=0, PRECISION=precision,
+                     num_warps=warps)
+        chunk_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
+            q, k, grad_o, q, q, dv_local, seqlen, chunks, d_k, d_v, scale, CARRIED=False, **tiles)
+        block_v = block_size(d_v, 32)
+        chunk_delta_bwd_dh_kernel[(cdiv(d_v, block_v), batch * heads)](
+            q, k, w, grad_o, dv_local, dht, d_states, dv_new, d_initial, seqlen, chunks, d_k, d_v, scale,
+            HAS_DHT=grad_state is not None, **sweep)
+        chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
+            q, k, v_new, grad_o, q, states, d_states, dq, dk_direct, q, dv_new, dw, seqlen, chunks, d_k, d_v, scale,
+            DELTA=True, **tiles)
+    torch.autograd.backward([w32, u32], [dw, dv_new])
+    d_k_wy, d_v_wy, d_beta = (leaf.grad for leaf in leaves)
+    return dq, (dk_direct.float() + d_k_wy).to(k.dtype), d_v_wy.to(v.dtype), d_beta, d_initial
+
+
+class ChunkDeltaFunction(torch.autograd.Function):
+    """Kernels both ways for the ungated delta rule: :func:`delta_chunk_forward` and
+    :func:`delta_chunk_backward`. forward(q, k, v, beta, initial_state, scale, chunk_size) -> (o, final_state)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, initial_state, scale, chunk_size):
+        ctx.save_for_backward(q, k, v, beta, initial_state)
+        ctx.args = scale, chunk_size
+        return delta_chunk_forward(q, k, v, beta, None, initial_state, scale, chunk_size)
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_state):
+        q, k, v, beta, initial_state = ctx.saved_tensors
+        dq, dk, dv, d_beta, d_initial = delta_chunk_backward(q, k, v, beta, initial_state, grad_o, grad_state,
+                                                             *ctx.args)
+        return (dq, dk, dv, d_beta.to(beta.dtype),
+                None if initial_state is None else d_initial.to(initial_state.dtype), None, None)
+
+
 def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_size: int):
     """WY in PyTorch, then the h kernel and the o kernel (no autograd). q, k (B, H, N, d_k), v (B, H, N, d_v),
     beta (B, H, N), g None or (B, H, N). Returns (o in q.dtype, final state (B, H, d_k, d_v) float32)."""
@@ -98,11 +218,14 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
 
 def triton_chunk_delta_rule(q, k, v, beta, g, initial_state, scale: float, chunk_size: int):
     """Differentiable chunkwise (gated) delta rule on checked inputs: returns (o in q.dtype, final state
-    float32). The backward is autograd through the PyTorch chunkwise form in float32."""
+    float32). The backward is kernels for the delta rule (:class:`ChunkDeltaFunction`) and autograd
+    through the PyTorch chunkwise form in float32 for the gated one."""
     from ...linear.delta import chunk_delta_rule
     from .linear_chunk import RecomputedBackward, check_kernel_inputs
 
     check_kernel_inputs(q, v, chunk_size)
+    if g is None:
+        return ChunkDeltaFunction.apply(q, k, v, beta, initial_state, scale, chunk_size)
     kernel = lambda q, k, v, g, beta, h0: delta_chunk_forward(q, k, v, beta, g, h0, scale, chunk_size)
     reference = lambda q, k, v, g, beta, h0: chunk_delta_rule(q, k, v, beta, g, scale, h0, 64)
     return RecomputedBackward.apply(kernel, reference, q, k, v, g, beta, initial_state)

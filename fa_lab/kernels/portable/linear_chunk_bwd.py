@@ -1,0 +1,377 @@
+"""The backward of chunkwise linear attention, simple GLA (one log-decay per head and token) and GLA (one
+per key dimension) as three Triton passes, the mirror of :mod:`.linear_chunk`'s forward.
+
+Notation per chunk of C tokens: Q, K (C, d_k), V, dO (C, d_v), b the gate cumulated inside the chunk in
+log2 units (b_last its last row), D_ts = 2^(b_t - b_s) for t >= s (0 above the diagonal), h_c the state
+entering chunk c and dH_c the gradient of the loss with respect to it. The forward was
+``o_t = scale (2^b_t q_t h_c + sum_s (q_t . k_s) D_ts v_s)`` and
+``h_{c+1} = 2^b_last h_c + sum_s 2^(b_last - b_s) k_s^T v_s``, so:
+
+- the ``dh`` pass walks the chunks backwards, one program per (BLOCK_K, BLOCK_V) tile of one head's
+  state (the ``h`` pass reversed): ``dH_c = 2^b_last dH_{c+1} + scale (2^b o Q)^T dO``, starting from
+  the final state's gradient, storing dH_{c+1} for chunk c and ending with the initial state's gradient;
+- the ``dv`` pass, one program per (chunk, head, value block):
+  ``dV = (scale (Q K^T) o D)^T dO + (2^(b_last - b) o K) dH_{c+1}``;
+- the ``dqk`` pass, one program per (chunk, head, key block), d_v walked in blocks:
+  ``dA = scale (dO V^T) o D``, ``dQ = scale 2^b o (dO h_c^T) + dA K``,
+  ``dK = dA^T Q + 2^(b_last - b) o (V dH_{c+1}^T)``, and each token's gate term ``q_t . dq_t - k_t . dk_t``
+  summed over its key block.
+
+GLA's per-dim gate has no single decay matrix D: its dv and dqk passes (:func:`chunk_gla_bwd_dv_kernel`,
+:func:`chunk_gla_bwd_dqk_kernel`) work sub-chunk by sub-chunk, factoring each decay through a reference
+row as the forward's o pass does (:func:`fa_lab.kernels.portable.linear_chunk.gla_scores`), and their
+gate term is per key dimension, ``q_t o dq_t - k_t o dk_t``.
+
+The gate's gradient follows from writing every decay through the global cumulative sum G of g:
+each term pairs q_t e^{G_t} with k_s e^{-G_s}, so dL/dG_t = q_t . dq_t - k_t . dk_t, plus, at the last
+token, the final state's <h_N, dh_N> (h_N carries e^{G_N}); g_i enters every G_t with t >= i, so dg
+is the reverse cumulative sum of dL/dG (a PyTorch op on (B, H, N)). The states h_c are recomputed
+by the forward's ``h`` kernel rather than kept from the forward (they are d_k d_v floats per chunk).
+Operands reach ``tl.dot`` in the inputs' dtype with float32 accumulators, as in the forward.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .linear_chunk import _load_rows, gla_scores, lower_triangle, state_tile
+
+
+@triton.jit
+def _rows(ptr, bh, rows, row_ok, seqlen, cols, col_ok, width):
+    """A (rows, cols) tile of a (B*H, N, width) tensor, zero outside the sequence and the width."""
+    return tl.load(ptr + (bh * seqlen + rows)[:, None] * width + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def chunk_bwd_dh_kernel(q_ptr, do_ptr, g_ptr, dht_ptr, dh_ptr, dh0_ptr, seqlen, chunks, d_k, d_v, scale,
+                        CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATE: tl.constexpr,
+                        HAS_DHT: tl.constexpr, PRECISION: tl.constexpr):
+    """dH_{c+1} of every chunk c for one (BLOCK_K, BLOCK_V) state tile of one (batch, head).
+
+    q_ptr (B*H, N, d_k), do_ptr (B*H, N, d_v) contiguous; g_ptr as the forward's h pass reads it;
+    dht_ptr (B*H, d_k, d_v) float32, the final state's gradient (read if HAS_DHT); dh_ptr
+    (B*H, chunks, d_k, d_v) and dh0_ptr (B*H, d_k, d_v) float32 outputs.
+    """
+    pid_k, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    cols_k, cols_v, k_ok, v_ok, tile, tile_ok, dh = state_tile(dht_ptr, bh, pid_k, pid_v, d_k, d_v, BLOCK_K,
+                                                               BLOCK_V, HAS_DHT)
+    padded = chunks * CHUNK
+    for back in range(chunks):
+        c = chunks - 1 - back
+        tl.store(dh_ptr + (bh * chunks + c) * d_k * d_v + tile, dh, mask=tile_ok)
+        rows = c * CHUNK + tl.arange(0, CHUNK)
+        row_ok = rows < seqlen
+        q = _rows(q_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
+        do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+        last = bh * padded + c * CHUNK + CHUNK - 1
+        if GATE == 1:
+            g = tl.load(g_ptr + bh * padded + rows)
+            dh = dh * tl.math.exp2(tl.load(g_ptr + last))
+            q = (q * (tl.math.exp2(g) * scale)[:, None]).to(do.dtype)
+        elif GATE == 2:
+            g = tl.load(g_ptr + (bh * padded + rows)[:, None] * d_k + cols_k[None, :], mask=k_ok[None, :], other=0.0)
+            dh = dh * tl.math.exp2(tl.load(g_ptr + last * d_k + cols_k, mask=k_ok, other=0.0))[:, None]
+            q = (q * tl.math.exp2(g) * scale).to(do.dtype)
+        else:
+            q = (q.to(tl.float32) * scale).to(do.dtype)
+        dh = tl.dot(tl.trans(q), do, dh, input_precision=PRECISION)
+    tl.store(dh0_ptr + bh * d_k * d_v + tile, dh, mask=tile_ok)
+
+
+@triton.jit
+def _decay(g_ptr, bh, c, chunks, rows, CHUNK: tl.constexpr, GATE: tl.constexpr):
+    """(D (C, C) with the causal mask, 2^b (C,), 2^(b_last - b) (C,)) of chunk c; no gate: ones."""
+    causal = rows[:, None] >= rows[None, :]
+    if GATE == 1:
+        g = tl.load(g_ptr + (bh * chunks + c) * CHUNK + tl.arange(0, CHUNK))
+        g_last = tl.load(g_ptr + (bh * chunks + c) * CHUNK + CHUNK - 1)
+        decay = tl.math.exp2(tl.where(causal, g[:, None] - g[None, :], float("-inf")))
+        return decay, tl.math.exp2(g), tl.math.exp2(g_last - g)
+    ones = tl.full([CHUNK], 1.0, tl.float32)
+    return tl.where(causal, 1.0, 0.0), ones, ones
+
+
+@triton.jit
+def chunk_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, g_ptr, dh_ptr, dv_ptr, seqlen, chunks, d_k, d_v, scale,
+                        CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATE: tl.constexpr,
+                        PRECISION: tl.constexpr, CARRIED: tl.constexpr = True):
+    """dV of one chunk and value block; grid (chunks, B*H, cdiv(d_v, BLOCK_V)). dh_ptr: the dh pass's output.
+    Without CARRIED only the intra-chunk term (the delta rule adds the carried one in its dh pass)."""
+    c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = rows < seqlen
+    cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = cols_v < d_v
+    scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # Q K^T
+    carried = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)  # K dH_{c+1}
+    for start_k in range(0, d_k, BLOCK_K):
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        k_ok = cols_k < d_k
+        q = _rows(q_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
+        k = _rows(k_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
+        dh = tl.load(dh_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
+                     mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
+        if CARRIED:
+            carried = tl.dot(k, dh.to(k.dtype), carried, input_precision=PRECISION)
+    decay, _, to_last = _decay(g_ptr, bh, c, chunks, rows, CHUNK, GATE)
+    do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+    dv = carried * to_last[:, None]
+    dv = tl.dot(tl.trans((scores * decay * scale).to(do.dtype)), do, dv, input_precision=PRECISION)
+    tl.store(dv_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def chunk_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_ptr, dk_ptr, dgate_ptr, dv_new_ptr,
+                         dw_ptr, seqlen, chunks, d_k, d_v, scale, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_V: tl.constexpr, GATE: tl.constexpr, PRECISION: tl.constexpr,
+                         DELTA: tl.constexpr = False):
+    """dQ, dK of one chunk and key block, and (GATE 1) the key block's share of q . dq - k . dk per token;
+    grid (chunks, B*H, cdiv(d_k, BLOCK_K)). h_ptr: the forward's chunk start states; dgate_ptr
+    (cdiv(d_k, BLOCK_K), B*H, N) float32. DELTA (the delta rule: v_ptr holds v_new): also
+    ``dW = -dV_new h_c^T`` into dw_ptr (B*H, N, d_k) float32 from dv_new_ptr (B*H, N, d_v) float32."""
+    c, bh, pid_k = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = rows < seqlen
+    cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = cols_k < d_k
+    d_scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO V^T
+    dq = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # dO h_c^T
+    dk = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # V dH_{c+1}^T
+    dw = tl.zeros([CHUNK, BLOCK_K], dtype=tl.float32)  # -dV_new h_c^T (DELTA)
+    state = (bh * chunks + c) * d_k * d_v
+    for start_v in range(0, d_v, BLOCK_V):
+        cols_v = start_v + tl.arange(0, BLOCK_V)
+        v_ok = cols_v < d_v
+        v = _rows(v_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+        do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+        tile = cols_k[:, None] * d_v + cols_v[None, :]
+        tile_ok = k_ok[:, None] & v_ok[None, :]
+        h = tl.load(h_ptr + state + tile, mask=tile_ok, other=0.0)
+        dh = tl.load(dh_ptr + state + tile, mask=tile_ok, other=0.0)
+        d_scores = tl.dot(do, tl.trans(v), d_scores, input_precision=PRECISION)
+        dq = tl.dot(do, tl.trans(h.to(do.dtype)), dq, input_precision=PRECISION)
+        dk = tl.dot(v, tl.trans(dh.to(v.dtype)), dk, input_precision=PRECISION)
+        if DELTA:
+            dv_new = _rows(dv_new_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+            dw = tl.dot(dv_new.to(v.dtype), tl.trans(h.to(v.dtype)), dw, input_precision=PRECISION)
+    decay, from_start, to_last = _decay(g_ptr, bh, c, chunks, rows, CHUNK, GATE)
+    q = _rows(q_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
+    k = _rows(k_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
+    d_scores = (d_scores * decay * scale).to(q.dtype)
+    dq = tl.dot(d_scores, k, dq * (from_start * scale)[:, None], input_precision=PRECISION)
+    dk = tl.dot(tl.trans(d_scores), q, dk * to_last[:, None], input_precision=PRECISION)
+    out_ok = row_ok[:, None] & k_ok[None, :]
+    tl.store(dq_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=out_ok)
+    tl.store(dk_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], dk.to(dk_ptr.dtype.element_ty),
+             mask=out_ok)
+    if DELTA:
+        tl.store(dw_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], -dw, mask=out_ok)
+    if GATE == 1:
+        dgate = tl.sum(q.to(tl.float32) * dq - k.to(tl.float32) * dk, axis=1)
+        tl.store(dgate_ptr + (pid_k * tl.num_programs(1) + bh) * seqlen + rows, dgate, mask=row_ok)
+
+
+@triton.jit
+def chunk_gla_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, g_ptr, dh_ptr, dv_ptr, seqlen, chunks, d_k, d_v, scale,
+                            CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                            PRECISION: tl.constexpr):
+    """dV of one chunk and value block under GLA's per-dim gate, key sub-chunk by key sub-chunk:
+    ``dV_j = (2^(G_last - G_j) o K_j) dH_{c+1} + scale sum_{i >= j} A_ij^T dO_i``, A_ij the forward's
+    scores (:func:`gla_scores`). Grid (chunks, B*H, cdiv(d_v, BLOCK_V)); g_ptr (B*H, chunks * CHUNK, d_k)."""
+    c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    dtype = q_ptr.dtype.element_ty
+    padded = chunks * CHUNK
+    cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = cols_v < d_v
+    last = bh * padded + c * CHUNK + CHUNK - 1
+    for j in tl.static_range(CHUNK // SUB):
+        rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
+        dv = tl.zeros([SUB, BLOCK_V], dtype=tl.float32)
+        for start_k in range(0, d_k, BLOCK_K):
+            cols_k = start_k + tl.arange(0, BLOCK_K)
+            k_ok = cols_k < d_k
+            k_j = _load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k)
+            g_j = _load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
+            g_last = tl.load(g_ptr + last * d_k + cols_k, mask=k_ok, other=0.0)
+            dh = tl.load(dh_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
+                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+            dv = tl.dot((k_j * tl.math.exp2(g_last[None, :] - g_j)).to(dtype), dh.to(dtype), dv,
+                        input_precision=PRECISION)
+        for i in tl.static_range(j, CHUNK // SUB):
+            rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
+            scores = gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_i, rows_j, c * CHUNK + i * SUB, seqlen, padded, d_k,
+                                SUB, BLOCK_K, i == j, PRECISION)
+            do_i = _rows(do_ptr, bh, rows_i, rows_i < seqlen, seqlen, cols_v, v_ok, d_v)
+            dv = tl.dot(tl.trans((scores * scale).to(dtype)), do_i, dv, input_precision=PRECISION)
+        tl.store(dv_ptr + (bh * seqlen + rows_j)[:, None] * d_v + cols_v[None, :], dv.to(dv_ptr.dtype.element_ty),
+                 mask=(rows_j < seqlen)[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _sub_d_scores(do_ptr, v_ptr, bh, rows_i, rows_j, seqlen, d_v, scale, SUB: tl.constexpr, BLOCK_V: tl.constexpr,
+                  DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
+    """(SUB, SUB) float32 ``scale dO_i V_j^T`` over all of d_v, zero above the diagonal when DIAGONAL."""
+    d_scores = tl.zeros([SUB, SUB], dtype=tl.float32)
+    for start_v in range(0, d_v, BLOCK_V):
+        cols_v = start_v + tl.arange(0, BLOCK_V)
+        v_ok = cols_v < d_v
+        do_i = _rows(do_ptr, bh, rows_i, rows_i < seqlen, seqlen, cols_v, v_ok, d_v)
+        v_j = _rows(v_ptr, bh, rows_j, rows_j < seqlen, seqlen, cols_v, v_ok, d_v)
+        d_scores = tl.dot(do_i, tl.trans(v_j), d_scores, input_precision=PRECISION)
+    if DIAGONAL:
+        d_scores = tl.where(lower_triangle(SUB), d_scores, 0.0)
+    return d_scores * scale
+
+
+@triton.jit
+def chunk_gla_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_ptr, dk_ptr, dgate_ptr, seqlen,
+                             chunks, d_k, d_v, scale, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ, dK of one chunk and key block under GLA's per-dim gate, and the gate term ``q o dq - k o dk``
+    per token and key dimension (dgate_ptr (B*H, N, d_k) float32). Grid (chunks, B*H, cdiv(d_k, BLOCK_K)).
+
+    First each query sub-chunk i: ``dQ_i = scale 2^G_i o (dO_i h_c^T) + sum_{j <= i} (dA_ij K_j)`` with the
+    decays factored through row r (i's first) as in :func:`gla_scores`, exact on the diagonal; it stores
+    q o dq. Then each key sub-chunk j: ``dK_j = 2^(G_last - G_j) o (V_j dH_{c+1}^T) + sum_{i >= j}
+    dA_ij^T Q_i``, factored the same way, and subtracts k o dk from what the first loop stored (after a
+    barrier: other threads of the program wrote it)."""
+    c, bh, pid_k = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    dtype = q_ptr.dtype.element_ty
+    padded = chunks * CHUNK
+    cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = cols_k < d_k
+    state = (bh * chunks + c) * d_k * d_v
+    for i in tl.static_range(CHUNK // SUB):
+        rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
+        q_i = _load_rows(q_ptr, bh, rows_i, seqlen, cols_k, d_k)
+        g_i = _load_rows(g_ptr, bh, rows_i, padded, cols_k, d_k)
+        g_r = tl.load(g_ptr + (bh * padded + c * CHUNK + i * SUB) * d_k + cols_k, mask=k_ok, other=0.0)
+        dq = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
+        for start_v in range(0, d_v, BLOCK_V):
+            cols_v = start_v + tl.arange(0, BLOCK_V)
+            v_ok = cols_v < d_v
+            do_i = _rows(do_ptr, bh, rows_i, rows_i < seqlen, seqlen, cols_v, v_ok, d_v)
+            h = tl.load(h_ptr + state + cols_k[:, None] * d_v + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :],
+                        other=0.0)
+            dq = tl.dot(do_i, tl.trans(h.to(dtype)), dq, input_precision=PRECISION)
+        dq = dq * tl.math.exp2(g_i) * scale
+        for j in tl.static_range(i + 1):
+            rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
+            k_j = _load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k)
+            g_j = _load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
+            d_scores = _sub_d_scores(do_ptr, v_ptr, bh, rows_i, rows_j, seqlen, d_v, scale, SUB, BLOCK_V, i == j,
+                                     PRECISION)
+            if j < i:
+                k_r = (k_j * tl.math.exp2(g_r[None, :] - g_j)).to(dtype)
+                dq += tl.dot(d_scores.to(dtype), k_r, input_precision=PRECISION) * tl.math.exp2(g_i - g_r[None, :])
+            else:
+                decay = tl.math.exp2(tl.where(lower_triangle(SUB)[:, :, None], g_i[:, None, :] - g_j[None, :, :],
+                                              float("-inf")))
+                dq += tl.sum(d_scores[:, :, None] * k_j[None, :, :] * decay, axis=1)
+        out = (bh * seqlen + rows_i)[:, None] * d_k + cols_k[None, :]
+        out_ok = (rows_i < seqlen)[:, None] & k_ok[None, :]
+        tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(dgate_ptr + out, q_i * dq, mask=out_ok)
+    tl.debug_barrier()
+    g_last = tl.load(g_ptr + (bh * padded + c * CHUNK + CHUNK - 1) * d_k + cols_k, mask=k_ok, other=0.0)
+    for j in tl.static_range(CHUNK // SUB):
+        rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
+        k_j = _load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k)
+        g_j = _load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
+        dk = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
+        for start_v in range(0, d_v, BLOCK_V):
+            cols_v = start_v + tl.arange(0, BLOCK_V)
+            v_ok = cols_v < d_v
+            v_j = _rows(v_ptr, bh, rows_j, rows_j < seqlen, seqlen, cols_v, v_ok, d_v)
+            dh = tl.load(dh_ptr + state + cols_k[:, None] * d_v + cols_v[None, :],
+                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+            dk = tl.dot(v_j, tl.trans(dh.to(dtype)), dk, input_precision=PRECISION)
+        dk = dk * tl.math.exp2(g_last[None, :] - g_j)
+        for i in tl.static_range(j, CHUNK // SUB):
+            rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
+            q_i = _load_rows(q_ptr, bh, rows_i, seqlen, cols_k, d_k)
+            g_i = _load_rows(g_ptr, bh, rows_i, padded, cols_k, d_k)
+            d_scores = _sub_d_scores(do_ptr, v_ptr, bh, rows_i, rows_j, seqlen, d_v, scale, SUB, BLOCK_V, i == j,
+                                     PRECISION)
+            if j < i:
+                g_r = tl.load(g_ptr + (bh * padded + c * CHUNK + i * SUB) * d_k + cols_k, mask=k_ok, other=0.0)
+                q_r = (q_i * tl.math.exp2(g_i - g_r[None, :])).to(dtype)
+                dk += tl.dot(tl.trans(d_scores.to(dtype)), q_r, input_precision=PRECISION) * \
+                    tl.math.exp2(g_r[None, :] - g_j)
+            else:
+                decay = tl.math.exp2(tl.where(lower_triangle(SUB)[:, :, None], g_i[:, None, :] - g_j[None, :, :],
+                                              float("-inf")))
+                dk += tl.sum(d_scores[:, :, None] * q_i[:, None, :] * decay, axis=0)
+        out = (bh * seqlen + rows_j)[:, None] * d_k + cols_k[None, :]
+        out_ok = (rows_j < seqlen)[:, None] & k_ok[None, :]
+        tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(dgate_ptr + out, tl.load(dgate_ptr + out, mask=out_ok, other=0.0) - k_j * dk, mask=out_ok)
+
+
+def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, chunk_size: int):
+    """(dq, dk, dv, dg, d initial_state) of chunkwise linear attention / simple GLA / GLA on kernel-ready inputs.
+
+    q, k (B, H, N, d_k), v and grad_o (B, H, N, d_v); g None, (B, H, N) or (B, H, N, d_k); initial_state
+    None or (B, H, d_k, d_v); grad_state None or (B, H, d_k, d_v), the final state's gradient. dq, dk, dv
+    have the inputs' dtype, dg (g's shape) and the initial state's gradient are float32 (dg None without
+    a gate).
+    """
+    from ...linear.inputs import gate_kind
+    from ..common import cdiv, on_device
+    from .linear_chunk import GATE_CODES, SUB_CHUNK, block_size, chunk_fwd_h_kernel, log2_cumulated_gate, output_warps
+
+    batch, heads, seqlen, d_k = q.shape
+    d_v = v.shape[-1]
+    chunks = cdiv(seqlen, chunk_size)
+    gate = GATE_CODES[gate_kind(g)]
+    per_dim = gate == GATE_CODES["per_dim"]
+    q, k, v, grad_o = (t.contiguous() for t in (q, k, v, grad_o.to(q.dtype)))
+    cum = log2_cumulated_gate(g, chunk_size) if g is not None else q
+    h0 = initial_state.float().contiguous() if initial_state is not None else q
+    dht = grad_state.float().contiguous() if grad_state is not None else q
+    states = torch.empty(batch * heads, chunks, d_k, d_v, dtype=torch.float32, device=q.device)
+    final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
+    d_states = torch.empty_like(states)
+    d_initial = torch.empty_like(final_state)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    block_k, block_v = block_size(d_k), block_size(d_v)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    shapes = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision)
+    warps = output_warps(chunk_size)
+    with on_device(q):
+        state_grid = (cdiv(d_k, block_k), cdiv(d_v, block_v), batch * heads)
+        chunk_fwd_h_kernel[state_grid](k, v, cum, h0, states, final_state, seqlen, chunks, d_k, d_v, GATE=gate,
+                                       HAS_H0=initial_state is not None, **shapes)
+        chunk_bwd_dh_kernel[state_grid](q, grad_o, cum, dht, d_states, d_initial, seqlen, chunks, d_k, d_v, scale,
+                                        GATE=gate, HAS_DHT=grad_state is not None, **shapes)
+        if per_dim:
+            shapes.update(SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32))
+            dgate = torch.empty(batch * heads, seqlen, d_k, dtype=torch.float32, device=q.device)
+            chunk_gla_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
+                q, k, grad_o, cum, d_states, dv, seqlen, chunks, d_k, d_v, scale, num_warps=warps, **shapes)
+            chunk_gla_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, shapes["BLOCK_K"]))](
+                q, k, v, grad_o, cum, states, d_states, dq, dk, dgate, seqlen, chunks, d_k, d_v, scale,
+                num_warps=warps, **shapes)
+            d_cum = dgate.view(batch, heads, seqlen, d_k)
+        else:
+            dgate = torch.empty(cdiv(d_k, block_k), batch * heads, seqlen, dtype=torch.float32, device=q.device)
+            chunk_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
+                q, k, grad_o, cum, d_states, dv, seqlen, chunks, d_k, d_v, scale, GATE=gate, num_warps=warps,
+                **shapes)
+            chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
+                q, k, v, grad_o, cum, states, d_states, dq, dk, dgate, q, q, seqlen, chunks, d_k, d_v, scale,
+                GATE=gate, num_warps=warps, **shapes)
+            d_cum = dgate.sum(0).view(batch, heads, seqlen)
+    if g is None:
+        return dq, dk, dv, None, d_initial
+    if grad_state is not None:  # h_N carries e^{G_N}: the last token's share
+        shared = final_state * grad_state.float()
+        d_cum[:, :, -1] += shared.sum(-1) if per_dim else shared.sum((-2, -1))
+    time_dim = 2
+    return dq, dk, dv, d_cum.flip(time_dim).cumsum(time_dim).flip(time_dim), d_initial
