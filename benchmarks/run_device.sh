@@ -12,6 +12,10 @@
 #            SDPA and fa4: h200_decode.json/.png
 #   sparse - chapter 07's NSA selected-blocks branch with fla-core's kernel (its wheel carried as the
 #            device README says, on PYTHONPATH) and dense attention: h200_sparse.json/.png
+#   linear - chapter 08's chunkwise kernels with fla-core's (its wheel carried as for sparse) and softmax
+#            attention: h200_linear.json/.png
+#   ring   - chapter 09's ring steps timed on one GPU, shard copies, NCCL at world size 1, and the
+#            modelled overlap for 2-8 GPUs (h200_ring_model.json)
 #   decode-tune - the decode kernel's candidate configs x split counts (h200_decode_tuning.json); the
 #            winners go into fa_lab/kernels/portable/decode.py
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
@@ -35,6 +39,10 @@ case "$step" in
            2>&1 | tee "$out/interfaces.log" | grep -v "^bench" ;;
   sparse) $bench sparse --json "$out/h200_sparse.json" --plot "$out/h200_sparse.png" \
            2>&1 | tee "$out/sparse.log" | grep -v "^bench" ;;
+  linear) $bench linear --json "$out/h200_linear.json" --plot "$out/h200_linear.png" \
+           2>&1 | tee "$out/linear.log" | grep -v "^bench" ;;
+  ring) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+           $bench ring --json "$out/h200_ring_model.json" 2>&1 | tee "$out/ring.log" | grep -v "^bench" ;;
   decode-tune) $bench decode --tune "$out/h200_decode_tuning.json" 2>&1 | tee "$out/decode_tune.log" | grep -v "^bench" ;;
   decode) $bench decode --json "$out/h200_decode.json" --plot "$out/h200_decode.png" \
            2>&1 | tee "$out/decode.log" | grep -v "^bench" ;;
@@ -43,5 +51,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|ring|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -118,3 +118,65 @@ def test_the_sparse_benchmarks_selection_is_nsas_and_its_pairs_are_counted_exact
                       "rows": rows})
     found = dict(bench.speedups(rows))
     assert found["fla_nsa time / ours fwd, 16K"] == pytest.approx(1.5) and "dense time / ours fwd, 16K" not in found
+
+
+def test_the_linear_benchmarks_inputs_rows_ratios_and_crossover():
+    """linear_inputs: each case's tensors with the semantics the kernels expect; rows validate; the
+    ratios and the crossover (interpolated on log-log axes) read rows the way the docstrings say."""
+    from fa_lab.bench import linear as bench
+
+    generator = torch.Generator().manual_seed(2)
+    simple = bench.linear_inputs("simple_gla", 64, generator, device="cpu")
+    assert simple["g"].shape == (bench.BATCH, bench.HEADS, 64) and bool((simple["g"] < 0).all())
+    gla = bench.linear_inputs("gla", 64, generator, device="cpu")
+    assert gla["g"].shape == gla["q"].shape and bool((gla["g"] < 0).all())
+    delta = bench.linear_inputs("delta_rule", 64, generator, device="cpu")
+    norms = delta["k"].float().norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+    assert bool(((delta["beta"] > 0) & (delta["beta"] < 1)).all())
+    assert all(t.dtype == torch.bfloat16 and t.requires_grad for t in delta.values())
+
+    times = {4096: (1.0, 4.0), 8192: (2.0, 8.0), 16384: (4.0, 16.0)}  # linear in N
+    soft = {4096: (0.5, 1.0), 8192: (2.0, 4.0), 16384: (8.0, 16.0)}   # quadratic in N
+    rows = []
+    for seqlen, (fwd, bwd) in times.items():
+        for impl, factor in (("triton", 1.0), ("fla", 0.8)):
+            row = bench.linear_row(impl, "gla", seqlen)
+            row.update(fwd_ms=fwd * factor, bwd_ms=bwd * factor)
+            rows.append(row)
+        row = bench.linear_row("triton_hopper", "softmax", seqlen)
+        row.update(fwd_ms=soft[seqlen][0], bwd_ms=soft[seqlen][1])
+        rows.append(row)
+    validate_results({"device": "test", "torch": torch.__version__, "triton": None, "date": "2026-12-01",
+                      "rows": rows})
+    found = dict(bench.speed_ratios(rows))
+    assert found["gla fla time / ours fwd, 8K"] == pytest.approx(0.8)
+    assert bench.crossover(rows, "triton", "gla", "fwd_ms") == pytest.approx(8192)  # equal at 8K: ties count
+    # backward: 4x softmax's time at 4K, equal at 16K -> the log gap reaches 0 only at the last length
+    assert bench.crossover(rows, "triton", "gla", "bwd_ms") == pytest.approx(16384)
+    # fla: 1.6x softmax's time at 4K, 0.8x at 8K -> log gap log 1.6 then log 0.8: a fraction log2(1.6) of the octave
+    assert bench.crossover(rows, "fla", "gla", "fwd_ms") == pytest.approx(4096 * 1.6)
+    assert bench.crossover(rows, "triton", "simple_gla") is None  # no rows of that case
+    assert bench.plot_linear({"device": "test", "torch": "x", "triton": None, "date": "2026-12-01", "rows": rows})
+
+
+def test_the_ring_model_hides_a_fast_link_and_exposes_a_slow_one():
+    """model_ring on calls whose time is their pair count: with a link too fast to matter the per-GPU
+    efficiency is what the schedule's balance allows (1 for non-causal and zig-zag causal rings, lower
+    for a contiguous causal one), and a slow link shows up as exposed time."""
+    from fa_lab.bench import ring as bench
+
+    n = 64
+    call_ms = {(rows, keys, causal): (BlockInfo(rows, keys, causal).visible_pairs() * 1e-3,) * 2
+               for rows, keys, causal in bench.distinct_calls(n)}
+    assert set(call_ms) == {(n, n, False), (n, n, True), (n, n // 2, False), (n // 2, n, False)}
+    fast = bench.model_ring(4, "contiguous", False, n, call_ms, link_bytes_per_s=1e30)
+    assert fast["fwd_efficiency"] == pytest.approx(1) and fast["fwd_exposed_ms"] == pytest.approx(0)
+    zigzag = bench.model_ring(4, "zigzag", True, n, call_ms, link_bytes_per_s=1e30)
+    assert zigzag["fwd_efficiency"] == pytest.approx(1, rel=0.05)  # n / 2 pairs off the diagonal: almost exact
+    contiguous = bench.model_ring(4, "contiguous", True, n, call_ms, link_bytes_per_s=1e30)
+    assert contiguous["fwd_efficiency"] < 0.7  # the last rank does almost all the work
+    slow = bench.model_ring(4, "zigzag", True, n, call_ms, link_bytes_per_s=1e3)
+    kv_ms, dkv_ms = (b / 1e3 * 1e3 for b in bench.shard_bytes(n))
+    assert slow["fwd_exposed_ms"] > 0 and slow["fwd_ring_ms"] == pytest.approx(3 * kv_ms, rel=0.01)
+    assert slow["bwd_ring_ms"] == pytest.approx(3 * kv_ms + 4 * dkv_ms, rel=0.01)

@@ -1,5 +1,5 @@
-"""``fa-lab bench cpu|gpu|hopper|interfaces|decode|sparse``: parse the flags, run one benchmark, print its table,
-write its files.
+"""``fa-lab bench cpu|gpu|hopper|interfaces|decode|sparse|linear|ring``: parse the flags, run one benchmark,
+print its table, write its files.
 
 Every flag a subcommand accepts changes what it measures or writes. The GPU protocols fix batch
 (16384 / seqlen), heads (2048 / head_dim) and bf16, so ``gpu`` and ``hopper`` reject ``--batch``,
@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 
-from . import cpu, decode, gpu, interfaces, sparse
+from . import cpu, decode, gpu, interfaces, linear, ring, sparse
 from .plots import plot_results
 from .report import describe, format_table
 from .schema import save_results
@@ -43,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fa-lab bench", description="Benchmarks: cpu (this CPU), gpu (the "
                                      "FA3-paper protocol with every peer), hopper (the Hopper kernels), "
                                      "interfaces (GQA, varlen, window, softcap, ALiBi), decode (a KV cache), "
-                                     "sparse (NSA's selected blocks).")
+                                     "sparse (NSA's selected blocks), linear (chunkwise linear attention), "
+                                     "ring (ring attention's steps on one GPU).")
     commands = parser.add_subparsers(dest="benchmark", required=True,
-                                     metavar="{cpu,gpu,hopper,interfaces,decode,sparse}")
+                                     metavar="{cpu,gpu,hopper,interfaces,decode,sparse,linear,ring}")
 
     full = cpu.FULL
     p = commands.add_parser("cpu", help="naive, torch and sdpa on this CPU: wall-clock time and peak memory")
@@ -115,6 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlens", type=int, nargs="+", default=list(sparse.SEQLENS), help="default %(default)s")
     _add_outputs(p, "save a PNG of forward and backward TFLOP/s against the sequence length")
     p.set_defaults(handler=_run_sparse)
+
+    p = commands.add_parser("linear", help="chunkwise linear attention (simple GLA, GLA, the delta rule) on a CUDA "
+                            "GPU, next to fla-core's kernels where installed and to softmax attention",
+                            description="Chapter 08's benchmark: the cases of fa_lab.bench.linear.")
+    p.add_argument("--seqlens", type=int, nargs="+", default=list(linear.SEQLENS), help="default %(default)s")
+    p.add_argument("--cases", nargs="+", choices=linear.CASES, default=list(linear.CASES))
+    _add_outputs(p, "save a PNG of forward and backward time against the sequence length")
+    p.set_defaults(handler=_run_linear)
+
+    p = commands.add_parser("ring", help="ring attention's step compute and shard copies on one CUDA GPU, and "
+                            "the overlap they predict for W GPUs", description="Chapter 09's one-GPU measurement: "
+                            "fa_lab.bench.ring.")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(ring.TOKENS_PER_GPU),
+                   help="positions per GPU, default %(default)s")
+    p.add_argument("--json", metavar="PATH", help="write the log (JSON) to PATH")
+    p.set_defaults(handler=_run_ring)
     return parser
 
 
@@ -217,3 +234,25 @@ def _run_sparse(args) -> int:
     results = sparse.run_sparse(args.json, seqlens=tuple(args.seqlens))
     lines = [f"{what}: {value:.3f}" for what, value in sparse.speedups(results["rows"])]
     return _finish(results, args, lines=lines, metrics=("fwd_tflops", "bwd_tflops"))
+
+
+def _run_linear(args) -> int:
+    if _needs_cuda("linear"):
+        return 2
+    results = linear.run_linear(args.json, seqlens=tuple(args.seqlens), cases=tuple(args.cases))
+    lines = [f"{what}: {value:.3f}" for what, value in linear.speed_ratios(results["rows"])]
+    for impl in linear.IMPLS:
+        for case in args.cases:
+            for metric in ("fwd_ms", "bwd_ms"):
+                length = linear.crossover(results["rows"], impl, case, metric)
+                lines.append(f"{impl} {case} {metric[:3]} beats softmax from N = "
+                             + (f"{length:.0f}" if length else "never, in this range"))
+    return _finish(results, args, lines=lines, plot=linear.plot_linear)
+
+
+def _run_ring(args) -> int:
+    if _needs_cuda("ring"):
+        return 2
+    log = ring.run_ring(args.json, tokens=tuple(args.tokens))
+    print("\n".join(ring.summary(log)))
+    return 0

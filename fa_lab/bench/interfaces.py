@@ -183,14 +183,17 @@ def interface_row(impl: str, case: InterfaceCase) -> dict:
     return row
 
 
-def time_forward_backward(run, leaves, timer) -> tuple[float, float]:
-    """(forward ms, backward ms): medians of ``timer`` (do_bench's interface) over ``run()`` and over the
-    backward of one of its outputs with a fixed random gradient, the leaves' gradients reset each time."""
-    fwd_ms = timer(run, return_mode="median")
+def time_backward(run, leaves, timer) -> float:
+    """Backward ms: the median of ``timer`` (do_bench's interface) over the backward of one output of
+    ``run()`` with a fixed random gradient, the leaves' gradients reset each time."""
     out = run()
     grad = torch.randn_like(out)
-    bwd_ms = timer(lambda: out.backward(grad, retain_graph=True), grad_to_none=list(leaves), return_mode="median")
-    return fwd_ms, bwd_ms
+    return timer(lambda: out.backward(grad, retain_graph=True), grad_to_none=list(leaves), return_mode="median")
+
+
+def time_forward_backward(run, leaves, timer) -> tuple[float, float]:
+    """(forward ms, backward ms): medians of ``timer`` over ``run()`` and over its backward (:func:`time_backward`)."""
+    return timer(run, return_mode="median"), time_backward(run, leaves, timer)
 
 
 def measure(impl: str, prepare, case: InterfaceCase, timer=None) -> dict:

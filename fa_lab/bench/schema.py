@@ -43,6 +43,10 @@ row's ``bytes`` counts the K and V it reads.
 Rows of the sparse benchmark (:mod:`.sparse`) carry ``case`` (``nsa_select``, or ``dense`` for the
 dense reference), ``heads_kv``, ``block_k`` (keys per selected block) and ``selected`` (blocks per
 query), and no other rows do; their TFLOP/s count the pairs the selection keeps.
+
+Rows of the linear-attention benchmark (:mod:`.linear`) carry ``case`` (``simple_gla``, ``gla``,
+``delta_rule``, or ``softmax`` for softmax attention at the same shape) and ``chunk_size`` (tokens per
+chunk; null for softmax), and no other rows do; linear rows leave the TFLOP/s null (times only).
 """
 from __future__ import annotations
 
@@ -64,8 +68,9 @@ INTERFACE_TYPES = {"case": str, "heads_kv": int, "window": list, "softcap": floa
                    "lengths": (list, type(None))}
 DECODE_TYPES = {"heads_kv": int, "page_size": (int, type(None)), "num_splits": (int, type(None)), "timer": str}
 SPARSE_TYPES = {"case": str, "heads_kv": int, "block_k": int, "selected": int}
+LINEAR_TYPES = {"case": str, "chunk_size": (int, type(None))}
 # The optional key groups: a row has ROW_KEYS and exactly one of these, or none.
-OPTIONAL_GROUPS = (INTERFACE_TYPES, DECODE_TYPES, SPARSE_TYPES)
+OPTIONAL_GROUPS = (INTERFACE_TYPES, DECODE_TYPES, SPARSE_TYPES, LINEAR_TYPES)
 
 
 def empty_row(impl: str, shape: AttentionShape) -> dict:
@@ -117,7 +122,7 @@ def validate_results(results: dict) -> dict:
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"row {index} has keys {got}; every row needs exactly {list(ROW_KEYS)}, an "
                              f"interfaces row also {list(INTERFACE_TYPES)}, a decode row {list(DECODE_TYPES)}, "
-                             f"a sparse row {list(SPARSE_TYPES)}")
+                             f"a sparse row {list(SPARSE_TYPES)}, a linear row {list(LINEAR_TYPES)}")
         for key, types in {**ROW_TYPES, **group}.items():
             if not isinstance(row[key], types) or (isinstance(row[key], bool) and types is not bool):
                 raise ValueError(f"row {index}: {key} is {row[key]!r}, which is not a valid {key}")

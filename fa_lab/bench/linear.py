@@ -1,0 +1,228 @@
+"""The linear-attention benchmark (chapter 08, on a CUDA GPU): our chunkwise kernels against
+flash-linear-attention's (``fla-core``, where installed) and softmax FlashAttention at the same shape.
+
+Cases, bf16, batch 8, 16 heads, d_k = d_v = 128, causal, sequences of 4K to 64K tokens:
+
+- ``simple_gla``: one log-decay per head and token (``g`` (B, H, N)); ours is
+  :func:`fa_lab.kernels.triton_chunk_linear_attention`, fla's ``fla.ops.simple_gla.chunk_simple_gla``;
+- ``gla``: one log-decay per key dimension (``g`` (B, H, N, d_k)); fla's ``fla.ops.gla.chunk_gla``;
+- ``delta_rule``: DeltaNet with L2-normalized keys and beta in (0, 1); ours
+  :func:`fa_lab.kernels.triton_chunk_delta_rule`, fla's ``fla.ops.delta_rule.chunk_delta_rule``;
+- ``softmax``: ``fa_lab.attention(causal=True, impl="triton_hopper")`` on the same q, k, v, the line the
+  linear kernels cross.
+
+Every impl gets its own layout ready-made (ours and softmax SDPA's (B, H, N, d), fla's (B, N, H, d)),
+chunks of 64 tokens, and the same values. Ours is timed at the kernels' entry point, without the public
+API's value checks (fla checks none). Times are medians of ``triton.testing.do_bench``; the backward is
+that of o with a fixed random gradient. Linear rows have no TFLOP/s (their work is not attention's
+4 N^2 d): compare times, which is also what the crossover is about. Rows follow :mod:`.schema` with its
+linear keys; :func:`agreement` checks, before timing, that ours and fla's compute the same outputs.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..iomodel import AttentionShape
+from .interfaces import time_backward
+from .schema import empty_row, environment, save_results
+
+BATCH, HEADS, HEAD_DIM, CHUNK = 8, 16, 128, 64
+SEQLENS = (4096, 8192, 16384, 32768, 65536)
+CASES = ("simple_gla", "gla", "delta_rule")
+IMPLS = ("triton", "fla")
+
+
+def linear_inputs(case: str, seqlen: int, generator: torch.Generator, device="cuda") -> dict:
+    """Leaf tensors of one case in SDPA's layout (B, H, N, d): q, k, v, and g (simple_gla: (B, H, N),
+    gla: (B, H, N, d_k), log-decays in (-inf, 0)) or beta (delta_rule: (B, H, N) in (0, 1), keys
+    L2-normalized), bf16, requiring grad."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, device=device)
+
+    shape = (BATCH, HEADS, seqlen, HEAD_DIM)
+    q, k, v = rand(*shape), rand(*shape), rand(*shape)
+    tensors = {"q": q, "k": k, "v": v}
+    if case == "simple_gla":
+        tensors["g"] = F.logsigmoid(rand(*shape[:3]))
+    elif case == "gla":
+        tensors["g"] = F.logsigmoid(rand(*shape)) / 16
+    else:
+        tensors["k"] = F.normalize(k, dim=-1)
+        tensors["beta"] = torch.sigmoid(rand(*shape[:3]))
+    return {name: t.to(torch.bfloat16).requires_grad_() for name, t in tensors.items()}
+
+
+def ours(case: str, tensors: dict):
+    from ..kernels import triton_chunk_delta_rule, triton_chunk_linear_attention
+
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    scale = HEAD_DIM ** -0.5
+    if case == "delta_rule":
+        run = lambda: triton_chunk_delta_rule(q, k, v, tensors["beta"], None, None, scale, CHUNK)[0]
+    else:
+        run = lambda: triton_chunk_linear_attention(q, k, v, tensors["g"], None, scale, CHUNK)[0]
+    return run, list(tensors.values())
+
+
+def fla(case: str, tensors: dict):
+    """fla's chunk kernel in its token-major layout (B, N, H, d); ``run`` returns o in SDPA's layout."""
+    from fla.ops.delta_rule import chunk_delta_rule
+    from fla.ops.gla import chunk_gla
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    native = {name: t.detach().transpose(1, 2).contiguous().requires_grad_() for name, t in tensors.items()}
+    q, k, v = native["q"], native["k"], native["v"]
+    scale = HEAD_DIM ** -0.5
+    if case == "simple_gla":
+        call = lambda: chunk_simple_gla(q, k, v, g=native["g"], scale=scale)
+    elif case == "gla":
+        call = lambda: chunk_gla(q, k, v, native["g"], scale=scale)
+    else:
+        call = lambda: chunk_delta_rule(q, k, v, native["beta"], scale=scale)
+    return (lambda: call()[0].transpose(1, 2)), list(native.values())
+
+
+def softmax(_case: str, tensors: dict):
+    import fa_lab
+
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    return (lambda: fa_lab.attention(q, k, v, causal=True, impl="triton_hopper")), [q, k, v]
+
+
+MAKERS = {"triton": ours, "fla": fla}
+
+
+def linear_row(impl: str, case: str, seqlen: int) -> dict:
+    row = empty_row(impl, AttentionShape(BATCH, HEADS, seqlen, HEAD_DIM, causal=True, dtype="bf16"))
+    row.update(case=case, chunk_size=None if case == "softmax" else CHUNK)
+    return row
+
+
+def agreement(case: str, seqlen: int, generator: torch.Generator) -> float:
+    """Relative RMSE between our o and fla's on fresh inputs of one case (fla's tests use the same
+    measure); the sweep prints it so that a table never compares two different computations."""
+    tensors = linear_inputs(case, seqlen, generator)
+    with torch.no_grad():
+        mine, theirs = ours(case, tensors)[0]().float(), fla(case, tensors)[0]().float()
+    return float((mine - theirs).pow(2).mean().sqrt() / theirs.pow(2).mean().sqrt())
+
+
+def measure(impl: str, make, case: str, seqlen: int, tensors: dict, timer) -> dict:
+    """One row; null figures where the impl is missing or fails (out of memory, or a peer that refuses its
+    backward on this stack: the forward is still timed then)."""
+    row = linear_row(impl, case, seqlen)
+    try:
+        run, leaves = make(case, tensors)
+        row["fwd_ms"] = timer(run, return_mode="median")
+        row["bwd_ms"] = time_backward(run, leaves, timer)
+    except Exception as exc:  # a peer that is not installed or fails must not end the sweep
+        print(f"{impl} {case} N={seqlen}: {exc!r:.300}", file=sys.stderr)
+    return row
+
+
+def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=None, progress=print) -> dict:
+    """Every case and impl at every length, then softmax attention at each length; saved to ``json_path``
+    after each length (a crash keeps what was measured)."""
+    if timer is None:
+        from triton.testing import do_bench as timer
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    results = {**environment("cuda"), "rows": []}
+    if "fla" in impls:
+        for case in cases:
+            try:
+                progress(f"agreement {case}, 4K: relative RMSE ours vs fla {agreement(case, 4096, generator):.2e}")
+            except Exception as exc:
+                print(f"agreement {case}: {exc!r:.300}", file=sys.stderr)
+    for seqlen in seqlens:
+        for case in cases:
+            tensors = linear_inputs(case, seqlen, generator)
+            for impl in impls:
+                results["rows"].append(measure(impl, MAKERS[impl], case, seqlen, tensors, timer))
+                torch.cuda.empty_cache()
+            progress(f"{time.strftime('%H:%M:%S')} {case} N={seqlen}: " + ", ".join(
+                f"{r['impl']} {r['fwd_ms']} / {r['bwd_ms']} ms" for r in results["rows"][-len(impls):]))
+            del tensors
+        tensors = linear_inputs("simple_gla", seqlen, generator)
+        results["rows"].append(measure("triton_hopper", softmax, "softmax", seqlen, tensors, timer))
+        del tensors
+        torch.cuda.empty_cache()
+        if json_path:
+            save_results(results, json_path)
+    return results
+
+
+def speed_ratios(rows: list[dict]) -> list[tuple[str, float]]:
+    """(what, value): fla's time over ours (> 1: ours faster), forward and backward, per case and length."""
+    def find(impl, case, seqlen):
+        return next((r for r in rows if r["impl"] == impl and r["case"] == case and r["seqlen_q"] == seqlen), None)
+
+    found = []
+    for case in dict.fromkeys(r["case"] for r in rows if r["case"] != "softmax"):
+        for seqlen in sorted({r["seqlen_q"] for r in rows}):
+            mine, theirs = find("triton", case, seqlen), find("fla", case, seqlen)
+            for metric in ("fwd_ms", "bwd_ms"):
+                if mine and theirs and mine[metric] and theirs[metric]:
+                    found.append((f"{case} fla time / ours {metric[:3]}, {seqlen // 1024}K",
+                                  theirs[metric] / mine[metric]))
+    return found
+
+
+def crossover(rows: list[dict], impl: str, case: str, metric: str = "fwd_ms") -> float | None:
+    """The sequence length from which ``impl``'s ``case`` takes no longer than softmax attention, interpolated
+    on log-log axes between the measured lengths; None if it never does in the range, the first length if
+    it always does."""
+    import math
+
+    def times(impl_, case_):
+        return {r["seqlen_q"]: r[metric] for r in rows if r["impl"] == impl_ and r["case"] == case_ and r[metric]}
+
+    linear, soft = times(impl, case), times("triton_hopper", "softmax")
+    lengths = sorted(set(linear) & set(soft))
+    if not lengths:
+        return None
+    gaps = [math.log(linear[n] / soft[n]) for n in lengths]  # <= 0 where linear is as fast or faster
+    if gaps[0] <= 0:
+        return float(lengths[0])
+    for (n0, g0), (n1, g1) in zip(zip(lengths, gaps), zip(lengths[1:], gaps[1:])):
+        if g1 <= 0 < g0:
+            t = g0 / (g0 - g1)
+            return float(math.exp(math.log(n0) + t * (math.log(n1) - math.log(n0))))
+    return None
+
+
+def plot_linear(results: dict, dpi=90):
+    """Forward and backward time against the sequence length on log-log axes: one line per (impl, case),
+    softmax attention in black; where a linear line crosses softmax's, the linear form starts to win."""
+    from matplotlib.figure import Figure
+
+    from ..memory import use_seqlen_ticks
+    from .plots import METRIC_LABELS
+    from .report import describe
+
+    rows = results["rows"]
+    fig = Figure(figsize=(10, 4), dpi=dpi)
+    styles = {"triton": "o-", "fla": "s--"}
+    cases = [c for c in dict.fromkeys(r["case"] for r in rows) if c != "softmax"]
+    for ax, metric in zip(fig.subplots(1, 2), ("fwd_ms", "bwd_ms")):
+        for index, case in enumerate(cases):
+            for impl, style in styles.items():
+                mine = sorted((r for r in rows if (r["impl"], r["case"]) == (impl, case) and r[metric]),
+                              key=lambda r: r["seqlen_q"])
+                if mine:
+                    ax.plot([r["seqlen_q"] for r in mine], [r[metric] for r in mine], style, color=f"C{index}",
+                            label=f"{'ours' if impl == 'triton' else impl} {case}")
+        soft = sorted((r for r in rows if r["case"] == "softmax" and r[metric]), key=lambda r: r["seqlen_q"])
+        if soft:
+            ax.plot([r["seqlen_q"] for r in soft], [r[metric] for r in soft], "k^-", label="softmax (triton_hopper)")
+        ax.set_yscale("log")
+        use_seqlen_ticks(ax.xaxis, [r["seqlen_q"] for r in rows])
+        ax.set(xlabel="sequence length N", ylabel=METRIC_LABELS[metric], title=METRIC_LABELS[metric])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(describe(results) + f", batch {BATCH}, {HEADS} heads, d = {HEAD_DIM}, causal", fontsize=9)
+    fig.tight_layout()
+    return fig
