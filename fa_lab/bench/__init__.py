@@ -8,7 +8,9 @@
   and protocol; :mod:`.interfaces`: chapter 05's options (GQA, varlen, window, softcap, ALiBi) with
   the upstream FlashAttention kernels; :mod:`.decode`: decode over a (paged) KV cache against the
   copy bandwidth; :mod:`.sparse`: NSA's selected blocks with flash-linear-attention's kernel;
-- :mod:`.cli`: ``fa-lab bench cpu|gpu|hopper|interfaces|decode|sparse``.
+  :mod:`.linear`: chunkwise linear attention with fla's kernels and softmax attention; :mod:`.ring`:
+  ring attention's steps on one GPU and the overlap they predict;
+- :mod:`.cli`: ``fa-lab bench cpu|gpu|hopper|interfaces|decode|sparse|linear|ring``.
 
 Importing this package loads neither the runners nor matplotlib: notebooks read recorded results
 through :func:`load_results`, :func:`describe` and :func:`plot_results`.

@@ -125,33 +125,41 @@ def measure(impl: str, make, case: str, seqlen: int, tensors: dict, timer) -> di
 
 
 def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=None, progress=print) -> dict:
-    """Every case and impl at every length, then softmax attention at each length; saved to ``json_path``
-    after each length (a crash keeps what was measured)."""
+    """Our kernels and softmax attention at every length, then fla's kernels at every length (its first
+    calls autotune for minutes, so a run that hits its time limit keeps ours); saved to ``json_path``
+    after each length of each pass."""
     if timer is None:
         from triton.testing import do_bench as timer
     generator = torch.Generator(device="cuda").manual_seed(0)
     results = {**environment("cuda"), "rows": []}
+
+    def sweep(impl_names, with_softmax):
+        for seqlen in seqlens:
+            for case in cases:
+                tensors = linear_inputs(case, seqlen, generator)
+                for impl in impl_names:
+                    row = measure(impl, MAKERS[impl], case, seqlen, tensors, timer)
+                    results["rows"].append(row)
+                    progress(f"{time.strftime('%H:%M:%S')} {impl} {case} N={seqlen}: {row['fwd_ms']} / "
+                             f"{row['bwd_ms']} ms")
+                    torch.cuda.empty_cache()
+                del tensors
+            if with_softmax:
+                tensors = linear_inputs("simple_gla", seqlen, generator)
+                results["rows"].append(measure("triton_hopper", softmax, "softmax", seqlen, tensors, timer))
+                del tensors
+                torch.cuda.empty_cache()
+            if json_path:
+                save_results(results, json_path)
+
+    sweep([impl for impl in impls if impl != "fla"], with_softmax=True)
     if "fla" in impls:
         for case in cases:
             try:
                 progress(f"agreement {case}, 4K: relative RMSE ours vs fla {agreement(case, 4096, generator):.2e}")
             except Exception as exc:
                 print(f"agreement {case}: {exc!r:.300}", file=sys.stderr)
-    for seqlen in seqlens:
-        for case in cases:
-            tensors = linear_inputs(case, seqlen, generator)
-            for impl in impls:
-                results["rows"].append(measure(impl, MAKERS[impl], case, seqlen, tensors, timer))
-                torch.cuda.empty_cache()
-            progress(f"{time.strftime('%H:%M:%S')} {case} N={seqlen}: " + ", ".join(
-                f"{r['impl']} {r['fwd_ms']} / {r['bwd_ms']} ms" for r in results["rows"][-len(impls):]))
-            del tensors
-        tensors = linear_inputs("simple_gla", seqlen, generator)
-        results["rows"].append(measure("triton_hopper", softmax, "softmax", seqlen, tensors, timer))
-        del tensors
-        torch.cuda.empty_cache()
-        if json_path:
-            save_results(results, json_path)
+        sweep(["fla"], with_softmax=False)
     return results
 
 

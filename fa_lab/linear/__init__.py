@@ -58,8 +58,9 @@ def linear_attention(q, k, v, g=None, scale: float | None = None, initial_state=
         inputs) or "triton" (float32/16/bfloat16 inputs: form="chunk" runs the h and o kernels of
         :mod:`fa_lab.kernels.portable.linear_chunk` with chunk_size 16, 32, 64 or 128, form="recurrent"
         the fused recurrent kernel of :mod:`fa_lab.kernels.portable.linear_recurrent`).
-    o has q's dtype. Gradients reach q, k, v, g and initial_state; impl="triton" computes them by
-    autograd through the PyTorch chunkwise form recomputed in float32.
+    o has q's dtype. Gradients reach q, k, v, g and initial_state; impl="triton" computes them with the
+    backward kernels of :mod:`fa_lab.kernels.portable.linear_chunk_bwd` (form="chunk"), or by autograd
+    through the PyTorch chunkwise form recomputed in float32 (form="recurrent", a decode-time form).
     """
     call = check_linear_call(q, k, v, g, None, initial_state, scale, output_final_state, form, chunk_size, impl,
                              delta=False)
@@ -95,8 +96,9 @@ def delta_rule(q, k, v, beta, g=None, scale: float | None = None, initial_state=
         uses the WY representation and :func:`solve_tril` (16 x 16 blocks) per chunk.
     impl: "torch", or "triton": form="chunk" computes the WY representation in PyTorch and runs the h
         and o passes as kernels (:mod:`fa_lab.kernels.portable.linear_delta`), form="recurrent" the fused
-        recurrent kernel. Gradients reach q, k, v, beta, g and initial_state (impl="triton": by autograd
-        through the PyTorch chunkwise form recomputed in float32).
+        recurrent kernel. Gradients reach q, k, v, beta, g and initial_state (impl="triton", form="chunk":
+        backward kernels without g, autograd through the PyTorch chunkwise form recomputed in float32 with
+        g or with form="recurrent").
     (fla's chunk_gated_delta_rule takes (q, k, v, g, beta); here g is optional and comes after beta.)
     """
     call = check_linear_call(q, k, v, g, beta, initial_state, scale, output_final_state, form, chunk_size, impl,

@@ -90,10 +90,10 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
         q = tl.load(q_ptr + key_rows, mask=key_ok, other=0.0)
         do = tl.load(do_ptr + value_rows, mask=value_ok, other=0.0)
         dv_new = tl.load(dv_local_ptr + value_rows, mask=value_ok, other=0.0)
-        dv_new = tl.dot(k, dh.to(k.dtype), dv_new, input_precision=PRECISION)
+        dv_new = tl.dot(k.to(tl.float32), dh, dv_new, input_precision=PRECISION)  # float32 operands: TF32
         tl.store(dv_new_ptr + value_rows, dv_new, mask=value_ok)
-        dh = tl.dot(tl.trans((q.to(tl.float32) * scale).to(k.dtype)), do, dh, input_precision=PRECISION)
-        dh -= tl.dot(tl.trans(w), dv_new.to(w.dtype), input_precision=PRECISION)
+        dh = tl.dot(tl.trans(q.to(tl.float32) * scale), do.to(tl.float32), dh, input_precision=PRECISION)
+        dh -= tl.dot(tl.trans(w.to(tl.float32)), dv_new, input_precision=PRECISION)
     tl.store(dh0_ptr + bh * d_k * d_v + tile, dh, mask=tile_ok)
 
 
