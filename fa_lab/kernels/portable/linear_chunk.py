@@ -4,8 +4,9 @@ The math is :mod:`fa_lab.linear.chunk`'s. With chunks of C tokens and G the log-
 inside each chunk:
 
 - the ``h`` pass, grid ``(cdiv(d_k, BLOCK_K), cdiv(d_v, BLOCK_V), batch * heads)``: one program owns a
-  (BLOCK_K, BLOCK_V) tile of one head's state, keeps it in registers, and walks the chunks in order,
-  storing each chunk's start state ``h_c`` (float32) before folding the chunk in:
+  (BLOCK_K, BLOCK_V) tile of one head's state, keeps it in float32 registers, and walks the chunks in
+  order, storing each chunk's start state ``h_c`` (in the inputs' dtype, which the o pass rounds it to
+  for its matmul anyway) before folding the chunk in:
   ``h <- diag(exp(G_last)) h + (K o exp(G_last - G))^T V``;
 - the ``o`` pass, grid ``(chunks, batch * heads, cdiv(d_v, BLOCK_V))``: one program per chunk and
   value block, all chunks in parallel, computes ``diag(exp(G)) Q h_c`` (the inter-chunk term) plus the
@@ -73,14 +74,16 @@ def chunk_fwd_h_kernel(k_ptr, v_ptr, g_ptr, h0_ptr, h_ptr, ht_ptr, seqlen, chunk
 
     k_ptr (B*H, N, d_k), v_ptr (B*H, N, d_v) contiguous; g_ptr: the cumulated gate in log2 units,
     float32 (B*H, chunks * CHUNK) (GATE 1) or (B*H, chunks * CHUNK, d_k) (GATE 2); h0_ptr (B*H, d_k, d_v)
-    float32 (read if HAS_H0); h_ptr (B*H, chunks, d_k, d_v) and ht_ptr (B*H, d_k, d_v) float32 outputs.
+    float32 (read if HAS_H0); ht_ptr (B*H, d_k, d_v) float32 output; h_ptr (B*H, chunks, d_k, d_v) output in
+    its own dtype (the state is carried in float32 and rounded on store: the forward stores it in the
+    inputs' dtype, which the o pass rounds it to anyway, the backward's recomputation in float32).
     """
     pid_k, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     cols_k, cols_v, k_ok, v_ok, tile, tile_ok, h = state_tile(h0_ptr, bh, pid_k, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
                                                               HAS_H0)
     padded = chunks * CHUNK
     for c in range(chunks):
-        tl.store(h_ptr + (bh * chunks + c) * d_k * d_v + tile, h, mask=tile_ok)
+        tl.store(h_ptr + (bh * chunks + c) * d_k * d_v + tile, h.to(h_ptr.dtype.element_ty), mask=tile_ok)
         rows = c * CHUNK + tl.arange(0, CHUNK)
         row_ok = rows < seqlen
         k = tl.load(k_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :],
@@ -268,7 +271,7 @@ def chunk_forward(q, k, v, g, initial_state, scale: float, chunk_size: int):
     q, k, v = (t.contiguous() for t in (q, k, v))
     cum = log2_cumulated_gate(g, chunk_size) if g is not None else q
     h0 = initial_state.float().contiguous() if initial_state is not None else q
-    h = torch.empty(batch * heads, chunks, d_k, d_v, dtype=torch.float32, device=q.device)
+    h = torch.empty(batch * heads, chunks, d_k, d_v, dtype=q.dtype, device=q.device)  # read by the o pass only
     final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
     o = torch.empty(batch, heads, seqlen, d_v, dtype=q.dtype, device=q.device)
     block_k, block_v = block_size(d_k), block_size(d_v)

@@ -37,13 +37,14 @@ def chunk_delta_fwd_h_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h0_ptr, h_ptr, v_new_pt
 
     k_ptr, w_ptr (B*H, N, d_k), u_ptr and v_new_ptr (B*H, N, d_v), contiguous, in the inputs' dtype;
     g_ptr float32 (B*H, chunks * CHUNK), the log2-unit gate cumulated per chunk (read if GATED);
-    h0_ptr, ht_ptr (B*H, d_k, d_v) and h_ptr (B*H, chunks, d_k, d_v) float32.
+    h0_ptr, ht_ptr (B*H, d_k, d_v) float32; h_ptr (B*H, chunks, d_k, d_v) in its own dtype (rounded on
+    store, as :func:`.linear_chunk.chunk_fwd_h_kernel` stores it).
     """
     pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols_k, cols_v, k_ok, v_ok, tile, tile_ok, h = state_tile(h0_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
                                                               HAS_H0)
     for c in range(chunks):
-        tl.store(h_ptr + (bh * chunks + c) * d_k * d_v + tile, h, mask=tile_ok)
+        tl.store(h_ptr + (bh * chunks + c) * d_k * d_v + tile, h.to(h_ptr.dtype.element_ty), mask=tile_ok)
         rows = c * CHUNK + tl.arange(0, CHUNK)
         row_ok = rows < seqlen
         key_rows = (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :]
@@ -198,7 +199,7 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
     q, k = q.contiguous(), k.contiguous()
     cum2 = log2_cumulated_gate(g, chunk_size) if g is not None else q
     h0 = initial_state.float().contiguous() if initial_state is not None else q
-    h = torch.empty(batch * heads, chunks, d_k, d_v, dtype=torch.float32, device=q.device)
+    h = torch.empty(batch * heads, chunks, d_k, d_v, dtype=q.dtype, device=q.device)  # read by the o pass only
     v_new = torch.empty(batch, heads, seqlen, d_v, dtype=q.dtype, device=q.device)
     final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
     o = torch.empty_like(v_new)
