@@ -13,11 +13,13 @@ inside each chunk:
   intra-chunk causal term ``(Q K^T o D) V``, with d_k walked in BLOCK_K steps.
 
 GLA's per-dim gate has no single decay matrix D, and the factorization ``(q_i e^{G_i}) (k_j e^{-G_j})``
-overflows once a chunk's decays multiply below float32's range. Its o pass
-(:func:`chunk_gla_fwd_o_kernel`) cuts the chunk into sub-chunks of 16 tokens, as fla's ``chunk_gla``
-does: between a query sub-chunk and an earlier key sub-chunk it factors through the query sub-chunk's
-first row r, ``e^{G_i - G_r} e^{G_r - G_j}``, both factors <= 1, so the products are tensor-core
-matmuls; inside the diagonal sub-chunk it forms the exact pairwise decays (a 16 x 16 x BLOCK_K tile).
+overflows once a chunk's decays multiply below float32's range. So its intra-chunk scores A are computed
+once per chunk by their own kernel (:func:`chunk_gla_fwd_a_kernel`, fla's ``chunk_gla_fwd_intra_gk``),
+which cuts the chunk into sub-chunks of 16 tokens: between a query sub-chunk and an earlier key
+sub-chunk it factors through the query sub-chunk's first row r, ``e^{G_i - G_r} e^{G_r - G_j}``, both
+factors <= 1, so the products are tensor-core matmuls; inside the diagonal sub-chunk it forms the exact
+pairwise decays (a 16 x 16 x BLOCK_K tile). The o pass (:func:`chunk_gla_fwd_o_kernel`) is then
+``(Q o e^G) h_c + A V``, as wide as the plain one.
 
 Why ``exp2`` and where log2(e) goes: a GPU's special-function unit computes 2^x (``ex2``), so ``exp(x)``
 costs a multiply by log2(e) and an ``ex2`` per element. The launcher multiplies the cumulated gate by
@@ -187,35 +189,53 @@ def lower_triangle(SUB: tl.constexpr):
 
 
 @triton.jit
-def chunk_gla_fwd_o_kernel(q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seqlen, chunks, d_k, d_v, scale,
-                           CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+def chunk_gla_fwd_a_kernel(q_ptr, k_ptr, g_ptr, a_ptr, seqlen, chunks, d_k, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """GLA's intra-chunk scores, once per chunk: a_ptr (B*H, chunks * CHUNK, CHUNK) gets
+    ``A[t, s] = sum_d q_t[d] k_s[d] 2^(G_t[d] - G_s[d])`` for s <= t of the same chunk, sub-chunk by
+    sub-chunk (:func:`gla_scores`), and zeros above the diagonal. Grid (chunks, B*H)."""
+    c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    padded = chunks * CHUNK
+    for i in tl.static_range(CHUNK // SUB):
+        rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
+        for j in tl.static_range(CHUNK // SUB):
+            if j <= i:
+                rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
+                block = gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_i, rows_j, c * CHUNK + i * SUB, seqlen, padded,
+                                   d_k, SUB, BLOCK_K, i == j, PRECISION)
+            else:
+                block = tl.zeros([SUB, SUB], dtype=tl.float32)
+            cols = j * SUB + tl.arange(0, SUB)
+            tl.store(a_ptr + (bh * padded + rows_i)[:, None] * CHUNK + cols[None, :], block.to(a_ptr.dtype.element_ty))
+
+
+@triton.jit
+def chunk_gla_fwd_o_kernel(q_ptr, v_ptr, g_ptr, h_ptr, a_ptr, o_ptr, seqlen, chunks, d_k, d_v, scale,
+                           CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                            PRECISION: tl.constexpr):
-    """o of one chunk and value block under GLA's per-dim gate, sub-chunk by sub-chunk (pointers as in
-    :func:`chunk_fwd_o_kernel`; g_ptr (B*H, chunks * CHUNK, d_k))."""
+    """o of one chunk and value block under GLA's per-dim gate: ``(Q o 2^G) h_c + A V`` with A from
+    :func:`chunk_gla_fwd_a_kernel` (pointers as in :func:`chunk_fwd_o_kernel`; g_ptr (B*H, chunks * CHUNK,
+    d_k)). Grid (chunks, B*H, cdiv(d_v, BLOCK_V))."""
     c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     dtype = q_ptr.dtype.element_ty
     padded = chunks * CHUNK
+    rows = c * CHUNK + tl.arange(0, CHUNK)
     cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = cols_v < d_v
-    for s in tl.static_range(CHUNK // SUB):
-        rows_s = c * CHUNK + s * SUB + tl.arange(0, SUB)
-        acc = tl.zeros([SUB, BLOCK_V], dtype=tl.float32)
-        for start_k in range(0, d_k, BLOCK_K):  # inter-chunk: (q o exp(G)) h_c
-            cols_k = start_k + tl.arange(0, BLOCK_K)
-            q_s = _load_rows(q_ptr, bh, rows_s, seqlen, cols_k, d_k)
-            g_s = _load_rows(g_ptr, bh, rows_s, padded, cols_k, d_k)
-            h = tl.load(h_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
-                        mask=(cols_k < d_k)[:, None] & v_ok[None, :], other=0.0)
-            acc = tl.dot((q_s * tl.math.exp2(g_s)).to(dtype), h.to(dtype), acc, input_precision=PRECISION)
-        for t in tl.static_range(s + 1):  # intra-chunk: key sub-chunks up to the query's own
-            rows_t = c * CHUNK + t * SUB + tl.arange(0, SUB)
-            scores = gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_s, rows_t, c * CHUNK + s * SUB, seqlen, padded, d_k,
-                                SUB, BLOCK_K, t == s, PRECISION)
-            v_t = tl.load(v_ptr + (bh * seqlen + rows_t)[:, None] * d_v + cols_v[None, :],
-                          mask=(rows_t < seqlen)[:, None] & v_ok[None, :], other=0.0)
-            acc = tl.dot(scores.to(dtype), v_t, acc, input_precision=PRECISION)
-        tl.store(o_ptr + (bh * seqlen + rows_s)[:, None] * d_v + cols_v[None, :],
-                 (acc * scale).to(o_ptr.dtype.element_ty), mask=(rows_s < seqlen)[:, None] & v_ok[None, :])
+    acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
+    for start_k in range(0, d_k, BLOCK_K):  # inter-chunk: (q o 2^G) h_c
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        q = _load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k)
+        g = _load_rows(g_ptr, bh, rows, padded, cols_k, d_k)
+        h = tl.load(h_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
+                    mask=(cols_k < d_k)[:, None] & v_ok[None, :], other=0.0)
+        acc = tl.dot((q * tl.math.exp2(g)).to(dtype), h.to(dtype), acc, input_precision=PRECISION)
+    scores = tl.load(a_ptr + (bh * padded + rows)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :])
+    v = tl.load(v_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :],
+                mask=(rows < seqlen)[:, None] & v_ok[None, :], other=0.0)
+    acc = tl.dot(scores.to(dtype), v, acc, input_precision=PRECISION)
+    tl.store(o_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], (acc * scale).to(o_ptr.dtype.element_ty),
+             mask=(rows < seqlen)[:, None] & v_ok[None, :])
 
 
 # ---------------------------------------------------------------- launchers
@@ -258,6 +278,21 @@ def log2_cumulated_gate(g, chunk_size: int):
     return cum.flatten(0, 1).flatten(1, 2).contiguous()
 
 
+def gla_intra_scores(q, k, cum, chunk_size: int, dtype):
+    """GLA's intra-chunk scores A, (B*H, chunks * C, C) in ``dtype`` (:func:`chunk_gla_fwd_a_kernel`), of
+    contiguous q, k (B, H, N, d_k) and the log2 cumulated gate ``cum`` (:func:`log2_cumulated_gate`)."""
+    from ..common import cdiv
+
+    batch, heads, seqlen, d_k = q.shape
+    chunks = cdiv(seqlen, chunk_size)
+    scores = torch.empty(batch * heads, chunks * chunk_size, chunk_size, dtype=dtype, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    chunk_gla_fwd_a_kernel[(chunks, batch * heads)](q, k, cum, scores, seqlen, chunks, d_k, CHUNK=chunk_size,
+                                                   SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32), PRECISION=precision,
+                                                   num_warps=output_warps(chunk_size))
+    return scores
+
+
 def chunk_forward(q, k, v, g, initial_state, scale: float, chunk_size: int):
     """Run both passes (no autograd). q, k (B, H, N, d_k), v (B, H, N, d_v), g None, (B, H, N) or
     (B, H, N, d_k); returns (o (B, H, N, d_v) in q.dtype, final state (B, H, d_k, d_v) float32)."""
@@ -283,9 +318,9 @@ def chunk_forward(q, k, v, g, initial_state, scale: float, chunk_size: int):
             BLOCK_V=block_v, GATE=gate, HAS_H0=initial_state is not None, PRECISION=precision)
         grid = (chunks, batch * heads, cdiv(d_v, block_v))
         if gate == GATE_CODES["per_dim"]:
-            chunk_gla_fwd_o_kernel[grid](q, k, v, cum, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size,
-                                         SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32), BLOCK_V=block_v,
-                                         PRECISION=precision, num_warps=warps)
+            scores = gla_intra_scores(q, k, cum, chunk_size, q.dtype)
+            chunk_gla_fwd_o_kernel[grid](q, v, cum, h, scores, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size,
+                                         BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, num_warps=warps)
         else:
             chunk_fwd_o_kernel[grid](q, k, v, cum, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size,
                                      BLOCK_K=block_k, BLOCK_V=block_v, GATE=gate, PRECISION=precision,

@@ -17,10 +17,12 @@ entering chunk c and dH_c the gradient of the loss with respect to it. The forwa
   ``dK = dA^T Q + 2^(b_last - b) o (V dH_{c+1}^T)``, and each token's gate term ``q_t . dq_t - k_t . dk_t``
   summed over its key block.
 
-GLA's per-dim gate has no single decay matrix D: its dv and dqk passes (:func:`chunk_gla_bwd_dv_kernel`,
-:func:`chunk_gla_bwd_dqk_kernel`) work sub-chunk by sub-chunk, factoring each decay through a reference
-row as the forward's o pass does (:func:`fa_lab.kernels.portable.linear_chunk.gla_scores`), and their
-gate term is per key dimension, ``q_t o dq_t - k_t o dk_t``.
+GLA's per-dim gate has no single decay matrix D. Its backward computes the intra-chunk scores A once per
+chunk, as the forward does (:func:`fa_lab.kernels.portable.linear_chunk.chunk_gla_fwd_a_kernel`), and their
+gradient ``dA = scale (dO V^T)`` masked, once per chunk (:func:`chunk_bwd_da_kernel`); the dv pass then
+reads A (:func:`chunk_gla_bwd_dv_kernel`) and the dqk pass reads dA in 16 x 16 blocks, factoring each
+decay through a reference row sub-chunk by sub-chunk (:func:`chunk_gla_bwd_dqk_kernel`). Its gate term is
+per key dimension, ``q_t o dq_t - k_t o dk_t``.
 
 The gate's gradient follows from writing every decay through the global cumulative sum G of g:
 each term pairs q_t e^{G_t} with k_s e^{-G_s}, so dL/dG_t = q_t . dq_t - k_t . dk_t, plus, at the last
@@ -40,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_chunk import _load_rows, gla_scores, lower_triangle, state_tile
+from .linear_chunk import _load_rows, lower_triangle, state_tile
 
 
 @triton.jit
@@ -183,64 +185,67 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_p
 
 
 @triton.jit
-def chunk_gla_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, g_ptr, dh_ptr, dv_ptr, seqlen, chunks, d_k, d_v, scale,
-                            CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+def chunk_gla_bwd_dv_kernel(k_ptr, do_ptr, g_ptr, a_ptr, dh_ptr, dv_ptr, seqlen, chunks, d_k, d_v, scale,
+                            CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                             PRECISION: tl.constexpr):
-    """dV of one chunk and value block under GLA's per-dim gate, key sub-chunk by key sub-chunk:
-    ``dV_j = (2^(G_last - G_j) o K_j) dH_{c+1} + scale sum_{i >= j} A_ij^T dO_i``, A_ij the forward's
-    scores (:func:`gla_scores`). Grid (chunks, B*H, cdiv(d_v, BLOCK_V)); g_ptr (B*H, chunks * CHUNK, d_k)."""
+    """dV of one chunk and value block under GLA's per-dim gate:
+    ``dV = (2^(G_last - G) o K) dH_{c+1} + scale A^T dO``, with a_ptr the float32 intra-chunk scores of
+    :func:`fa_lab.kernels.portable.linear_chunk.chunk_gla_fwd_a_kernel`. Grid (chunks, B*H, cdiv(d_v, BLOCK_V));
+    g_ptr (B*H, chunks * CHUNK, d_k)."""
     c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     padded = chunks * CHUNK
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = rows < seqlen
     cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = cols_v < d_v
     last = bh * padded + c * CHUNK + CHUNK - 1
-    for j in tl.static_range(CHUNK // SUB):
-        rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
-        dv = tl.zeros([SUB, BLOCK_V], dtype=tl.float32)
-        for start_k in range(0, d_k, BLOCK_K):
-            cols_k = start_k + tl.arange(0, BLOCK_K)
-            k_ok = cols_k < d_k
-            k_j = _load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k)
-            g_j = _load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
-            g_last = tl.load(g_ptr + last * d_k + cols_k, mask=k_ok, other=0.0)
-            dh = tl.load(dh_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
-                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-            dv = tl.dot(k_j * tl.math.exp2(g_last[None, :] - g_j), dh, dv, input_precision=PRECISION)
-        for i in tl.static_range(j, CHUNK // SUB):
-            rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
-            scores = gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_i, rows_j, c * CHUNK + i * SUB, seqlen, padded, d_k,
-                                SUB, BLOCK_K, i == j, PRECISION)
-            do_i = _rows(do_ptr, bh, rows_i, rows_i < seqlen, seqlen, cols_v, v_ok, d_v).to(tl.float32)
-            dv = tl.dot(tl.trans(scores * scale), do_i, dv, input_precision=PRECISION)
-        tl.store(dv_ptr + (bh * seqlen + rows_j)[:, None] * d_v + cols_v[None, :], dv.to(dv_ptr.dtype.element_ty),
-                 mask=(rows_j < seqlen)[:, None] & v_ok[None, :])
+    dv = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
+    for start_k in range(0, d_k, BLOCK_K):
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        k_ok = cols_k < d_k
+        k = _load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
+        g = _load_rows(g_ptr, bh, rows, padded, cols_k, d_k)
+        g_last = tl.load(g_ptr + last * d_k + cols_k, mask=k_ok, other=0.0)
+        dh = tl.load(dh_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
+                     mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+        dv = tl.dot(k * tl.math.exp2(g_last[None, :] - g), dh, dv, input_precision=PRECISION)
+    scores = tl.load(a_ptr + (bh * padded + rows)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :])
+    do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v).to(tl.float32)
+    dv = tl.dot(tl.trans(scores * scale), do, dv, input_precision=PRECISION)
+    tl.store(dv_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & v_ok[None, :])
 
 
 @triton.jit
-def _sub_d_scores(do_ptr, v_ptr, bh, rows_i, rows_j, seqlen, d_v, scale, SUB: tl.constexpr, BLOCK_V: tl.constexpr,
-                  DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
-    """(SUB, SUB) float32 ``scale dO_i V_j^T`` over all of d_v, zero above the diagonal when DIAGONAL."""
-    d_scores = tl.zeros([SUB, SUB], dtype=tl.float32)
+def chunk_bwd_da_kernel(do_ptr, v_ptr, da_ptr, seqlen, chunks, d_v, scale, CHUNK: tl.constexpr,
+                        BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+    """The intra-chunk score gradient, once per chunk: da_ptr (B*H, chunks * CHUNK, CHUNK) float32 gets
+    ``dA[t, s] = scale dO_t . v_s`` for s <= t of the same chunk, zeros above. Grid (chunks, B*H)."""
+    c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = rows < seqlen
+    d_scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for start_v in range(0, d_v, BLOCK_V):
         cols_v = start_v + tl.arange(0, BLOCK_V)
         v_ok = cols_v < d_v
-        do_i = _rows(do_ptr, bh, rows_i, rows_i < seqlen, seqlen, cols_v, v_ok, d_v)
-        v_j = _rows(v_ptr, bh, rows_j, rows_j < seqlen, seqlen, cols_v, v_ok, d_v)
-        d_scores = tl.dot(do_i, tl.trans(v_j), d_scores, input_precision=PRECISION)
-    if DIAGONAL:
-        d_scores = tl.where(lower_triangle(SUB), d_scores, 0.0)
-    return d_scores * scale
+        do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+        v = _rows(v_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+        d_scores = tl.dot(do, tl.trans(v), d_scores, input_precision=PRECISION)
+    d_scores = tl.where(lower_triangle(CHUNK), d_scores * scale, 0.0)
+    tl.store(da_ptr + (bh * chunks * CHUNK + rows)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :], d_scores)
 
 
 @triton.jit
-def chunk_gla_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_ptr, dk_ptr, dgate_ptr, seqlen,
-                             chunks, d_k, d_v, scale, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+def chunk_gla_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, da_ptr, dq_ptr, dk_ptr, dgate_ptr,
+                             seqlen, chunks, d_k, d_v, scale, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
     """dQ, dK of one chunk and key block under GLA's per-dim gate, and the gate term ``q o dq - k o dk``
-    per token and key dimension (dgate_ptr (B*H, N, d_k) float32). Grid (chunks, B*H, cdiv(d_k, BLOCK_K)).
+    per token and key dimension (dgate_ptr (B*H, N, d_k) float32). Grid (chunks, B*H, cdiv(d_k, BLOCK_K));
+    da_ptr: :func:`chunk_bwd_da_kernel`'s scale dO V^T, read in SUB x SUB blocks.
 
     First each query sub-chunk i: ``dQ_i = scale 2^G_i o (dO_i h_c^T) + sum_{j <= i} (dA_ij K_j)`` with the
-    decays factored through row r (i's first) as in :func:`gla_scores`, exact on the diagonal; it stores
+    decays factored through row r (i's first) as in :func:`fa_lab.kernels.portable.linear_chunk.gla_scores`,
+    exact on the diagonal; it stores
     q o dq. Then each key sub-chunk j: ``dK_j = 2^(G_last - G_j) o (V_j dH_{c+1}^T) + sum_{i >= j}
     dA_ij^T Q_i``, factored the same way, and subtracts k o dk from what the first loop stored (after a
     barrier: other threads of the program wrote it)."""
@@ -267,8 +272,7 @@ def chunk_gla_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, 
             rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
             k_j = _load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k)
             g_j = _load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
-            d_scores = _sub_d_scores(do_ptr, v_ptr, bh, rows_i, rows_j, seqlen, d_v, scale, SUB, BLOCK_V, i == j,
-                                     PRECISION)
+            d_scores = tl.load(da_ptr + (bh * padded + rows_i)[:, None] * CHUNK + j * SUB + tl.arange(0, SUB)[None, :])
             if j < i:
                 k_r = k_j * tl.math.exp2(g_r[None, :] - g_j)
                 dq += tl.dot(d_scores, k_r, input_precision=PRECISION) * tl.math.exp2(g_i - g_r[None, :])
@@ -299,8 +303,7 @@ def chunk_gla_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, 
             rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
             q_i = _load_rows(q_ptr, bh, rows_i, seqlen, cols_k, d_k)
             g_i = _load_rows(g_ptr, bh, rows_i, padded, cols_k, d_k)
-            d_scores = _sub_d_scores(do_ptr, v_ptr, bh, rows_i, rows_j, seqlen, d_v, scale, SUB, BLOCK_V, i == j,
-                                     PRECISION)
+            d_scores = tl.load(da_ptr + (bh * padded + rows_i)[:, None] * CHUNK + j * SUB + tl.arange(0, SUB)[None, :])
             if j < i:
                 g_r = tl.load(g_ptr + (bh * padded + c * CHUNK + i * SUB) * d_k + cols_k, mask=k_ok, other=0.0)
                 q_r = q_i * tl.math.exp2(g_i - g_r[None, :])
@@ -326,7 +329,15 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
     """
     from ...linear.inputs import gate_kind
     from ..common import cdiv, on_device
-    from .linear_chunk import GATE_CODES, SUB_CHUNK, block_size, chunk_fwd_h_kernel, log2_cumulated_gate, output_warps
+    from .linear_chunk import (
+        GATE_CODES,
+        SUB_CHUNK,
+        block_size,
+        chunk_fwd_h_kernel,
+        gla_intra_scores,
+        log2_cumulated_gate,
+        output_warps,
+    )
 
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
@@ -353,12 +364,17 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
         chunk_bwd_dh_kernel[state_grid](q, grad_o, cum, dht, d_states, d_initial, seqlen, chunks, d_k, d_v, scale,
                                         GATE=gate, HAS_DHT=grad_state is not None, **shapes)
         if per_dim:
+            scores = gla_intra_scores(q, k, cum, chunk_size, torch.float32)
+            d_scores = torch.empty_like(scores)
+            chunk_bwd_da_kernel[(chunks, batch * heads)](grad_o, v, d_scores, seqlen, chunks, d_v, scale,
+                                                         CHUNK=chunk_size, BLOCK_V=block_v, PRECISION=precision,
+                                                         num_warps=warps)
+            chunk_gla_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
+                k, grad_o, cum, scores, d_states, dv, seqlen, chunks, d_k, d_v, scale, num_warps=warps, **shapes)
             shapes.update(SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32))
             dgate = torch.empty(batch * heads, seqlen, d_k, dtype=torch.float32, device=q.device)
-            chunk_gla_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
-                q, k, grad_o, cum, d_states, dv, seqlen, chunks, d_k, d_v, scale, num_warps=warps, **shapes)
             chunk_gla_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, shapes["BLOCK_K"]))](
-                q, k, v, grad_o, cum, states, d_states, dq, dk, dgate, seqlen, chunks, d_k, d_v, scale,
+                q, k, v, grad_o, cum, states, d_states, d_scores, dq, dk, dgate, seqlen, chunks, d_k, d_v, scale,
                 num_warps=warps, **shapes)
             d_cum = dgate.view(batch, heads, seqlen, d_k)
         else:
