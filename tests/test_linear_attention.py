@@ -243,6 +243,34 @@ def test_chunk_kernel(gate, delta, chunk_size, seqlen, dtype, generator):
     check_kernel(delta, inputs, dtype, form="chunk", chunk_size=chunk_size)
 
 
+@pytest.mark.parametrize("gated, chunk_size, seqlen", [(False, 64, 150), (True, 32, 77), (True, 16, 40)])
+def test_wy_kernel_matches_prepare_wy_repr(gated, chunk_size, seqlen, generator):
+    """The WY kernel (forward substitution in registers) against fa_lab.linear.delta's PyTorch WY with
+    solve_tril, in float64, on float32 inputs: w and u of every chunk, a ragged last one included."""
+    from fa_lab.kernels.common import cdiv
+    from fa_lab.kernels.portable.linear_chunk import block_size, log2_cumulated_gate
+    from fa_lab.kernels.portable.linear_delta import chunk_wy_kernel
+    from fa_lab.linear.chunk import chunk_local_cumsum
+    from fa_lab.linear.decay import from_chunks, to_chunks
+    from fa_lab.linear.delta import prepare_wy_repr
+
+    _, k, v, g, beta, _ = make_inputs(generator, "scalar" if gated else "none", delta=True, seqlen=seqlen,
+                                      dtype=torch.float32, device=DEVICE)
+    cum = chunk_local_cumsum(g.double(), chunk_size) if gated else None
+    expected = [from_chunks(t, seqlen) for t in prepare_wy_repr(
+        *(to_chunks(t.double(), chunk_size) for t in (k, v, beta)), cum, "scalar" if gated else "none")]
+    batch, heads, _, d_k = k.shape
+    d_v = v.shape[-1]
+    w, u = torch.empty_like(k), torch.empty_like(v)
+    cum2 = log2_cumulated_gate(g, chunk_size) if gated else k
+    chunk_wy_kernel[(cdiv(seqlen, chunk_size), batch * heads)](
+        k, v, beta, cum2, w, u, seqlen, cdiv(seqlen, chunk_size), d_k, d_v, CHUNK=chunk_size, BLOCK_K=block_size(d_k),
+        BLOCK_V=block_size(d_v), GATED=gated, PRECISION="ieee")
+    for name, actual, reference in (("w", w, expected[0]), ("u", u, expected[1])):
+        error = relative_rmse(actual, reference)
+        assert error <= RMSE_BOUND[torch.float32], f"{name}: relative RMSE {error:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate, delta", [("none", False), ("scalar", False), ("per_dim", False),
                                          ("none", True), ("scalar", True)])

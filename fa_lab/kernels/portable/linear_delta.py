@@ -1,11 +1,12 @@
-"""The chunkwise (gated) delta rule's state pass as a Triton kernel; its o pass is gated linear attention's.
+"""The chunkwise (gated) delta rule as Triton kernels: the WY representation, the state pass and the o pass.
 
 :mod:`fa_lab.linear.delta` turns each chunk into gated linear attention over corrected values
-``v_new = u - w h_c``, with w and u from the WY representation. The launcher here computes w and u in
-PyTorch (:func:`fa_lab.linear.delta.prepare_wy_repr`: the masked ``K K^T``, :func:`fa_lab.linear.solve_tril`
-and two matmuls per chunk, all chunks at once; fla writes these as kernels too), rounds them to the
-inputs' dtype as fla stores them, and launches:
+``v_new = u - w h_c``, with w and u from the WY representation. The launcher here runs:
 
+- :func:`chunk_wy_kernel`, grid ``(chunks, batch * heads)``: one program per chunk forms the masked,
+  decayed ``diag(beta) K K^T``, inverts ``I + L`` by forward substitution in registers, and stores
+  ``w = T (beta o K)`` and ``u = T (beta o V)`` in the inputs' dtype, as fla stores them (fla writes
+  this as three kernels: ``chunk_scaled_dot_kkt``, ``solve_tril``, ``recompute_w_u``);
 - :func:`chunk_delta_fwd_h_kernel`, grid ``(cdiv(d_v, BLOCK_V), batch * heads)``: one program holds all
   d_k rows of a BLOCK_V-wide slice of one head's state (``w h`` sums over the whole key dimension) and
   walks the chunks: store ``h_c``, form ``v_new = u - w h_c`` and store it, then
@@ -27,6 +28,58 @@ import triton
 import triton.language as tl
 
 from .linear_chunk import state_tile
+
+
+@triton.jit
+def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks, d_k, d_v, CHUNK: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr):
+    """The WY representation of one chunk, all in registers: ``w = T (beta o 2^G o K)``, ``u = T (beta o V)``
+    with ``T = (I + L)^{-1}``, ``L = strictly_lower(diag(beta) (K K^T o D))``. Grid (chunks, B*H).
+
+    k_ptr, w_ptr (B*H, N, d_k), v_ptr, u_ptr (B*H, N, d_v) contiguous; beta_ptr (B*H, N); g_ptr float32
+    (B*H, chunks * CHUNK), the log2-unit gate cumulated per chunk (read if GATED). T comes from forward
+    substitution over the chunk's rows, ``T_i = e_i - L_i,:i T_:i``: row i reads only finished rows.
+    (:func:`fa_lab.linear.solve_tril` does the same in 16 x 16 blocks, as fla's kernels do; one row at a
+    time over the whole chunk costs C steps of C x C vector work, and no round trip through memory.)
+    """
+    c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = rows < seqlen
+    beta = tl.load(beta_ptr + bh * seqlen + rows, mask=row_ok, other=0.0).to(tl.float32)
+    gram = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for start_k in range(0, d_k, BLOCK_K):
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        k = tl.load(k_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :],
+                    mask=row_ok[:, None] & (cols_k < d_k)[None, :], other=0.0)
+        gram = tl.dot(k, tl.trans(k), gram, input_precision=PRECISION)
+    row_index, col_index = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
+    below = row_index > col_index
+    key_scale = beta
+    if GATED:
+        g = tl.load(g_ptr + bh * chunks * CHUNK + rows)
+        lower = beta[:, None] * gram * tl.math.exp2(tl.where(below, g[:, None] - g[None, :], float("-inf")))
+        key_scale = beta * tl.math.exp2(g)
+    else:
+        lower = tl.where(below, beta[:, None] * gram, 0.0)
+    inverse = tl.where(row_index == col_index, 1.0, 0.0)  # row i becomes T_i at step i; rows below are e_j
+    for i in range(1, CHUNK):
+        lower_i = tl.sum(tl.where(row_index == i, lower, 0.0), axis=0)  # L_i,: (zero from column i on)
+        update = tl.sum(lower_i[:, None] * inverse, axis=0)  # L_i,:i T_:i
+        inverse = tl.where(row_index == i, inverse - update[None, :], inverse)
+    for start_k in range(0, d_k, BLOCK_K):
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
+        k = tl.load(k_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], mask=tile_ok, other=0.0)
+        w = tl.dot(inverse, k.to(tl.float32) * key_scale[:, None], input_precision=PRECISION)
+        tl.store(w_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=tile_ok)
+    for start_v in range(0, d_v, BLOCK_V):
+        cols_v = start_v + tl.arange(0, BLOCK_V)
+        tile_ok = row_ok[:, None] & (cols_v < d_v)[None, :]
+        v = tl.load(v_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], mask=tile_ok, other=0.0)
+        u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
+        tl.store(u_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], u.to(u_ptr.dtype.element_ty),
+                 mask=tile_ok)
 
 
 @triton.jit
@@ -180,32 +233,29 @@ class ChunkDeltaFunction(torch.autograd.Function):
 
 
 def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_size: int):
-    """WY in PyTorch, then the h kernel and the o kernel (no autograd). q, k (B, H, N, d_k), v (B, H, N, d_v),
+    """The WY kernel, then the h kernel and the o kernel (no autograd). q, k (B, H, N, d_k), v (B, H, N, d_v),
     beta (B, H, N), g None or (B, H, N). Returns (o in q.dtype, final state (B, H, d_k, d_v) float32)."""
-    from ...linear.chunk import chunk_local_cumsum
-    from ...linear.decay import from_chunks, to_chunks
-    from ...linear.delta import prepare_wy_repr
     from ..common import cdiv, on_device
     from .linear_chunk import block_size, chunk_fwd_o_kernel, log2_cumulated_gate, output_warps
 
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
     chunks = cdiv(seqlen, chunk_size)
-    gate = "none" if g is None else "scalar"
-    k_chunks, v_chunks, beta_chunks = (to_chunks(t.float(), chunk_size) for t in (k, v, beta))
-    cum = None if g is None else chunk_local_cumsum(g.float(), chunk_size)
-    w, u = (from_chunks(t, seqlen).to(q.dtype).contiguous()
-            for t in prepare_wy_repr(k_chunks, v_chunks, beta_chunks, cum, gate))
-    q, k = q.contiguous(), k.contiguous()
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
     cum2 = log2_cumulated_gate(g, chunk_size) if g is not None else q
     h0 = initial_state.float().contiguous() if initial_state is not None else q
+    w, u = torch.empty_like(k), torch.empty_like(v)  # the WY matrices, rounded to the inputs' dtype as fla does
     h = torch.empty(batch * heads, chunks, d_k, d_v, dtype=q.dtype, device=q.device)  # read by the o pass only
     v_new = torch.empty(batch, heads, seqlen, d_v, dtype=q.dtype, device=q.device)
     final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
     o = torch.empty_like(v_new)
-    block_v = block_size(d_v, 32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    warps = output_warps(chunk_size)
     with on_device(q):
+        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum2, w, u, seqlen, chunks, d_k, d_v, CHUNK=chunk_size,
+                                                 BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v),
+                                                 GATED=g is not None, PRECISION=precision, num_warps=warps)
+        block_v = block_size(d_v, 32)
         chunk_delta_fwd_h_kernel[(cdiv(d_v, block_v), batch * heads)](
             k, w, u, cum2, h0, h, v_new, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size,
             BLOCK_K=block_size(d_k, 256), BLOCK_V=block_v, GATED=g is not None, HAS_H0=initial_state is not None,
@@ -213,7 +263,7 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
         block_v = block_size(d_v)
         chunk_fwd_o_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
             q, k, v_new, cum2, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size, BLOCK_K=block_size(d_k),
-            BLOCK_V=block_v, GATE=int(g is not None), PRECISION=precision, num_warps=output_warps(chunk_size))
+            BLOCK_V=block_v, GATE=int(g is not None), PRECISION=precision, num_warps=warps)
     return o, final_state
 
 
