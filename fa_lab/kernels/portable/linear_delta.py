@@ -16,8 +16,8 @@
 
 Gates are in log2 units with RCP_LN2 folded in once, as in :mod:`.linear_chunk`. The backward of the
 delta rule is kernels too (:func:`delta_chunk_backward`: the states walked back by
-:func:`chunk_delta_bwd_dh_kernel`, the chunk-parallel passes of :mod:`.linear_chunk_bwd`, autograd only
-through the WY representation's chunk-parallel PyTorch ops). The gated delta rule's is autograd through
+:func:`chunk_delta_bwd_dh_kernel`, the chunk-parallel passes of :mod:`.linear_chunk_bwd`, and the WY
+representation's backward, :func:`chunk_wy_bwd_kernel`). The gated delta rule's is autograd through
 :func:`fa_lab.linear.delta.chunk_delta_rule` recomputed in float32 (:class:`.linear_chunk.RecomputedBackward`):
 its gate reaches w through T, which the kernels do not differentiate yet.
 """
@@ -31,18 +31,15 @@ from .linear_chunk import state_tile
 
 
 @triton.jit
-def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks, d_k, d_v, CHUNK: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr):
-    """The WY representation of one chunk, all in registers: ``w = T (beta o 2^G o K)``, ``u = T (beta o V)``
-    with ``T = (I + L)^{-1}``, ``L = strictly_lower(diag(beta) (K K^T o D))``. Grid (chunks, B*H).
+def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+               GATED: tl.constexpr, PRECISION: tl.constexpr):
+    """One chunk's ``T = (I + L)^{-1}``, ``L = strictly_lower(diag(beta) (K K^T o D))``, in registers.
 
-    k_ptr, w_ptr (B*H, N, d_k), v_ptr, u_ptr (B*H, N, d_v) contiguous; beta_ptr (B*H, N); g_ptr float32
-    (B*H, chunks * CHUNK), the log2-unit gate cumulated per chunk (read if GATED). T comes from forward
-    substitution over the chunk's rows, ``T_i = e_i - L_i,:i T_:i``: row i reads only finished rows.
-    (:func:`fa_lab.linear.solve_tril` does the same in 16 x 16 blocks, as fla's kernels do; one row at a
-    time over the whole chunk costs C steps of C x C vector work, and no round trip through memory.)
+    Returns (T, K K^T, beta, the key scale beta o 2^G (beta without a gate)), all float32 (C, C) or (C,).
+    T comes from forward substitution over the chunk's rows, ``T_i = e_i - L_i,:i T_:i``: row i reads only
+    finished rows. (:func:`fa_lab.linear.solve_tril` does the same in 16 x 16 blocks, as fla's kernels do;
+    one row at a time over the whole chunk costs C steps of C x C vector work and no trip through memory.)
     """
-    c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = rows < seqlen
     beta = tl.load(beta_ptr + bh * seqlen + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -66,6 +63,23 @@ def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks,
         lower_i = tl.sum(tl.where(row_index == i, lower, 0.0), axis=0)  # L_i,: (zero from column i on)
         update = tl.sum(lower_i[:, None] * inverse, axis=0)  # L_i,:i T_:i
         inverse = tl.where(row_index == i, inverse - update[None, :], inverse)
+    return inverse, gram, beta, key_scale
+
+
+@triton.jit
+def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks, d_k, d_v, CHUNK: tl.constexpr,
+                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr):
+    """The WY representation of one chunk: ``w = T (beta o 2^G o K)``, ``u = T (beta o V)`` with T from
+    :func:`wy_inverse`. Grid (chunks, B*H).
+
+    k_ptr, w_ptr (B*H, N, d_k), v_ptr, u_ptr (B*H, N, d_v) contiguous; beta_ptr (B*H, N); g_ptr float32
+    (B*H, chunks * CHUNK), the log2-unit gate cumulated per chunk (read if GATED).
+    """
+    c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = rows < seqlen
+    inverse, _, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK, BLOCK_K,
+                                             GATED, PRECISION)
     for start_k in range(0, d_k, BLOCK_K):
         cols_k = start_k + tl.arange(0, BLOCK_K)
         tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
@@ -80,6 +94,61 @@ def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks,
         u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
         tl.store(u_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], u.to(u_ptr.dtype.element_ty),
                  mask=tile_ok)
+
+
+@triton.jit
+def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, dw_ptr, du_ptr, dk_ptr, dv_ptr, dbeta_ptr, seqlen, chunks, d_k, d_v,
+                        CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+    """The WY representation's backward for one chunk of the (ungated) delta rule: given dW and dU (float32,
+    (B*H, N, d_k) and (B*H, N, d_v)), write its share of dK (float32, (B*H, N, d_k)), dV (v's dtype) and
+    dbeta (float32, (B*H, N)). Grid (chunks, B*H).
+
+    With ``W = T Kb``, ``U = T Vb``, ``Kb = beta o K``, ``Vb = beta o V``, ``T = (I + L)^{-1}`` and
+    ``L = strictly_lower(diag(beta) K K^T)``: ``dKb = T^T dW``, ``dVb = T^T dU``,
+    ``dT = dW Kb^T + dU Vb^T``, ``dL = strictly_lower(-T^T dT T^T)``, and L's entries give
+    ``dbeta_i += sum_j dL_ij (K K^T)_ij`` and ``dK += (M + M^T) K`` with ``M = diag(beta) dL``.
+    """
+    c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = rows < seqlen
+    inverse, gram, beta, _ = wy_inverse(k_ptr, beta_ptr, beta_ptr, bh, c, seqlen, chunks, d_k, CHUNK, BLOCK_K,
+                                        False, PRECISION)
+    d_inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    d_beta = tl.zeros([CHUNK], dtype=tl.float32)
+    for start_k in range(0, d_k, BLOCK_K):
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        key_rows = (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :]
+        tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
+        k = tl.load(k_ptr + key_rows, mask=tile_ok, other=0.0).to(tl.float32)
+        dw = tl.load(dw_ptr + key_rows, mask=tile_ok, other=0.0)
+        d_inverse = tl.dot(dw, tl.trans(k * beta[:, None]), d_inverse, input_precision=PRECISION)
+    for start_v in range(0, d_v, BLOCK_V):
+        cols_v = start_v + tl.arange(0, BLOCK_V)
+        value_rows = (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :]
+        tile_ok = row_ok[:, None] & (cols_v < d_v)[None, :]
+        v = tl.load(v_ptr + value_rows, mask=tile_ok, other=0.0).to(tl.float32)
+        du = tl.load(du_ptr + value_rows, mask=tile_ok, other=0.0)
+        d_inverse = tl.dot(du, tl.trans(v * beta[:, None]), d_inverse, input_precision=PRECISION)
+        d_vb = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
+        tl.store(dv_ptr + value_rows, (d_vb * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=tile_ok)
+        d_beta += tl.sum(v * d_vb, axis=1)
+    below = tl.arange(0, CHUNK)[:, None] > tl.arange(0, CHUNK)[None, :]
+    d_lower = tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION)
+    d_lower = tl.where(below, -tl.dot(d_lower, tl.trans(inverse), input_precision=PRECISION), 0.0)
+    d_beta += tl.sum(d_lower * gram, axis=1)
+    sym = beta[:, None] * d_lower
+    sym = sym + tl.trans(sym)
+    for start_k in range(0, d_k, BLOCK_K):
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        key_rows = (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :]
+        tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
+        k = tl.load(k_ptr + key_rows, mask=tile_ok, other=0.0).to(tl.float32)
+        dw = tl.load(dw_ptr + key_rows, mask=tile_ok, other=0.0)
+        d_kb = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
+        d_beta += tl.sum(k * d_kb, axis=1)
+        dk = tl.dot(sym, k, d_kb * beta[:, None], input_precision=PRECISION)
+        tl.store(dk_ptr + key_rows, dk, mask=tile_ok)
+    tl.store(dbeta_ptr + bh * seqlen + rows, d_beta, mask=row_ok)
 
 
 @triton.jit
@@ -156,14 +225,12 @@ def delta_chunk_backward(q, k, v, beta, initial_state, grad_o, grad_state, scale
     :func:`delta_chunk_forward`; grad_state None or (B, H, d_k, d_v). dq, dk, dv in the inputs' dtype,
     dbeta and the initial state's gradient float32.
 
-    w and u are recomputed in PyTorch with autograd (float32); the kernels recompute the states and
-    corrected values (the forward's h pass), the intra-chunk dV (:func:`.linear_chunk_bwd.chunk_bwd_dv_kernel`
-    without its carried term), walk the states back (:func:`chunk_delta_bwd_dh_kernel`), and form dQ, the
-    direct dK and dW (:func:`.linear_chunk_bwd.chunk_bwd_dqk_kernel` over v_new); autograd then carries
-    dW and dU = dV_new through the WY representation to k, v and beta.
+    The kernels recompute w and u (:func:`chunk_wy_kernel`), the states and corrected values (the
+    forward's h pass), the intra-chunk dV (:func:`.linear_chunk_bwd.chunk_bwd_dv_kernel` without its
+    carried term), walk the states back (:func:`chunk_delta_bwd_dh_kernel`), form dQ, the direct dK and dW
+    (:func:`.linear_chunk_bwd.chunk_bwd_dqk_kernel` over v_new), and carry dW and dU = dV_new through the
+    WY representation to k, v and beta (:func:`chunk_wy_bwd_kernel`).
     """
-    from ...linear.decay import from_chunks, to_chunks
-    from ...linear.delta import prepare_wy_repr
     from ..common import cdiv, on_device
     from .linear_chunk import block_size, output_warps
     from .linear_chunk_bwd import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel
@@ -171,14 +238,10 @@ def delta_chunk_backward(q, k, v, beta, initial_state, grad_o, grad_state, scale
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
     chunks = cdiv(seqlen, chunk_size)
-    with torch.enable_grad():
-        leaves = [t.detach().float().requires_grad_() for t in (k, v, beta)]
-        w32, u32 = (from_chunks(t, seqlen) for t in prepare_wy_repr(*(to_chunks(t, chunk_size) for t in leaves),
-                                                                   None, "none"))
-    w, u = (t.detach().to(q.dtype).contiguous() for t in (w32, u32))
-    q, k, grad_o = (t.contiguous() for t in (q, k, grad_o.to(q.dtype)))
+    q, k, v, beta, grad_o = (t.contiguous() for t in (q, k, v, beta, grad_o.to(q.dtype)))
     h0 = initial_state.float().contiguous() if initial_state is not None else q
     dht = grad_state.float().contiguous() if grad_state is not None else q
+    w, u = torch.empty_like(k), torch.empty_like(v)
     states = torch.empty(batch * heads, chunks, d_k, d_v, dtype=torch.float32, device=q.device)
     d_states = torch.empty_like(states)
     final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
@@ -188,29 +251,29 @@ def delta_chunk_backward(q, k, v, beta, initial_state, grad_o, grad_state, scale
     dv_new = torch.empty_like(dv_local)
     dq, dk_direct = torch.empty_like(q), torch.empty_like(k)
     dw = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk_wy, dv, d_beta = torch.empty_like(dw), torch.empty_like(v), torch.empty(beta.shape, dtype=torch.float32,
+                                                                               device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     warps = output_warps(chunk_size)
+    block_k, block_v = block_size(d_k), block_size(d_v)
+    wide = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, num_warps=warps)
+    sweep = dict(CHUNK=chunk_size, BLOCK_K=block_size(d_k, 256), BLOCK_V=block_size(d_v, 32), PRECISION=precision)
     with on_device(q):
-        block_v = block_size(d_v, 32)
-        sweep = dict(CHUNK=chunk_size, BLOCK_K=block_size(d_k, 256), BLOCK_V=block_v, PRECISION=precision)
-        chunk_delta_fwd_h_kernel[(cdiv(d_v, block_v), batch * heads)](
+        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, q, w, u, seqlen, chunks, d_k, d_v, GATED=False, **wide)
+        chunk_delta_fwd_h_kernel[(cdiv(d_v, sweep["BLOCK_V"]), batch * heads)](
             k, w, u, q, h0, states, v_new, final_state, seqlen, chunks, d_k, d_v, GATED=False,
             HAS_H0=initial_state is not None, **sweep)
-        block_k, block_v = block_size(d_k), block_size(d_v)
-        tiles = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, GATE=0, PRECISION=precision,
-                     num_warps=warps)
         chunk_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
-            q, k, grad_o, q, q, dv_local, seqlen, chunks, d_k, d_v, scale, CARRIED=False, **tiles)
-        block_v = block_size(d_v, 32)
-        chunk_delta_bwd_dh_kernel[(cdiv(d_v, block_v), batch * heads)](
+            q, k, grad_o, q, q, dv_local, seqlen, chunks, d_k, d_v, scale, GATE=0, CARRIED=False, **wide)
+        chunk_delta_bwd_dh_kernel[(cdiv(d_v, sweep["BLOCK_V"]), batch * heads)](
             q, k, w, grad_o, dv_local, dht, d_states, dv_new, d_initial, seqlen, chunks, d_k, d_v, scale,
             HAS_DHT=grad_state is not None, **sweep)
         chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
             q, k, v_new, grad_o, q, states, d_states, dq, dk_direct, q, dv_new, dw, seqlen, chunks, d_k, d_v, scale,
-            DELTA=True, **tiles)
-    torch.autograd.backward([w32, u32], [dw, dv_new])
-    d_k_wy, d_v_wy, d_beta = (leaf.grad for leaf in leaves)
-    return dq, (dk_direct.float() + d_k_wy).to(k.dtype), d_v_wy.to(v.dtype), d_beta, d_initial
+            GATE=0, DELTA=True, **wide)
+        chunk_wy_bwd_kernel[(chunks, batch * heads)](k, v, beta, dw, dv_new, dk_wy, dv, d_beta, seqlen, chunks, d_k,
+                                                     d_v, **wide)
+    return dq, (dk_direct.float() + dk_wy).to(k.dtype), dv, d_beta, d_initial
 
 
 class ChunkDeltaFunction(torch.autograd.Function):
