@@ -294,8 +294,8 @@ def test_fused_recurrent_one_step_from_zero_state(generator):
                                                ("chunk", "per_dim", False), ("chunk", "none", True),
                                                ("chunk", "scalar", True), ("recurrent", "scalar", True)])
 def test_kernel_gradients(form, gate, delta, dtype, generator):
-    """impl="triton" backward against float64: the backward kernels (every gate, the delta rule), or autograd
-    through the recomputed PyTorch chunk form (the gated delta rule, the fused recurrence)."""
+    """impl="triton" backward against float64: the backward kernels (form="chunk": every gate, the delta rule
+    with and without its gate), or autograd through the recomputed PyTorch chunk form (the fused recurrence)."""
     inputs = make_inputs(generator, gate, delta=delta, seqlen=77, dtype=dtype, device=DEVICE)
     grads = random_grads(generator, inputs)
     actual = run_with_grads(call(delta, form=form, impl="triton", chunk_size=32), inputs, *grads)

@@ -94,11 +94,11 @@ def delta_rule(q, k, v, beta, g=None, scale: float | None = None, initial_state=
     beta: (B, H, N) in [0, 1]. g: None or (B, H, N) log-decays (<= 0), one per head and step.
     scale, initial_state, output_final_state, form, chunk_size: as in :func:`linear_attention`. form="chunk"
         uses the WY representation and :func:`solve_tril` (16 x 16 blocks) per chunk.
-    impl: "torch", or "triton": form="chunk" computes the WY representation in PyTorch and runs the h
-        and o passes as kernels (:mod:`fa_lab.kernels.portable.linear_delta`), form="recurrent" the fused
+    impl: "torch", or "triton": form="chunk" runs the WY representation, the h pass and the o pass as
+        kernels (:mod:`fa_lab.kernels.portable.linear_delta`), form="recurrent" the fused
         recurrent kernel. Gradients reach q, k, v, beta, g and initial_state (impl="triton", form="chunk":
-        backward kernels without g, autograd through the PyTorch chunkwise form recomputed in float32 with
-        g or with form="recurrent").
+        backward kernels, with or without g; form="recurrent": autograd through the PyTorch chunkwise form
+        recomputed in float32).
     (fla's chunk_gated_delta_rule takes (q, k, v, g, beta); here g is optional and comes after beta.)
     """
     call = check_linear_call(q, k, v, g, beta, initial_state, scale, output_final_state, form, chunk_size, impl,

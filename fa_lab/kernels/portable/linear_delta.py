@@ -17,9 +17,7 @@
 Gates are in log2 units with RCP_LN2 folded in once, as in :mod:`.linear_chunk`. The backward of the
 delta rule is kernels too (:func:`delta_chunk_backward`: the states walked back by
 :func:`chunk_delta_bwd_dh_kernel`, the chunk-parallel passes of :mod:`.linear_chunk_bwd`, and the WY
-representation's backward, :func:`chunk_wy_bwd_kernel`). The gated delta rule's is autograd through
-:func:`fa_lab.linear.delta.chunk_delta_rule` recomputed in float32 (:class:`.linear_chunk.RecomputedBackward`):
-its gate reaches w through T, which the kernels do not differentiate yet.
+representation's backward, :func:`chunk_wy_bwd_kernel`), with and without the gate.
 """
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.con
                GATED: tl.constexpr, PRECISION: tl.constexpr):
     """One chunk's ``T = (I + L)^{-1}``, ``L = strictly_lower(diag(beta) (K K^T o D))``, in registers.
 
-    Returns (T, K K^T, beta, the key scale beta o 2^G (beta without a gate)), all float32 (C, C) or (C,).
+    Returns (T, L, K K^T, beta, the key scale beta o 2^G (beta without a gate)), float32 (C, C) or (C,).
     T comes from forward substitution over the chunk's rows, ``T_i = e_i - L_i,:i T_:i``: row i reads only
     finished rows. (:func:`fa_lab.linear.solve_tril` does the same in 16 x 16 blocks, as fla's kernels do;
     one row at a time over the whole chunk costs C steps of C x C vector work and no trip through memory.)
@@ -63,7 +61,7 @@ def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.con
         lower_i = tl.sum(tl.where(row_index == i, lower, 0.0), axis=0)  # L_i,: (zero from column i on)
         update = tl.sum(lower_i[:, None] * inverse, axis=0)  # L_i,:i T_:i
         inverse = tl.where(row_index == i, inverse - update[None, :], inverse)
-    return inverse, gram, beta, key_scale
+    return inverse, lower, gram, beta, key_scale
 
 
 @triton.jit
@@ -78,8 +76,8 @@ def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks,
     c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = rows < seqlen
-    inverse, _, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK, BLOCK_K,
-                                             GATED, PRECISION)
+    inverse, _, _, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK, BLOCK_K,
+                                                GATED, PRECISION)
     for start_k in range(0, d_k, BLOCK_K):
         cols_k = start_k + tl.arange(0, BLOCK_K)
         tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
@@ -97,22 +95,26 @@ def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks,
 
 
 @triton.jit
-def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, dw_ptr, du_ptr, dk_ptr, dv_ptr, dbeta_ptr, seqlen, chunks, d_k, d_v,
-                        CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
-    """The WY representation's backward for one chunk of the (ungated) delta rule: given dW and dU (float32,
-    (B*H, N, d_k) and (B*H, N, d_v)), write its share of dK (float32, (B*H, N, d_k)), dV (v's dtype) and
-    dbeta (float32, (B*H, N)). Grid (chunks, B*H).
+def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, dw_ptr, du_ptr, dk_ptr, dv_ptr, dbeta_ptr, dgate_ptr, seqlen,
+                        chunks, d_k, d_v, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                        GATED: tl.constexpr, PRECISION: tl.constexpr):
+    """The WY representation's backward for one chunk: given dW and dU (float32, (B*H, N, d_k) and
+    (B*H, N, d_v)), write its share of dK (float32, (B*H, N, d_k)), dV (v's dtype), dbeta (float32,
+    (B*H, N)) and, if GATED, of the cumulated gate's gradient (float32, (B*H, chunks * CHUNK)). Grid
+    (chunks, B*H).
 
-    With ``W = T Kb``, ``U = T Vb``, ``Kb = beta o K``, ``Vb = beta o V``, ``T = (I + L)^{-1}`` and
-    ``L = strictly_lower(diag(beta) K K^T)``: ``dKb = T^T dW``, ``dVb = T^T dU``,
-    ``dT = dW Kb^T + dU Vb^T``, ``dL = strictly_lower(-T^T dT T^T)``, and L's entries give
-    ``dbeta_i += sum_j dL_ij (K K^T)_ij`` and ``dK += (M + M^T) K`` with ``M = diag(beta) dL``.
+    With ``W = T Ks``, ``U = T Vb``, ``Ks = beta o 2^G o K``, ``Vb = beta o V``, ``T = (I + L)^{-1}`` and
+    ``L_ij = beta_i (k_i . k_j) 2^(G_i - G_j)`` below the diagonal: ``dKs = T^T dW``, ``dVb = T^T dU``,
+    ``dT = dW Ks^T + dU Vb^T``, ``dL = strictly_lower(-T^T dT T^T)``. L's entries give
+    ``dbeta_i += sum_j dL_ij L_ij / beta_i`` and ``dK += (M + M^T) K`` with ``M = diag(beta) dL o D``;
+    the gate, which enters as e^{+G_i} on rows and e^{-G_j} on columns, gets ``rowsum(dL o L) -
+    colsum(dL o L)`` and, through Ks, ``ks_t . dks_t``.
     """
     c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = rows < seqlen
-    inverse, gram, beta, _ = wy_inverse(k_ptr, beta_ptr, beta_ptr, bh, c, seqlen, chunks, d_k, CHUNK, BLOCK_K,
-                                        False, PRECISION)
+    inverse, lower, gram, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK,
+                                                       BLOCK_K, GATED, PRECISION)
     d_inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     d_beta = tl.zeros([CHUNK], dtype=tl.float32)
     for start_k in range(0, d_k, BLOCK_K):
@@ -121,7 +123,7 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, dw_ptr, du_ptr, dk_ptr, dv_ptr, 
         tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
         k = tl.load(k_ptr + key_rows, mask=tile_ok, other=0.0).to(tl.float32)
         dw = tl.load(dw_ptr + key_rows, mask=tile_ok, other=0.0)
-        d_inverse = tl.dot(dw, tl.trans(k * beta[:, None]), d_inverse, input_precision=PRECISION)
+        d_inverse = tl.dot(dw, tl.trans(k * key_scale[:, None]), d_inverse, input_precision=PRECISION)
     for start_v in range(0, d_v, BLOCK_V):
         cols_v = start_v + tl.arange(0, BLOCK_V)
         value_rows = (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :]
@@ -135,8 +137,15 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, dw_ptr, du_ptr, dk_ptr, dv_ptr, 
     below = tl.arange(0, CHUNK)[:, None] > tl.arange(0, CHUNK)[None, :]
     d_lower = tl.dot(tl.trans(inverse), d_inverse, input_precision=PRECISION)
     d_lower = tl.where(below, -tl.dot(d_lower, tl.trans(inverse), input_precision=PRECISION), 0.0)
-    d_beta += tl.sum(d_lower * gram, axis=1)
-    sym = beta[:, None] * d_lower
+    if GATED:
+        g = tl.load(g_ptr + bh * chunks * CHUNK + rows)
+        decay = tl.math.exp2(tl.where(below, g[:, None] - g[None, :], float("-inf")))
+        d_beta += tl.sum(d_lower * gram * decay, axis=1)
+        sym = beta[:, None] * d_lower * decay
+        d_gate = tl.sum(d_lower * lower, axis=1) - tl.sum(d_lower * lower, axis=0)
+    else:
+        d_beta += tl.sum(d_lower * gram, axis=1)
+        sym = beta[:, None] * d_lower
     sym = sym + tl.trans(sym)
     for start_k in range(0, d_k, BLOCK_K):
         cols_k = start_k + tl.arange(0, BLOCK_K)
@@ -144,11 +153,18 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, dw_ptr, du_ptr, dk_ptr, dv_ptr, 
         tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
         k = tl.load(k_ptr + key_rows, mask=tile_ok, other=0.0).to(tl.float32)
         dw = tl.load(dw_ptr + key_rows, mask=tile_ok, other=0.0)
-        d_kb = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
-        d_beta += tl.sum(k * d_kb, axis=1)
-        dk = tl.dot(sym, k, d_kb * beta[:, None], input_precision=PRECISION)
+        d_ks = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
+        k_dot = tl.sum(k * d_ks, axis=1)
+        if GATED:
+            d_beta += k_dot * tl.math.exp2(g)
+            d_gate += k_dot * key_scale
+        else:
+            d_beta += k_dot
+        dk = tl.dot(sym, k, d_ks * key_scale[:, None], input_precision=PRECISION)
         tl.store(dk_ptr + key_rows, dk, mask=tile_ok)
     tl.store(dbeta_ptr + bh * seqlen + rows, d_beta, mask=row_ok)
+    if GATED:
+        tl.store(dgate_ptr + bh * chunks * CHUNK + rows, d_gate)
 
 
 @triton.jit
@@ -186,9 +202,10 @@ def chunk_delta_fwd_h_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h0_ptr, h_ptr, v_new_pt
 
 
 @triton.jit
-def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr, dh_ptr, dv_new_ptr, dh0_ptr, seqlen,
-                              chunks, d_k, d_v, scale, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                              BLOCK_V: tl.constexpr, HAS_DHT: tl.constexpr, PRECISION: tl.constexpr):
+def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr, dh_ptr, dv_new_ptr, dh0_ptr, g_ptr,
+                              h_ptr, ht_ptr, dlast_ptr, seqlen, chunks, d_k, d_v, scale, CHUNK: tl.constexpr,
+                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_DHT: tl.constexpr,
+                              GATED: tl.constexpr, PRECISION: tl.constexpr):
     """The delta rule's dh pass, the h pass reversed, for one BLOCK_V-wide slice of one head's state.
 
     Walking the chunks backwards from the final state's gradient (dht_ptr, read if HAS_DHT): store
@@ -196,6 +213,12 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
     intra-chunk term, float32) and store it (dv_new_ptr float32); then, since h_{c+1} = h_c + K^T V_new
     and V_new = U - W h_c, ``dH_c = dH_{c+1} + scale Q^T dO - W^T dV_new``. Ends with the initial state's
     gradient (dh0_ptr). q, k, w (B*H, N, d_k), do (B*H, N, d_v) contiguous; states float32 as the h pass's.
+
+    GATED (g_ptr as the h pass reads it): ``h_{c+1} = 2^G_last h_c + (K o 2^(G_last - G))^T V_new``, so
+    ``dV_new = dV_local + (K o 2^(G_last - G)) dH_{c+1}``, ``dH_c = 2^G_last dH_{c+1} + scale (Q o 2^G)^T dO
+    - W^T dV_new``, and the chunk's last cumulated gate gets ``<dH_{c+1}, h_{c+1}>``, this slice's share
+    of which goes to dlast_ptr (cdiv(d_v, BLOCK_V), B*H, chunks) float32 (h_ptr: the chunk start states,
+    ht_ptr: the final state).
     """
     pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols_k, cols_v, k_ok, v_ok, tile, tile_ok, dh = state_tile(dht_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
@@ -213,32 +236,49 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
         q = tl.load(q_ptr + key_rows, mask=key_ok, other=0.0)
         do = tl.load(do_ptr + value_rows, mask=value_ok, other=0.0)
         dv_new = tl.load(dv_local_ptr + value_rows, mask=value_ok, other=0.0)
-        dv_new = tl.dot(k.to(tl.float32), dh, dv_new, input_precision=PRECISION)  # float32 operands: TF32
+        k, q = k.to(tl.float32), q.to(tl.float32) * scale  # float32 operands: TF32 matmuls
+        if GATED:
+            g = tl.load(g_ptr + bh * chunks * CHUNK + rows)
+            g_last = tl.load(g_ptr + bh * chunks * CHUNK + c * CHUNK + CHUNK - 1)
+            if c + 1 < chunks:
+                h_next = tl.load(h_ptr + (bh * chunks + c + 1) * d_k * d_v + tile, mask=tile_ok, other=0.0)
+            else:
+                h_next = tl.load(ht_ptr + bh * d_k * d_v + tile, mask=tile_ok, other=0.0)
+            tl.store(dlast_ptr + (pid_v * tl.num_programs(1) + bh) * chunks + c, tl.sum(tl.sum(dh * h_next, 1), 0))
+            k = k * tl.math.exp2(g_last - g)[:, None]
+            q = q * tl.math.exp2(g)[:, None]
+        dv_new = tl.dot(k, dh, dv_new, input_precision=PRECISION)
         tl.store(dv_new_ptr + value_rows, dv_new, mask=value_ok)
-        dh = tl.dot(tl.trans(q.to(tl.float32) * scale), do.to(tl.float32), dh, input_precision=PRECISION)
+        if GATED:
+            dh = dh * tl.math.exp2(g_last)
+        dh = tl.dot(tl.trans(q), do.to(tl.float32), dh, input_precision=PRECISION)
         dh -= tl.dot(tl.trans(w.to(tl.float32)), dv_new, input_precision=PRECISION)
     tl.store(dh0_ptr + bh * d_k * d_v + tile, dh, mask=tile_ok)
 
 
-def delta_chunk_backward(q, k, v, beta, initial_state, grad_o, grad_state, scale: float, chunk_size: int):
-    """(dq, dk, dv, dbeta, d initial_state) of the (ungated) delta rule on kernel-ready inputs, shapes as
+def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, scale: float, chunk_size: int):
+    """(dq, dk, dv, dbeta, dg, d initial_state) of the (gated) delta rule on kernel-ready inputs, shapes as
     :func:`delta_chunk_forward`; grad_state None or (B, H, d_k, d_v). dq, dk, dv in the inputs' dtype,
-    dbeta and the initial state's gradient float32.
+    dbeta, dg (None without g) and the initial state's gradient float32.
 
     The kernels recompute w and u (:func:`chunk_wy_kernel`), the states and corrected values (the
     forward's h pass), the intra-chunk dV (:func:`.linear_chunk_bwd.chunk_bwd_dv_kernel` without its
     carried term), walk the states back (:func:`chunk_delta_bwd_dh_kernel`), form dQ, the direct dK and dW
     (:func:`.linear_chunk_bwd.chunk_bwd_dqk_kernel` over v_new), and carry dW and dU = dV_new through the
-    WY representation to k, v and beta (:func:`chunk_wy_bwd_kernel`).
+    WY representation to k, v and beta (:func:`chunk_wy_bwd_kernel`). With a gate, each of them also
+    returns its part of the gradient of the gate cumulated within the chunk; dg is their sum, cumulated
+    backwards within each chunk (g_t enters every cumulated G_s with s >= t of its chunk).
     """
     from ..common import cdiv, on_device
-    from .linear_chunk import block_size, output_warps
+    from .linear_chunk import block_size, log2_cumulated_gate, output_warps
     from .linear_chunk_bwd import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel
 
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
     chunks = cdiv(seqlen, chunk_size)
+    gated = g is not None
     q, k, v, beta, grad_o = (t.contiguous() for t in (q, k, v, beta, grad_o.to(q.dtype)))
+    cum = log2_cumulated_gate(g, chunk_size) if gated else q
     h0 = initial_state.float().contiguous() if initial_state is not None else q
     dht = grad_state.float().contiguous() if grad_state is not None else q
     w, u = torch.empty_like(k), torch.empty_like(v)
@@ -251,47 +291,59 @@ def delta_chunk_backward(q, k, v, beta, initial_state, grad_o, grad_state, scale
     dv_new = torch.empty_like(dv_local)
     dq, dk_direct = torch.empty_like(q), torch.empty_like(k)
     dw = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk_wy, dv, d_beta = torch.empty_like(dw), torch.empty_like(v), torch.empty(beta.shape, dtype=torch.float32,
-                                                                               device=q.device)
+    dk_wy, dv = torch.empty_like(dw), torch.empty_like(v)
+    d_beta = torch.empty(beta.shape, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     warps = output_warps(chunk_size)
     block_k, block_v = block_size(d_k), block_size(d_v)
     wide = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, num_warps=warps)
     sweep = dict(CHUNK=chunk_size, BLOCK_K=block_size(d_k, 256), BLOCK_V=block_size(d_v, 32), PRECISION=precision)
+    slices = cdiv(d_v, sweep["BLOCK_V"])
+    gate_parts = {name: torch.empty(shape, dtype=torch.float32, device=q.device) if gated else q
+                  for name, shape in (("last", (slices, batch * heads, chunks)),
+                                      ("qk", (cdiv(d_k, block_k), batch * heads, seqlen)),
+                                      ("wy", (batch * heads, chunks * chunk_size)))}
     with on_device(q):
-        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, q, w, u, seqlen, chunks, d_k, d_v, GATED=False, **wide)
-        chunk_delta_fwd_h_kernel[(cdiv(d_v, sweep["BLOCK_V"]), batch * heads)](
-            k, w, u, q, h0, states, v_new, final_state, seqlen, chunks, d_k, d_v, GATED=False,
+        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum, w, u, seqlen, chunks, d_k, d_v, GATED=gated, **wide)
+        chunk_delta_fwd_h_kernel[(slices, batch * heads)](
+            k, w, u, cum, h0, states, v_new, final_state, seqlen, chunks, d_k, d_v, GATED=gated,
             HAS_H0=initial_state is not None, **sweep)
         chunk_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
-            q, k, grad_o, q, q, dv_local, seqlen, chunks, d_k, d_v, scale, GATE=0, CARRIED=False, **wide)
-        chunk_delta_bwd_dh_kernel[(cdiv(d_v, sweep["BLOCK_V"]), batch * heads)](
-            q, k, w, grad_o, dv_local, dht, d_states, dv_new, d_initial, seqlen, chunks, d_k, d_v, scale,
-            HAS_DHT=grad_state is not None, **sweep)
+            q, k, grad_o, cum, q, dv_local, seqlen, chunks, d_k, d_v, scale, GATE=int(gated), CARRIED=False, **wide)
+        chunk_delta_bwd_dh_kernel[(slices, batch * heads)](
+            q, k, w, grad_o, dv_local, dht, d_states, dv_new, d_initial, cum, states, final_state, gate_parts["last"],
+            seqlen, chunks, d_k, d_v, scale, HAS_DHT=grad_state is not None, GATED=gated, **sweep)
         chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
-            q, k, v_new, grad_o, q, states, d_states, dq, dk_direct, q, dv_new, dw, seqlen, chunks, d_k, d_v, scale,
-            GATE=0, DELTA=True, **wide)
-        chunk_wy_bwd_kernel[(chunks, batch * heads)](k, v, beta, dw, dv_new, dk_wy, dv, d_beta, seqlen, chunks, d_k,
-                                                     d_v, **wide)
-    return dq, (dk_direct.float() + dk_wy).to(k.dtype), dv, d_beta, d_initial
+            q, k, v_new, grad_o, cum, states, d_states, dq, dk_direct, gate_parts["qk"], dv_new, dw, seqlen, chunks,
+            d_k, d_v, scale, GATE=int(gated), DELTA=True, **wide)
+        chunk_wy_bwd_kernel[(chunks, batch * heads)](k, v, beta, cum, dw, dv_new, dk_wy, dv, d_beta, gate_parts["wy"],
+                                                     seqlen, chunks, d_k, d_v, GATED=gated, **wide)
+    dg = None
+    if gated:
+        d_cum = gate_parts["wy"]
+        d_cum[:, :seqlen] += gate_parts["qk"].sum(0)
+        d_cum = d_cum.view(batch * heads, chunks, chunk_size)
+        d_cum[:, :, -1] += gate_parts["last"].sum(0)  # the chunk's last cumulated gate scales h_{c+1}
+        dg = d_cum.flip(-1).cumsum(-1).flip(-1).flatten(1)[:, :seqlen].reshape(batch, heads, seqlen)
+    return dq, (dk_direct.float() + dk_wy).to(k.dtype), dv, d_beta, dg, d_initial
 
 
 class ChunkDeltaFunction(torch.autograd.Function):
-    """Kernels both ways for the ungated delta rule: :func:`delta_chunk_forward` and
-    :func:`delta_chunk_backward`. forward(q, k, v, beta, initial_state, scale, chunk_size) -> (o, final_state)."""
+    """Kernels both ways for the (gated) delta rule: :func:`delta_chunk_forward` and
+    :func:`delta_chunk_backward`. forward(q, k, v, beta, g, initial_state, scale, chunk_size) -> (o, final_state)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, initial_state, scale, chunk_size):
-        ctx.save_for_backward(q, k, v, beta, initial_state)
+    def forward(ctx, q, k, v, beta, g, initial_state, scale, chunk_size):
+        ctx.save_for_backward(q, k, v, beta, g, initial_state)
         ctx.args = scale, chunk_size
-        return delta_chunk_forward(q, k, v, beta, None, initial_state, scale, chunk_size)
+        return delta_chunk_forward(q, k, v, beta, g, initial_state, scale, chunk_size)
 
     @staticmethod
     def backward(ctx, grad_o, grad_state):
-        q, k, v, beta, initial_state = ctx.saved_tensors
-        dq, dk, dv, d_beta, d_initial = delta_chunk_backward(q, k, v, beta, initial_state, grad_o, grad_state,
-                                                             *ctx.args)
-        return (dq, dk, dv, d_beta.to(beta.dtype),
+        q, k, v, beta, g, initial_state = ctx.saved_tensors
+        dq, dk, dv, d_beta, dg, d_initial = delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state,
+                                                                 *ctx.args)
+        return (dq, dk, dv, d_beta.to(beta.dtype), None if g is None else dg.to(g.dtype),
                 None if initial_state is None else d_initial.to(initial_state.dtype), None, None)
 
 
@@ -332,14 +384,8 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
 
 def triton_chunk_delta_rule(q, k, v, beta, g, initial_state, scale: float, chunk_size: int):
     """Differentiable chunkwise (gated) delta rule on checked inputs: returns (o in q.dtype, final state
-    float32). The backward is kernels for the delta rule (:class:`ChunkDeltaFunction`) and autograd
-    through the PyTorch chunkwise form in float32 for the gated one."""
-    from ...linear.delta import chunk_delta_rule
-    from .linear_chunk import RecomputedBackward, check_kernel_inputs
+    float32); the backward is kernels too (:class:`ChunkDeltaFunction`)."""
+    from .linear_chunk import check_kernel_inputs
 
     check_kernel_inputs(q, v, chunk_size)
-    if g is None:
-        return ChunkDeltaFunction.apply(q, k, v, beta, initial_state, scale, chunk_size)
-    kernel = lambda q, k, v, g, beta, h0: delta_chunk_forward(q, k, v, beta, g, h0, scale, chunk_size)
-    reference = lambda q, k, v, g, beta, h0: chunk_delta_rule(q, k, v, beta, g, scale, h0, 64)
-    return RecomputedBackward.apply(kernel, reference, q, k, v, g, beta, initial_state)
+    return ChunkDeltaFunction.apply(q, k, v, beta, g, initial_state, scale, chunk_size)
