@@ -78,20 +78,37 @@ def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks,
     row_ok = rows < seqlen
     inverse, _, _, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK, BLOCK_K,
                                                 GATED, PRECISION)
-    for start_k in range(0, d_k, BLOCK_K):
-        cols_k = start_k + tl.arange(0, BLOCK_K)
-        tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
-        k = tl.load(k_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], mask=tile_ok, other=0.0)
-        w = tl.dot(inverse, k.to(tl.float32) * key_scale[:, None], input_precision=PRECISION)
-        tl.store(w_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], w.to(w_ptr.dtype.element_ty),
-                 mask=tile_ok)
-    for start_v in range(0, d_v, BLOCK_V):
-        cols_v = start_v + tl.arange(0, BLOCK_V)
-        tile_ok = row_ok[:, None] & (cols_v < d_v)[None, :]
-        v = tl.load(v_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], mask=tile_ok, other=0.0)
-        u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
-        tl.store(u_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], u.to(u_ptr.dtype.element_ty),
-                 mask=tile_ok)
+    _apply_to_rows(inverse, key_scale, k_ptr, w_ptr, bh, rows, row_ok, seqlen, d_k, BLOCK_K, PRECISION)
+    _apply_to_rows(inverse, beta, v_ptr, u_ptr, bh, rows, row_ok, seqlen, d_v, BLOCK_V, PRECISION)
+
+
+@triton.jit
+def _apply_to_rows(matrix, row_scale, src_ptr, dst_ptr, bh, rows, row_ok, seqlen, width, BLOCK: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """dst = matrix (diag(row_scale) src) for one chunk's rows of (B*H, N, width) tensors, BLOCK columns at a
+    time, stored in dst's dtype."""
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        offsets = (bh * seqlen + rows)[:, None] * width + cols[None, :]
+        tile_ok = row_ok[:, None] & (cols < width)[None, :]
+        src = tl.load(src_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
+        out = tl.dot(matrix, src * row_scale[:, None], input_precision=PRECISION)
+        tl.store(dst_ptr + offsets, out.to(dst_ptr.dtype.element_ty), mask=tile_ok)
+
+
+@triton.jit
+def _add_outer(acc, grad_ptr, src_ptr, row_scale, bh, rows, row_ok, seqlen, width, BLOCK: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """acc + grad (diag(row_scale) src)^T over one chunk's rows of (B*H, N, width) tensors (grad float32),
+    BLOCK columns at a time: a matmul's gradient with respect to its left factor."""
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        offsets = (bh * seqlen + rows)[:, None] * width + cols[None, :]
+        tile_ok = row_ok[:, None] & (cols < width)[None, :]
+        src = tl.load(src_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + offsets, mask=tile_ok, other=0.0)
+        acc = tl.dot(grad, tl.trans(src * row_scale[:, None]), acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -115,22 +132,16 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, dw_ptr, du_ptr, dk_ptr, d
     row_ok = rows < seqlen
     inverse, lower, gram, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK,
                                                        BLOCK_K, GATED, PRECISION)
-    d_inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    d_inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dT = dW Ks^T + dU Vb^T
+    d_inverse = _add_outer(d_inverse, dw_ptr, k_ptr, key_scale, bh, rows, row_ok, seqlen, d_k, BLOCK_K, PRECISION)
+    d_inverse = _add_outer(d_inverse, du_ptr, v_ptr, beta, bh, rows, row_ok, seqlen, d_v, BLOCK_V, PRECISION)
     d_beta = tl.zeros([CHUNK], dtype=tl.float32)
-    for start_k in range(0, d_k, BLOCK_K):
-        cols_k = start_k + tl.arange(0, BLOCK_K)
-        key_rows = (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :]
-        tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
-        k = tl.load(k_ptr + key_rows, mask=tile_ok, other=0.0).to(tl.float32)
-        dw = tl.load(dw_ptr + key_rows, mask=tile_ok, other=0.0)
-        d_inverse = tl.dot(dw, tl.trans(k * key_scale[:, None]), d_inverse, input_precision=PRECISION)
     for start_v in range(0, d_v, BLOCK_V):
         cols_v = start_v + tl.arange(0, BLOCK_V)
         value_rows = (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :]
         tile_ok = row_ok[:, None] & (cols_v < d_v)[None, :]
         v = tl.load(v_ptr + value_rows, mask=tile_ok, other=0.0).to(tl.float32)
         du = tl.load(du_ptr + value_rows, mask=tile_ok, other=0.0)
-        d_inverse = tl.dot(du, tl.trans(v * beta[:, None]), d_inverse, input_precision=PRECISION)
         d_vb = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
         tl.store(dv_ptr + value_rows, (d_vb * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=tile_ok)
         d_beta += tl.sum(v * d_vb, axis=1)
