@@ -211,6 +211,25 @@ def test_unknown_impls_are_refused():
         nsa_attention(q, k, v, torch.rand(1, 2, 32, 3), 8, 16, 1, 8, impl="Triton")
 
 
+def test_the_inverted_selection_lists_each_blocks_rows_in_order():
+    """selection_csr against a brute-force inversion: every (KV head row, block) lists exactly the selection
+    rows that hold the block in some slot, in increasing order, and unused slots are in no list."""
+    from fa_lab.kernels.portable.sparse_select import selection_csr
+
+    blocks = 5
+    indices = torch.tensor([[[[0, 2, -1], [2, -1, -1], [4, 0, 1]],
+                             [[-1, -1, -1], [3, 1, -1], [1, 3, 4]]]], dtype=torch.int32)  # (1, 2, 3, 3)
+    offsets, selectors = selection_csr(indices, blocks)
+    assert offsets.dtype == selectors.dtype == torch.int32 and offsets.shape == (2 * blocks + 1,)
+    for kv_head in range(2):
+        for block in range(blocks):
+            at = kv_head * blocks + block
+            listed = selectors[offsets[at]:offsets[at + 1]].tolist()
+            expected = [row for row in range(3) if block in indices[0, kv_head, row].tolist()]
+            assert listed == expected, (kv_head, block)
+    assert int(offsets[-1]) == int((indices >= 0).sum())
+
+
 # ---------------------------------------------------------------- GPU (device machine)
 
 @pytest.mark.gpu
@@ -236,3 +255,17 @@ def test_gpu_nsa_selection(heads, heads_kv, generator):
                           128 ** -0.5)
     mask = dense_mask(selected, q, k, 1, block_sel, causal=True)
     check_against_dense(lambda *t: kernel(1, block_sel, True)(*t, selected), q, k, v, mask, generator)
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_backward_is_deterministic(generator):
+    """dK and dV are gathered per key block, not added atomically: two backward passes agree bit for bit."""
+    q, k, v = make_qkv(1, 16, 2049, 2049, 128, torch.bfloat16, "cuda", generator, heads_kv=1)
+    selected = nsa_select(q.detach(), nsa_compress(k.detach(), 32), 32, 64, 16, 128 ** -0.5)
+    grad = torch.randn(q.shape, generator=generator).to("cuda", torch.bfloat16)
+    grads = []
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        kernel(1, 64, True)(*leaves, selected)[0].backward(grad)
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

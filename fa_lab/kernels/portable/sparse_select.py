@@ -19,11 +19,13 @@ runs the online softmax over them (:func:`.forward.online_softmax_tile`, exp2 wi
 ``j <= i + seqlen_k - seqlen_q`` (the course's bottom-right alignment). A row that sees no key gets
 zeros and lse = -inf.
 
-The backward is one kernel over the same grid: it recomputes P from the saved LSE, writes dQ of its
-own rows (no other program has them) and adds its dK, dV contributions to float32 buffers with
-``tl.atomic_add``, since several selection rows may select the same block; delta = rowsum(dO * O)
-comes from :func:`.backward.attention_bwd_preprocess_kernel`. The atomic adds make dK and dV exact
-up to float32 rounding but not bitwise reproducible on a GPU (the order of the adds varies).
+The backward is two kernels, as notebook 03's dense backward is. dQ runs over the forward's grid: each
+program recomputes P from the saved LSE for the blocks its row selected and writes dQ of its own rows.
+dK and dV run per key block: the selection is inverted on the device (:func:`selection_csr`, a stable
+sort of the (row, slot) entries by block), and each program gathers the packed tiles of every row that
+selected its block, keeps its dK, dV in registers and stores them once. No program adds into another's
+rows, so there are no atomics and the backward is deterministic; delta = rowsum(dO * O) comes from
+:func:`.backward.attention_bwd_preprocess_kernel`.
 
 Tensors are contiguous (B, H, N, d) (the launcher makes them so); the kernels read rows through
 pointers with the head_dim masked, so head_dim needs no padding.
@@ -134,46 +136,97 @@ def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
 
 
 @triton.jit
-def block_select_bwd_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, index_ptr, dq_ptr, dk_ptr, dv_ptr,
-                            group, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, qk_scale, scale,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            CAUSAL: tl.constexpr):
-    """dQ of one tile of packed rows, and its share of dK, dV of the blocks it selected.
-
-    Layouts as the forward; do_ptr, dq_ptr like q; lse2_ptr (lse * log2 e, +inf where lse = -inf)
-    and delta_ptr: (B, H, seqlen_q) float32; dk_ptr, dv_ptr: float32 (B, H // group, seqlen_k,
-    head_dim), zeroed by the launcher, to which the kernel adds P^T dO and dS^T Q (dK still unscaled).
-    """
-    sel_row, pid_bkv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def packed_tile(q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, group, seqlen_q, head_dim, block_q,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """What the backward reads of one tile of packed rows: (rows' query positions, their q and dO tiles,
+    lse2 (+inf on padding rows, so their P is exactly 0, as is that of rows that see no key), delta, the
+    tile's offsets and mask, its selection row's last query)."""
     rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M)
-    causal_offset = seqlen_k - seqlen_q
-    key_limit = last_query + causal_offset + 1 if CAUSAL else seqlen_k
     offsets, mask = row_tile(rows, valid, head_dim, HEAD_DIM)
     q = tl.load(q_ptr + offsets, mask=mask, other=0.0)
     do = tl.load(do_ptr + offsets, mask=mask, other=0.0)
-    # Padding rows load lse2 = +inf, so their P is exactly 0 (as is that of rows that see no key).
     lse2 = tl.load(lse2_ptr + rows, mask=valid, other=float("inf"))
     delta = tl.load(delta_ptr + rows, mask=valid, other=0.0)
+    return query, q, do, lse2, delta, offsets, mask, last_query
+
+
+@triton.jit
+def probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL: tl.constexpr):
+    """(P, dS) of a tile of packed rows against a chunk of keys, from the saved LSE: P = exp2(S qk_scale
+    - lse2) where visible (keys before ``stop``, and causally), dS = P (dO V^T - delta), dS unscaled."""
+    visible = keys[None, :] < stop
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= query[:, None] + causal_offset)
+    p = tl.where(visible, tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]), 0.0)
+    return p, p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+
+
+@triton.jit
+def block_select_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, index_ptr, dq_ptr,
+                               group, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, qk_scale, scale,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               CAUSAL: tl.constexpr):
+    """dQ of one tile of packed rows over the blocks its selection row lists (the forward's grid).
+
+    Layouts as the forward; do_ptr, dq_ptr like q; lse2_ptr (lse * log2 e, +inf where lse = -inf) and
+    delta_ptr: (B, H, seqlen_q) float32.
+    """
+    sel_row, pid_bkv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query, q, do, lse2, delta, offsets, mask, last_query = packed_tile(
+        q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, group, seqlen_q, head_dim, block_q, BLOCK_M,
+        HEAD_DIM)
+    causal_offset = seqlen_k - seqlen_q
+    key_limit = last_query + causal_offset + 1 if CAUSAL else seqlen_k
     selection = index_ptr + (pid_bkv * tl.num_programs(0) + sel_row) * slots
     kv_row0 = pid_bkv * seqlen_k
-
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for slot in tl.range(0, slots):
         start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
         for start_n in tl.range(start, stop, BLOCK_N):
-            keys, kv_offsets, kv_mask, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N,
-                                                             HEAD_DIM)
-            visible = keys[None, :] < stop
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= query[:, None] + causal_offset)
-            p = tl.where(visible, tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]), 0.0)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            keys, _, _, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N, HEAD_DIM)
+            _, ds = probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL)
             dq = tl.dot(ds.to(k.dtype), k, dq)
-            # Other selection rows may have chosen this block too: add, do not store (relaxed: nothing
-            # reads the sums before the kernel ends).
-            tl.atomic_add(dv_ptr + kv_offsets, tl.dot(tl.trans(p.to(do.dtype)), do), mask=kv_mask, sem="relaxed")
-            tl.atomic_add(dk_ptr + kv_offsets, tl.dot(tl.trans(ds.to(q.dtype)), q), mask=kv_mask, sem="relaxed")
     tl.store(dq_ptr + offsets, (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, offsets_ptr, selectors_ptr,
+                                 dk_ptr, dv_ptr, group, seqlen_q, seqlen_k, head_dim, block_q, block_k, qk_scale,
+                                 scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                 CAUSAL: tl.constexpr):
+    """dK, dV of one chunk of BLOCK_N keys of one key block of one KV head, gathered from every selection row
+    that selected the block. Grid ``(blocks * cdiv(block_k, BLOCK_N), B * H_kv)``.
+
+    The selection inverted: the rows that selected block b of KV head row bkv are
+    ``selectors[offsets[bkv * blocks + b] : offsets[bkv * blocks + b + 1]]`` (int32, CSR, from
+    :func:`selection_csr`). Each is read as the forward reads it, its packed tile of the group's query
+    rows, and the program keeps its dK, dV in registers and stores them once: no atomics, so the
+    backward is deterministic.
+    """
+    pid, pid_bkv = tl.program_id(0), tl.program_id(1)
+    per_block = tl.cdiv(block_k, BLOCK_N)
+    block = pid // per_block
+    start_n = block * block_k + (pid % per_block) * BLOCK_N
+    stop = tl.minimum(block * block_k + block_k, seqlen_k)
+    keys, kv_offsets, kv_mask, k, v = load_key_chunk(k_ptr, v_ptr, pid_bkv * seqlen_k, start_n, stop, head_dim,
+                                                     BLOCK_N, HEAD_DIM)
+    list_at = pid_bkv * tl.cdiv(seqlen_k, block_k) + block
+    first, last = tl.load(offsets_ptr + list_at), tl.load(offsets_ptr + list_at + 1)
+    causal_offset = seqlen_k - seqlen_q
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for entry in tl.range(first, last):
+        sel_row = tl.load(selectors_ptr + entry)
+        packed = group * tl.minimum(block_q, seqlen_q - sel_row * block_q)
+        for chunk in tl.range(0, tl.cdiv(packed, BLOCK_M)):
+            query, q, do, lse2, delta, _, _, _ = packed_tile(
+                q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, group, seqlen_q, head_dim, block_q,
+                BLOCK_M, HEAD_DIM)
+            p, ds = probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL)
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)
+    tl.store(dk_ptr + kv_offsets, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
 # ---- launchers -------------------------------------------------------------------------------------
@@ -218,10 +271,37 @@ def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: b
     return out, lse
 
 
+def selection_csr(indices: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection inverted: for every KV head row and key block, which selection rows list the block.
+
+    indices: int32 (B, Hkv, R, S), -1 for an unused slot; blocks: key blocks per sequence. Returns
+    (offsets int32 (B * Hkv * blocks + 1,), selectors int32 (the listed entries,)): the rows that select
+    block b of KV head row bkv (bkv = batch * Hkv + kv_head) are
+    ``selectors[offsets[bkv * blocks + b] : offsets[bkv * blocks + b + 1]]``, in increasing order. A
+    stable sort of the entries by (bkv, block), the unused slots sorted past the end.
+    """
+    batch, heads_kv, rows, slots = indices.shape
+    lists = batch * heads_kv * blocks
+    flat = indices.reshape(batch * heads_kv, rows * slots).long()
+    owner = torch.arange(batch * heads_kv, device=indices.device)[:, None] * blocks
+    key = torch.where(flat >= 0, flat + owner, lists).flatten()
+    selector = torch.arange(rows, device=indices.device).repeat_interleave(slots).repeat(batch * heads_kv)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=lists + 1)[:lists]
+    offsets = torch.zeros(lists + 1, dtype=torch.int32, device=indices.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return offsets, selector[order].to(torch.int32).contiguous()
+
+
 def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, block_k: int, causal: bool,
                           scale: float):
     """Backward on the forward's operands and outputs; grad_out like out. Returns (dq, dk, dv) in
-    q.dtype, shaped like q, k, v (dk, dv summed over the group's query heads and the selecting rows)."""
+    q.dtype, shaped like q, k, v (dk, dv summed over the group's query heads and the selecting rows).
+
+    Two kernels: dQ over the forward's grid, and dK, dV per key block over the selection inverted
+    (:func:`selection_csr`), as notebook 03's dense backward splits them, so no program adds into
+    another's rows.
+    """
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
     grad_out = grad_out.contiguous()
@@ -229,15 +309,24 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     attention_bwd_preprocess_kernel[(cdiv(rows, pre_block),)](
         out, grad_out, lse, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim), BLOCK=pre_block)
-    dq = torch.empty_like(q)
-    dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     config = tile_config(group * block_q, block_k, head_dim, backward=True)
+    meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim), CAUSAL=causal,
+                num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
-    block_select_bwd_kernel[grid](
-        q, k, v, grad_out, lse2, delta, indices, dq, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q, block_k,
-        indices.shape[3], scale * LOG2E, scale, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HEAD_DIM=head_dim_bucket(head_dim), CAUSAL=causal, num_warps=config.num_warps, num_stages=config.num_stages)
-    return dq, (dk * scale).to(k.dtype), dv.to(v.dtype)
+    block_select_bwd_dq_kernel[grid](
+        q, k, v, grad_out, lse2, delta, indices, dq, group, seqlen_q, seqlen_k, head_dim, block_q, block_k,
+        indices.shape[3], scale * LOG2E, scale, **meta)
+    blocks = cdiv(seqlen_k, block_k)
+    offsets, selectors = selection_csr(indices, blocks)
+    # The dK/dV program also holds its two float32 accumulators: at head_dim >= 128 a tile of 64 packed
+    # rows spills registers on sm_90 (255 and a 40-byte stack at d = 128), one of 32 does not (172).
+    if not interpreting() and head_dim_bucket(head_dim) >= 128:
+        meta["BLOCK_M"] = min(config.block_m, 32)
+    block_select_bwd_dkdv_kernel[(blocks * cdiv(block_k, config.block_n), batch * heads_kv)](
+        q, k, v, grad_out, lse2, delta, offsets, selectors, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q,
+        block_k, scale * LOG2E, scale, **meta)
+    return dq, dk, dv
 
 
 class BlockSelectFunction(torch.autograd.Function):
