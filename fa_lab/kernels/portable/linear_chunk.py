@@ -148,10 +148,10 @@ def chunk_fwd_o_kernel(q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seqlen, chunks,
 
 
 @triton.jit
-def _load_rows(ptr, bh, rows, seqlen, cols, width):
-    """rows x cols of a (B*H, N, width) tensor, zeros outside N and width (float32)."""
+def load_rows(ptr, bh, rows, seqlen, cols, width):
+    """rows x cols of a contiguous (B*H, N, width) tensor in its own dtype, zeros outside N and width."""
     return tl.load(ptr + (bh * seqlen + rows)[:, None] * width + cols[None, :],
-                   mask=(rows < seqlen)[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
+                   mask=(rows < seqlen)[:, None] & (cols < width)[None, :], other=0.0)
 
 
 @triton.jit
@@ -166,10 +166,10 @@ def gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_s, rows_t, row_r, seqlen, padded, d
     scores = tl.zeros([SUB, SUB], dtype=tl.float32)
     for start_k in range(0, d_k, BLOCK_K):
         cols_k = start_k + tl.arange(0, BLOCK_K)
-        q_s = _load_rows(q_ptr, bh, rows_s, seqlen, cols_k, d_k)
-        g_s = _load_rows(g_ptr, bh, rows_s, padded, cols_k, d_k)
-        k_t = _load_rows(k_ptr, bh, rows_t, seqlen, cols_k, d_k)
-        g_t = _load_rows(g_ptr, bh, rows_t, padded, cols_k, d_k)
+        q_s = load_rows(q_ptr, bh, rows_s, seqlen, cols_k, d_k).to(tl.float32)
+        g_s = load_rows(g_ptr, bh, rows_s, padded, cols_k, d_k)
+        k_t = load_rows(k_ptr, bh, rows_t, seqlen, cols_k, d_k).to(tl.float32)
+        g_t = load_rows(g_ptr, bh, rows_t, padded, cols_k, d_k)
         if DIAGONAL:
             decay = tl.math.exp2(tl.where(lower_triangle(SUB)[:, :, None], g_s[:, None, :] - g_t[None, :, :],
                                           float("-inf")))
@@ -225,8 +225,8 @@ def chunk_gla_fwd_o_kernel(q_ptr, v_ptr, g_ptr, h_ptr, a_ptr, o_ptr, seqlen, chu
     acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
     for start_k in range(0, d_k, BLOCK_K):  # inter-chunk: (q o 2^G) h_c
         cols_k = start_k + tl.arange(0, BLOCK_K)
-        q = _load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k)
-        g = _load_rows(g_ptr, bh, rows, padded, cols_k, d_k)
+        q = load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k).to(tl.float32)
+        g = load_rows(g_ptr, bh, rows, padded, cols_k, d_k)
         h = tl.load(h_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
                     mask=(cols_k < d_k)[:, None] & v_ok[None, :], other=0.0)
         acc = tl.dot((q * tl.math.exp2(g)).to(dtype), h.to(dtype), acc, input_precision=PRECISION)

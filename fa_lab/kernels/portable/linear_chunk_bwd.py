@@ -42,14 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_chunk import _load_rows, lower_triangle, state_tile
-
-
-@triton.jit
-def _rows(ptr, bh, rows, row_ok, seqlen, cols, col_ok, width):
-    """A (rows, cols) tile of a (B*H, N, width) tensor, zero outside the sequence and the width."""
-    return tl.load(ptr + (bh * seqlen + rows)[:, None] * width + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                   other=0.0)
+from .linear_chunk import load_rows, lower_triangle, state_tile
 
 
 @triton.jit
@@ -70,9 +63,8 @@ def chunk_bwd_dh_kernel(q_ptr, do_ptr, g_ptr, dht_ptr, dh_ptr, dh0_ptr, seqlen, 
         c = chunks - 1 - back
         tl.store(dh_ptr + (bh * chunks + c) * d_k * d_v + tile, dh, mask=tile_ok)
         rows = c * CHUNK + tl.arange(0, CHUNK)
-        row_ok = rows < seqlen
-        q = _rows(q_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
-        do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+        q = load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k)
+        do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v)
         last = bh * padded + c * CHUNK + CHUNK - 1
         if GATE == 1:
             g = tl.load(g_ptr + bh * padded + rows)
@@ -117,15 +109,15 @@ def chunk_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, g_ptr, dh_ptr, dv_ptr, seqlen, chu
     for start_k in range(0, d_k, BLOCK_K):
         cols_k = start_k + tl.arange(0, BLOCK_K)
         k_ok = cols_k < d_k
-        q = _rows(q_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
-        k = _rows(k_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
+        q = load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k)
+        k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
         dh = tl.load(dh_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
                      mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
         if CARRIED:
             carried = tl.dot(k.to(tl.float32), dh, carried, input_precision=PRECISION)
     decay, _, to_last = _decay(g_ptr, bh, c, chunks, rows, CHUNK, GATE)
-    do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+    do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v)
     dv = carried * to_last[:, None]
     dv = tl.dot(tl.trans(scores * decay * scale), do.to(tl.float32), dv, input_precision=PRECISION)
     tl.store(dv_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], dv.to(dv_ptr.dtype.element_ty),
@@ -154,8 +146,8 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_p
     for start_v in range(0, d_v, BLOCK_V):
         cols_v = start_v + tl.arange(0, BLOCK_V)
         v_ok = cols_v < d_v
-        v = _rows(v_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
-        do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+        v = load_rows(v_ptr, bh, rows, seqlen, cols_v, d_v)
+        do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v)
         tile = cols_k[:, None] * d_v + cols_v[None, :]
         tile_ok = k_ok[:, None] & v_ok[None, :]
         h = tl.load(h_ptr + state + tile, mask=tile_ok, other=0.0)
@@ -164,11 +156,11 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_p
         dq = tl.dot(do.to(tl.float32), tl.trans(h), dq, input_precision=PRECISION)
         dk = tl.dot(v.to(tl.float32), tl.trans(dh), dk, input_precision=PRECISION)
         if DELTA:
-            dv_new = _rows(dv_new_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+            dv_new = load_rows(dv_new_ptr, bh, rows, seqlen, cols_v, d_v)
             dw = tl.dot(dv_new, tl.trans(h), dw, input_precision=PRECISION)
     decay, from_start, to_last = _decay(g_ptr, bh, c, chunks, rows, CHUNK, GATE)
-    q = _rows(q_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
-    k = _rows(k_ptr, bh, rows, row_ok, seqlen, cols_k, k_ok, d_k)
+    q = load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k)
+    k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
     d_scores = d_scores * decay * scale
     dq = tl.dot(d_scores, k.to(tl.float32), dq * (from_start * scale)[:, None], input_precision=PRECISION)
     dk = tl.dot(tl.trans(d_scores), q.to(tl.float32), dk * to_last[:, None], input_precision=PRECISION)
@@ -203,14 +195,14 @@ def chunk_gla_bwd_dv_kernel(k_ptr, do_ptr, g_ptr, a_ptr, dh_ptr, dv_ptr, seqlen,
     for start_k in range(0, d_k, BLOCK_K):
         cols_k = start_k + tl.arange(0, BLOCK_K)
         k_ok = cols_k < d_k
-        k = _load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
-        g = _load_rows(g_ptr, bh, rows, padded, cols_k, d_k)
+        k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k).to(tl.float32)
+        g = load_rows(g_ptr, bh, rows, padded, cols_k, d_k)
         g_last = tl.load(g_ptr + last * d_k + cols_k, mask=k_ok, other=0.0)
         dh = tl.load(dh_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
                      mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         dv = tl.dot(k * tl.math.exp2(g_last[None, :] - g), dh, dv, input_precision=PRECISION)
     scores = tl.load(a_ptr + (bh * padded + rows)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :])
-    do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v).to(tl.float32)
+    do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v).to(tl.float32)
     dv = tl.dot(tl.trans(scores * scale), do, dv, input_precision=PRECISION)
     tl.store(dv_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], dv.to(dv_ptr.dtype.element_ty),
              mask=row_ok[:, None] & v_ok[None, :])
@@ -223,13 +215,11 @@ def chunk_bwd_da_kernel(do_ptr, v_ptr, da_ptr, seqlen, chunks, d_v, scale, CHUNK
     ``dA[t, s] = scale dO_t . v_s`` for s <= t of the same chunk, zeros above. Grid (chunks, B*H)."""
     c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = c * CHUNK + tl.arange(0, CHUNK)
-    row_ok = rows < seqlen
     d_scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for start_v in range(0, d_v, BLOCK_V):
         cols_v = start_v + tl.arange(0, BLOCK_V)
-        v_ok = cols_v < d_v
-        do = _rows(do_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
-        v = _rows(v_ptr, bh, rows, row_ok, seqlen, cols_v, v_ok, d_v)
+        do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v)
+        v = load_rows(v_ptr, bh, rows, seqlen, cols_v, d_v)
         d_scores = tl.dot(do, tl.trans(v), d_scores, input_precision=PRECISION)
     d_scores = tl.where(lower_triangle(CHUNK), d_scores * scale, 0.0)
     tl.store(da_ptr + (bh * chunks * CHUNK + rows)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :], d_scores)
@@ -256,22 +246,22 @@ def chunk_gla_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, 
     state = (bh * chunks + c) * d_k * d_v
     for i in tl.static_range(CHUNK // SUB):
         rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
-        q_i = _load_rows(q_ptr, bh, rows_i, seqlen, cols_k, d_k)
-        g_i = _load_rows(g_ptr, bh, rows_i, padded, cols_k, d_k)
+        q_i = load_rows(q_ptr, bh, rows_i, seqlen, cols_k, d_k).to(tl.float32)
+        g_i = load_rows(g_ptr, bh, rows_i, padded, cols_k, d_k)
         g_r = tl.load(g_ptr + (bh * padded + c * CHUNK + i * SUB) * d_k + cols_k, mask=k_ok, other=0.0)
         dq = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
         for start_v in range(0, d_v, BLOCK_V):
             cols_v = start_v + tl.arange(0, BLOCK_V)
             v_ok = cols_v < d_v
-            do_i = _rows(do_ptr, bh, rows_i, rows_i < seqlen, seqlen, cols_v, v_ok, d_v)
+            do_i = load_rows(do_ptr, bh, rows_i, seqlen, cols_v, d_v)
             h = tl.load(h_ptr + state + cols_k[:, None] * d_v + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :],
                         other=0.0)
             dq = tl.dot(do_i.to(tl.float32), tl.trans(h), dq, input_precision=PRECISION)
         dq = dq * tl.math.exp2(g_i) * scale
         for j in tl.static_range(i + 1):
             rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
-            k_j = _load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k)
-            g_j = _load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
+            k_j = load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k).to(tl.float32)
+            g_j = load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
             d_scores = tl.load(da_ptr + (bh * padded + rows_i)[:, None] * CHUNK + j * SUB + tl.arange(0, SUB)[None, :])
             if j < i:
                 k_r = k_j * tl.math.exp2(g_r[None, :] - g_j)
@@ -288,21 +278,21 @@ def chunk_gla_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, 
     g_last = tl.load(g_ptr + (bh * padded + c * CHUNK + CHUNK - 1) * d_k + cols_k, mask=k_ok, other=0.0)
     for j in tl.static_range(CHUNK // SUB):
         rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
-        k_j = _load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k)
-        g_j = _load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
+        k_j = load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k).to(tl.float32)
+        g_j = load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
         dk = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
         for start_v in range(0, d_v, BLOCK_V):
             cols_v = start_v + tl.arange(0, BLOCK_V)
             v_ok = cols_v < d_v
-            v_j = _rows(v_ptr, bh, rows_j, rows_j < seqlen, seqlen, cols_v, v_ok, d_v)
+            v_j = load_rows(v_ptr, bh, rows_j, seqlen, cols_v, d_v)
             dh = tl.load(dh_ptr + state + cols_k[:, None] * d_v + cols_v[None, :],
                          mask=k_ok[:, None] & v_ok[None, :], other=0.0)
             dk = tl.dot(v_j.to(tl.float32), tl.trans(dh), dk, input_precision=PRECISION)
         dk = dk * tl.math.exp2(g_last[None, :] - g_j)
         for i in tl.static_range(j, CHUNK // SUB):
             rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
-            q_i = _load_rows(q_ptr, bh, rows_i, seqlen, cols_k, d_k)
-            g_i = _load_rows(g_ptr, bh, rows_i, padded, cols_k, d_k)
+            q_i = load_rows(q_ptr, bh, rows_i, seqlen, cols_k, d_k).to(tl.float32)
+            g_i = load_rows(g_ptr, bh, rows_i, padded, cols_k, d_k)
             d_scores = tl.load(da_ptr + (bh * padded + rows_i)[:, None] * CHUNK + j * SUB + tl.arange(0, SUB)[None, :])
             if j < i:
                 g_r = tl.load(g_ptr + (bh * padded + c * CHUNK + i * SUB) * d_k + cols_k, mask=k_ok, other=0.0)
