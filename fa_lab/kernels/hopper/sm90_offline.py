@@ -1,4 +1,4 @@
-"""Compile Gluon kernels for sm_90 on a machine without a GPU, and read what they need.
+"""Compile Gluon and Triton kernels for sm_90 on a machine without a GPU, and read what they need.
 
 Triton's wheel ships ``ptxas`` and ``cuobjdump``, so the whole pipeline (Gluon ->
 TTGIR -> LLVM IR -> PTX -> cubin -> SASS) runs on a laptop. The CPU tests use it to check
@@ -55,25 +55,36 @@ def descriptor_type(dtype: str, block: list[int]) -> str:
 
 
 def compile_for_sm90(kernel, signature: dict[str, str], constants: dict, num_warps: int = 4,
-                     maxnreg: int | None = None) -> Sm90Build:
-    """Compile the Gluon kernel for sm_90a as a launch would, without a GPU.
+                     maxnreg: int | None = None, aligned: tuple[str, ...] = (), num_stages: int | None = None
+                     ) -> Sm90Build:
+    """Compile a Gluon or plain Triton kernel for sm_90a as a launch would, without a GPU.
 
     signature: every argument's Triton type ("i32", "*fp32", :func:`descriptor_type`); constants: the
-    constexpr arguments. Under the interpreter the kernel is compiled in a fresh process, which
-    imports it by module and name (its module must be importable there from this process's sys.path).
+    constexpr arguments; aligned: the arguments a launch would find divisible by 16 (its specialization
+    hints: pointers from torch allocations, head_dim = 128, ...). Under the interpreter the kernel is
+    compiled in a fresh process, which imports it by module and name (its module must be importable
+    there from this process's sys.path).
     """
+    return compile_all_for_sm90([dict(kernel=kernel, signature=signature, constants=constants, num_warps=num_warps,
+                                      maxnreg=maxnreg, aligned=aligned, num_stages=num_stages)])[0]
+
+
+def compile_all_for_sm90(jobs: list[dict]) -> list[Sm90Build]:
+    """Several :func:`compile_for_sm90` jobs (dicts of its arguments) in one process: under the interpreter,
+    one fresh process for all of them (each costs a Python start and the imports)."""
     from .. import interpreting
 
-    args = dict(module=kernel.fn.__module__, name=kernel.fn.__qualname__, signature=signature, constants=constants,
-                num_warps=num_warps, maxnreg=maxnreg)
+    args = [dict(module=job["kernel"].fn.__module__, name=job["kernel"].fn.__qualname__, signature=job["signature"],
+                 constants=job["constants"], num_warps=job.get("num_warps", 4), maxnreg=job.get("maxnreg"),
+                 aligned=list(job.get("aligned", ())), num_stages=job.get("num_stages")) for job in jobs]
     if interpreting():
         env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
         done = subprocess.run([sys.executable, "-m", __name__, json.dumps(args)], capture_output=True, text=True,
                               env=env)
         if done.returncode:
-            raise RuntimeError(f"compiling the Gluon kernel failed:\n{done.stderr[-3000:]}")
-        return Sm90Build(**json.loads(done.stdout))
-    return _compile(**args)
+            raise RuntimeError(f"compiling for sm_90 failed:\n{done.stderr[-3000:]}")
+        return [Sm90Build(**build) for build in json.loads(done.stdout)]
+    return [_compile(**arg) for arg in args]
 
 
 def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
@@ -99,14 +110,19 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
                             maxnreg=launch_maxnreg(consumers))
 
 
-def _compile(module, name, signature, constants, num_warps, maxnreg) -> Sm90Build:
+def _compile(module, name, signature, constants, num_warps, maxnreg, aligned=(), num_stages=None) -> Sm90Build:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     kernel = getattr(importlib.import_module(module), name)
-    source = GluonASTSource(kernel, {**signature, **{key: "constexpr" for key in constants}}, constants)
-    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    full = {arg: signature.get(arg, "constexpr") for arg in kernel.arg_names if arg in signature or arg in constants}
+    attrs = {(kernel.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in aligned}
+    source_type = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    source = source_type(kernel, full, constants, attrs)
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+               **({"num_stages": num_stages} if num_stages else {})}
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     usage = _resource_usage(compiled.asm["cubin"])
     return Sm90Build(compiled.asm["ptx"], compiled.asm["ttgir"], _cuobjdump(compiled.asm["cubin"], "-sass"),
@@ -153,5 +169,5 @@ def kv_loop_spills(sass: str) -> int:
     return sum(1 for loop in innermost for text in body[loop] if re.search(r"\b(LDL|STL)\b", text))
 
 
-if __name__ == "__main__":  # python -m fa_lab.kernels.hopper.sm90_offline '{"module": ..., ...}' -> the build as JSON
-    print(json.dumps(asdict(_compile(**json.loads(sys.argv[1])))))
+if __name__ == "__main__":  # python -m fa_lab.kernels.hopper.sm90_offline '[{"module": ...}, ...]' -> builds as JSON
+    print(json.dumps([asdict(_compile(**job)) for job in json.loads(sys.argv[1])]))

@@ -27,6 +27,11 @@ import triton.language as tl
 
 from .linear_chunk import state_tile
 
+# The dh pass holds all d_k rows of its state slice and three (C, d_k) float32 operand tiles. Compiled for
+# sm_90 at d_k = 128 (tests/test_portable_sm90_builds.py): 4 warps with the default 3 stages spill 760
+# bytes a thread; 8 warps with no pipelining of the chunk loop, 24 (gated) and none (ungated).
+DH_WARPS, DH_STAGES = 8, 1
+
 
 @triton.jit
 def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -242,12 +247,10 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
         key_rows = (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :]
         value_rows = (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :]
         key_ok, value_ok = row_ok[:, None] & k_ok[None, :], row_ok[:, None] & v_ok[None, :]
-        k = tl.load(k_ptr + key_rows, mask=key_ok, other=0.0)
-        w = tl.load(w_ptr + key_rows, mask=key_ok, other=0.0)
-        q = tl.load(q_ptr + key_rows, mask=key_ok, other=0.0)
-        do = tl.load(do_ptr + value_rows, mask=value_ok, other=0.0)
-        dv_new = tl.load(dv_local_ptr + value_rows, mask=value_ok, other=0.0)
-        k, q = k.to(tl.float32), q.to(tl.float32) * scale  # float32 operands: TF32 matmuls
+        # Float32 operands (TF32 matmuls), each (C, d_k) tile loaded and widened just before its one matmul:
+        # held together, k, w and q in float32 spill registers on sm_90.
+        key_scale = tl.full([CHUNK], 1.0, tl.float32)  # 2^(G_last - G) on the keys, 2^G on the queries
+        query_scale = tl.full([CHUNK], 1.0, tl.float32) * scale
         if GATED:
             g = tl.load(g_ptr + bh * chunks * CHUNK + rows)
             g_last = tl.load(g_ptr + bh * chunks * CHUNK + c * CHUNK + CHUNK - 1)
@@ -256,14 +259,19 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
             else:
                 h_next = tl.load(ht_ptr + bh * d_k * d_v + tile, mask=tile_ok, other=0.0)
             tl.store(dlast_ptr + (pid_v * tl.num_programs(1) + bh) * chunks + c, tl.sum(tl.sum(dh * h_next, 1), 0))
-            k = k * tl.math.exp2(g_last - g)[:, None]
-            q = q * tl.math.exp2(g)[:, None]
-        dv_new = tl.dot(k, dh, dv_new, input_precision=PRECISION)
+            key_scale = tl.math.exp2(g_last - g)
+            query_scale = query_scale * tl.math.exp2(g)
+        k = tl.load(k_ptr + key_rows, mask=key_ok, other=0.0).to(tl.float32) * key_scale[:, None]
+        dv_new = tl.dot(k, dh, tl.load(dv_local_ptr + value_rows, mask=value_ok, other=0.0),
+                        input_precision=PRECISION)
         tl.store(dv_new_ptr + value_rows, dv_new, mask=value_ok)
         if GATED:
             dh = dh * tl.math.exp2(g_last)
-        dh = tl.dot(tl.trans(q), do.to(tl.float32), dh, input_precision=PRECISION)
-        dh -= tl.dot(tl.trans(w.to(tl.float32)), dv_new, input_precision=PRECISION)
+        q = tl.load(q_ptr + key_rows, mask=key_ok, other=0.0).to(tl.float32) * query_scale[:, None]
+        do = tl.load(do_ptr + value_rows, mask=value_ok, other=0.0).to(tl.float32)
+        dh = tl.dot(tl.trans(q), do, dh, input_precision=PRECISION)
+        w = tl.load(w_ptr + key_rows, mask=key_ok, other=0.0).to(tl.float32)
+        dh -= tl.dot(tl.trans(w), dv_new, input_precision=PRECISION)
     tl.store(dh0_ptr + bh * d_k * d_v + tile, dh, mask=tile_ok)
 
 
@@ -323,7 +331,8 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
             q, k, grad_o, cum, q, dv_local, seqlen, chunks, d_k, d_v, scale, GATE=int(gated), CARRIED=False, **wide)
         chunk_delta_bwd_dh_kernel[(slices, batch * heads)](
             q, k, w, grad_o, dv_local, dht, d_states, dv_new, d_initial, cum, states, final_state, gate_parts["last"],
-            seqlen, chunks, d_k, d_v, scale, HAS_DHT=grad_state is not None, GATED=gated, **sweep)
+            seqlen, chunks, d_k, d_v, scale, HAS_DHT=grad_state is not None, GATED=gated, num_warps=DH_WARPS,
+            num_stages=DH_STAGES, **sweep)
         chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
             q, k, v_new, grad_o, cum, states, d_states, dq, dk_direct, gate_parts["qk"], dv_new, dw, seqlen, chunks,
             d_k, d_v, scale, GATE=int(gated), DELTA=True, **wide)

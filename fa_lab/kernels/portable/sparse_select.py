@@ -319,10 +319,6 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
         indices.shape[3], scale * LOG2E, scale, **meta)
     blocks = cdiv(seqlen_k, block_k)
     offsets, selectors = selection_csr(indices, blocks)
-    # The dK/dV program also holds its two float32 accumulators: at head_dim >= 128 a tile of 64 packed
-    # rows spills registers on sm_90 (255 and a 40-byte stack at d = 128), one of 32 does not (172).
-    if not interpreting() and head_dim_bucket(head_dim) >= 128:
-        meta["BLOCK_M"] = min(config.block_m, 32)
     block_select_bwd_dkdv_kernel[(blocks * cdiv(block_k, config.block_n), batch * heads_kv)](
         q, k, v, grad_out, lse2, delta, offsets, selectors, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q,
         block_k, scale * LOG2E, scale, **meta)

@@ -1,0 +1,132 @@
+"""The plain-Triton kernels of chapters 07 and 08 compiled for sm_90 offline, at the tiles, warps and stages
+their launchers pick for bf16, head_dim 128 and chunks of 64 (NSA's and block-sparse attention's packed rows
+for the selected-blocks kernels), with a launch's divisibility hints: each must fit an H200's shared memory
+and spill no registers (one known exception, bounded). CI has no GPU, so this is what catches a kernel edit
+that would only fail, or slow down, on the device (the device's `gpu` tests then check the numbers)."""
+from __future__ import annotations
+
+import pytest
+
+from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90
+
+BF16, F32, I32, INT_PTR = "*bf16", "*fp32", "i32", "*i32"
+
+
+def _pointers(names: str, kind: str = BF16) -> dict:
+    return {name: kind for name in names.split()}
+
+
+def _ints(names: str) -> dict:
+    return {name: I32 for name in names.split()}
+
+
+def linear_jobs() -> list[tuple[str, dict]]:
+    """(label, compile job) of every linear-attention kernel at d_k = d_v = 128, C = 64."""
+    from fa_lab.kernels.portable import linear_chunk as chunk
+    from fa_lab.kernels.portable import linear_chunk_bwd as bwd
+    from fa_lab.kernels.portable import linear_delta as delta
+
+    tf32 = {"PRECISION": "tf32"}
+    sizes = _ints("seqlen chunks d_k d_v")
+    jobs = [
+        ("h pass, per-dim gate", chunk.chunk_fwd_h_kernel,
+         {**_pointers("k_ptr v_ptr h_ptr"), **_pointers("g_ptr h0_ptr ht_ptr", F32), **sizes},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATE=2, HAS_H0=True, **tf32)),
+        ("o pass, scalar gate", chunk.chunk_fwd_o_kernel,
+         {**_pointers("q_ptr k_ptr v_ptr h_ptr o_ptr"), "g_ptr": F32, **sizes, "scale": "fp32"},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATE=1, **tf32)),
+        ("GLA intra-chunk scores", chunk.chunk_gla_fwd_a_kernel,
+         {**_pointers("q_ptr k_ptr a_ptr"), "g_ptr": F32, **_ints("seqlen chunks d_k")},
+         dict(CHUNK=64, SUB=16, BLOCK_K=32, **tf32)),
+        ("GLA o pass", chunk.chunk_gla_fwd_o_kernel,
+         {**_pointers("q_ptr v_ptr h_ptr a_ptr o_ptr"), "g_ptr": F32, **sizes, "scale": "fp32"},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, **tf32)),
+        ("dh pass, per-dim gate", bwd.chunk_bwd_dh_kernel,
+         {**_pointers("q_ptr do_ptr"), **_pointers("g_ptr dht_ptr dh_ptr dh0_ptr", F32), **sizes, "scale": "fp32"},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATE=2, HAS_DHT=True, **tf32)),
+        ("dv pass, scalar gate", bwd.chunk_bwd_dv_kernel,
+         {**_pointers("q_ptr k_ptr do_ptr dv_ptr"), **_pointers("g_ptr dh_ptr", F32), **sizes, "scale": "fp32"},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATE=1, CARRIED=True, **tf32)),
+        ("dqk pass, gated delta rule", bwd.chunk_bwd_dqk_kernel,
+         {**_pointers("q_ptr k_ptr v_ptr do_ptr dq_ptr dk_ptr"),
+          **_pointers("g_ptr h_ptr dh_ptr dgate_ptr dv_new_ptr dw_ptr", F32), **sizes, "scale": "fp32"},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATE=1, DELTA=True, **tf32)),
+        ("GLA dA", bwd.chunk_bwd_da_kernel,
+         {**_pointers("do_ptr v_ptr"), "da_ptr": F32, **_ints("seqlen chunks d_v"), "scale": "fp32"},
+         dict(CHUNK=64, BLOCK_V=64, **tf32)),
+        ("GLA dv pass", bwd.chunk_gla_bwd_dv_kernel,
+         {**_pointers("k_ptr do_ptr dv_ptr"), **_pointers("g_ptr a_ptr dh_ptr", F32), **sizes, "scale": "fp32"},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, **tf32)),
+        ("GLA dqk pass", bwd.chunk_gla_bwd_dqk_kernel,
+         {**_pointers("q_ptr k_ptr v_ptr do_ptr dq_ptr dk_ptr"),
+          **_pointers("g_ptr h_ptr dh_ptr da_ptr dgate_ptr", F32), **sizes, "scale": "fp32"},
+         dict(CHUNK=64, SUB=16, BLOCK_K=32, BLOCK_V=64, **tf32)),
+        ("WY, gated", delta.chunk_wy_kernel,
+         {**_pointers("k_ptr v_ptr beta_ptr w_ptr u_ptr"), "g_ptr": F32, **sizes},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATED=True, **tf32)),
+        ("WY backward, gated", delta.chunk_wy_bwd_kernel,
+         {**_pointers("k_ptr v_ptr beta_ptr dv_ptr"),
+          **_pointers("g_ptr dw_ptr du_ptr dk_ptr dbeta_ptr dgate_ptr", F32), **sizes},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATED=True, **tf32)),
+        ("delta h pass, gated", delta.chunk_delta_fwd_h_kernel,
+         {**_pointers("k_ptr w_ptr u_ptr h_ptr v_new_ptr"), **_pointers("g_ptr h0_ptr ht_ptr", F32), **sizes},
+         dict(CHUNK=64, BLOCK_K=128, BLOCK_V=32, GATED=True, HAS_H0=True, **tf32)),
+        ("delta dh pass, gated", delta.chunk_delta_bwd_dh_kernel,
+         {**_pointers("q_ptr k_ptr w_ptr do_ptr"),
+          **_pointers("dv_local_ptr dht_ptr dh_ptr dv_new_ptr dh0_ptr g_ptr h_ptr ht_ptr dlast_ptr", F32), **sizes,
+          "scale": "fp32"},
+         dict(CHUNK=64, BLOCK_K=128, BLOCK_V=32, HAS_DHT=True, GATED=True, **tf32)),
+    ]
+    launches = {"GLA intra-chunk scores": dict(num_warps=8),  # what the launchers pass; else 4 warps, 3 stages
+                "delta dh pass, gated": dict(num_warps=delta.DH_WARPS, num_stages=delta.DH_STAGES)}
+    return [(label, {**_job(kernel, signature, constants, 4), **launches.get(label, {})})
+            for label, kernel, signature, constants in jobs]
+
+
+def sparse_jobs() -> list[tuple[str, dict]]:
+    """(label, compile job) of the selected-blocks kernels at head_dim 128, at the packed rows of NSA (a group
+    of 16 over one query each: 16 rows) and of block-sparse tiles (64 rows)."""
+    from fa_lab.kernels.portable import sparse_select as sparse
+
+    shapes = {**_ints("group seqlen_q seqlen_k head_dim block_q block_k"), "qk_scale": "fp32"}
+    rows_in = {**_pointers("q_ptr k_ptr v_ptr do_ptr"), **_pointers("lse2_ptr delta_ptr", F32)}
+    jobs = []
+    for rows in (16, 64):
+        tile = dict(BLOCK_M=rows, BLOCK_N=64, HEAD_DIM=128, CAUSAL=True)
+        jobs += [
+            (f"forward, {rows} rows", sparse.block_select_fwd_kernel,
+             {**_pointers("q_ptr k_ptr v_ptr o_ptr"), "index_ptr": INT_PTR, "lse_ptr": F32, **shapes, "slots": I32},
+             tile, 8 if rows * 128 >= 128 * 64 else 4),
+            (f"dQ, {rows} rows", sparse.block_select_bwd_dq_kernel,
+             {**rows_in, "index_ptr": INT_PTR, "dq_ptr": BF16, **shapes, "slots": I32, "scale": "fp32"}, tile, 8),
+            (f"dK/dV gather, {rows} rows", sparse.block_select_bwd_dkdv_kernel,
+             {**rows_in, **_pointers("offsets_ptr selectors_ptr", INT_PTR), **_pointers("dk_ptr dv_ptr"), **shapes,
+              "scale": "fp32"}, tile, 8),
+        ]
+    return [(label, {**_job(kernel, signature, constants, warps), "num_stages": 2})  # TileConfig's default
+            for label, kernel, signature, constants, warps in jobs]
+
+
+def _job(kernel, signature: dict, constants: dict, num_warps: int) -> dict:
+    aligned = tuple(name for name, kind in signature.items() if kind.startswith("*")) + \
+        tuple(name for name in ("head_dim", "block_k", "d_k", "d_v") if name in signature)
+    return dict(kernel=kernel, signature=signature, constants=constants, num_warps=num_warps, aligned=aligned)
+
+
+@pytest.fixture(scope="module")
+def builds():
+    jobs = linear_jobs() + sparse_jobs()
+    return dict(zip((label for label, _ in jobs), compile_all_for_sm90([job for _, job in jobs]), strict=True))
+
+
+# Known spills, bytes a thread: the gated delta rule's dh pass holds the state slice, h_{c+1}'s tile for the
+# gate's gradient and three float32 (C, d_k) operand tiles (docs/experiments/linear_and_ring.md).
+ALLOWED_STACK = {"delta dh pass, gated": 24}
+
+
+def test_every_kernel_fits_in_shared_memory_without_spilling(builds):
+    too_big = {label: b.shared_bytes for label, b in builds.items() if b.shared_bytes > SM90_SHARED_LIMIT}
+    spilled = {label: (b.registers, b.stack_bytes, b.local_bytes) for label, b in builds.items()
+               if b.stack_bytes > ALLOWED_STACK.get(label, 0) or b.local_bytes}
+    assert not too_big, f"over the {SM90_SHARED_LIMIT} bytes of shared memory: {too_big}"
+    assert not spilled, f"(registers, stack, local bytes) of the kernels that spill: {spilled}"
