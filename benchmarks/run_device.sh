@@ -16,6 +16,8 @@
 #            attention: h200_linear.json/.png
 #   ring   - chapter 09's ring steps timed on one GPU, shard copies, NCCL at world size 1, and the
 #            modelled overlap for 2-8 GPUs (h200_ring_model.json)
+#   ring-gpus - ring attention over every GPU of a multi-GPU host (positions per GPU: --tokens), as
+#            fa_lab/bench/ring_gpus.py says (h200x{N}_ring.json); arguments after OUTDIR go to the command
 #   decode-tune - the decode kernel's candidate configs x split counts (h200_decode_tuning.json); the
 #            winners go into fa_lab/kernels/portable/decode.py
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
@@ -43,6 +45,9 @@ case "$step" in
            2>&1 | tee "$out/linear.log" | grep -v "^bench" ;;
   ring) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
            $bench ring --json "$out/h200_ring_model.json" 2>&1 | tee "$out/ring.log" | grep -v "^bench" ;;
+  ring-gpus) gpus=$(nvidia-smi --list-gpus | wc -l)
+         NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+           $bench ring --gpus "$gpus" --json "$out/h200x${gpus}_ring.json" "$@" 2>&1 | tee "$out/ring_gpus.log" ;;
   decode-tune) $bench decode --tune "$out/h200_decode_tuning.json" 2>&1 | tee "$out/decode_tune.log" | grep -v "^bench" ;;
   decode) $bench decode --json "$out/h200_decode.json" --plot "$out/h200_decode.png" \
            2>&1 | tee "$out/decode.log" | grep -v "^bench" ;;
@@ -51,5 +56,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|ring|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

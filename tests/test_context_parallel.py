@@ -427,3 +427,25 @@ def test_the_ring_steps_backward_sums_to_the_gradients_of_attention(layout, caus
 def test_the_ring_steps_backward_kernel_sums_to_the_gradients_of_attention(impl, layout, causal):
     """The same with the Triton backward kernel in each step (bf16 on the GPU), 4 ranks, GQA."""
     _check_simulated_ring(impl, torch.bfloat16, "cuda", 4, layout, causal, heads_kv=2)
+
+
+# ---- the multi-GPU benchmark's code path, on CPU processes -------------------------------------------
+
+def test_the_multi_gpu_ring_benchmark_runs_on_cpu_processes_and_fills_valid_rows():
+    """fa_lab.bench.ring_gpus over 2 gloo ranks at tiny sizes: every case gives a schema-valid row whose
+    per-GPU figures follow from its times (the GPU run is `bench ring --gpus W` on a multi-GPU host)."""
+    from fa_lab.bench import ring_gpus
+    from fa_lab.bench.schema import validate_results
+
+    results = ring_gpus.run_ring_gpus(2, [32, 64], repeats=1, backend="gloo", heads=2, head_dim=16, deadline_s=120)
+    validate_results(results)
+    assert [(r["layout"], r["causal"], r["seqlen"]) for r in results["rows"]] == [
+        (layout, causal, n) for layout, causal in ring_gpus.CASES for n in (32, 64)]
+    for row in results["rows"]:
+        assert row["world_size"] == 2 and row["seqlen_q"] == row["seqlen"] // 2
+        assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["efficiency_per_gpu"] > 0
+        pairs = BlockInfo(row["seqlen"], row["seqlen"], row["causal"]).visible_pairs()
+        expected = 4 * 2 * 16 * pairs / 2 / (row["fwd_ms"] * 1e-3) / 1e12
+        assert row["fwd_tflops_per_gpu"] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="multiple of 2 \\* world"):
+        ring_gpus.run_ring_gpus(2, [30], backend="gloo")

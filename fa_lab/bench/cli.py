@@ -130,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "fa_lab.bench.ring.")
     p.add_argument("--tokens", type=int, nargs="+", default=list(ring.TOKENS_PER_GPU),
                    help="positions per GPU, default %(default)s")
-    p.add_argument("--json", metavar="PATH", help="write the log (JSON) to PATH")
+    p.add_argument("--gpus", type=int, metavar="W", help="instead, run the ring over W GPUs of this host "
+                   "(fa_lab.bench.ring_gpus) at whole-sequence lengths of W x each --tokens")
+    p.add_argument("--json", metavar="PATH", help="write the log (JSON) to PATH, or with --gpus the results")
     p.set_defaults(handler=_run_ring)
     return parser
 
@@ -253,6 +255,18 @@ def _run_linear(args) -> int:
 def _run_ring(args) -> int:
     if _needs_cuda("ring"):
         return 2
+    if args.gpus:
+        import torch
+
+        from . import ring_gpus
+
+        if args.gpus > torch.cuda.device_count():
+            print(f"fa-lab bench ring: --gpus {args.gpus}, but this machine has {torch.cuda.device_count()} GPUs",
+                  file=sys.stderr)
+            return 2
+        results = ring_gpus.run_ring_gpus(args.gpus, [args.gpus * n for n in args.tokens], json_path=args.json)
+        print(format_table(results["rows"]))
+        return 0
     log = ring.run_ring(args.json, tokens=tuple(args.tokens))
     print("\n".join(ring.summary(log)))
     return 0

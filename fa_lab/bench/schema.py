@@ -47,6 +47,12 @@ query), and no other rows do; their TFLOP/s count the pairs the selection keeps.
 Rows of the linear-attention benchmark (:mod:`.linear`) carry ``case`` (``simple_gla``, ``gla``,
 ``delta_rule``, or ``softmax`` for softmax attention at the same shape) and ``chunk_size`` (tokens per
 chunk; null for softmax), and no other rows do; linear rows leave the TFLOP/s null (times only).
+
+Rows of the multi-GPU ring benchmark (:mod:`.ring_gpus`, ``benchmarks/h200x{N}_ring.json``) carry
+``world_size``, ``layout``, ``seqlen`` (the whole sequence; ``seqlen_q``/``seqlen_k`` are the positions per
+rank), ``fwd_tflops_per_gpu``, ``bwd_tflops_per_gpu`` and ``efficiency_per_gpu`` (forward-plus-backward
+throughput per GPU over one GPU's at the same positions per GPU), and no other rows do; their
+``fwd_peak_bytes`` is the largest rank's peak allocation over a forward and backward.
 """
 from __future__ import annotations
 
@@ -69,8 +75,10 @@ INTERFACE_TYPES = {"case": str, "heads_kv": int, "window": list, "softcap": floa
 DECODE_TYPES = {"heads_kv": int, "page_size": (int, type(None)), "num_splits": (int, type(None)), "timer": str}
 SPARSE_TYPES = {"case": str, "heads_kv": int, "block_k": int, "selected": int}
 LINEAR_TYPES = {"case": str, "chunk_size": (int, type(None))}
+RING_TYPES = {"world_size": int, "layout": str, "seqlen": int, "fwd_tflops_per_gpu": _FIGURE,
+              "bwd_tflops_per_gpu": _FIGURE, "efficiency_per_gpu": _FIGURE}
 # The optional key groups: a row has ROW_KEYS and exactly one of these, or none.
-OPTIONAL_GROUPS = (INTERFACE_TYPES, DECODE_TYPES, SPARSE_TYPES, LINEAR_TYPES)
+OPTIONAL_GROUPS = (INTERFACE_TYPES, DECODE_TYPES, SPARSE_TYPES, LINEAR_TYPES, RING_TYPES)
 
 
 def empty_row(impl: str, shape: AttentionShape) -> dict:
@@ -122,7 +130,8 @@ def validate_results(results: dict) -> dict:
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"row {index} has keys {got}; every row needs exactly {list(ROW_KEYS)}, an "
                              f"interfaces row also {list(INTERFACE_TYPES)}, a decode row {list(DECODE_TYPES)}, "
-                             f"a sparse row {list(SPARSE_TYPES)}, a linear row {list(LINEAR_TYPES)}")
+                             f"a sparse row {list(SPARSE_TYPES)}, a linear row {list(LINEAR_TYPES)}, "
+                             f"a ring row {list(RING_TYPES)}")
         for key, types in {**ROW_TYPES, **group}.items():
             if not isinstance(row[key], types) or (isinstance(row[key], bool) and types is not bool):
                 raise ValueError(f"row {index}: {key} is {row[key]!r}, which is not a valid {key}")
