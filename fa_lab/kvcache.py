@@ -200,10 +200,17 @@ def split_ranges(seqlen_k: int, num_splits: int, block: int = SPLIT_BLOCK) -> li
 
 
 def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H200_SMS,
-                      block: int = SPLIT_BLOCK, max_splits: int = MAX_SPLITS, row_tiles: int = 1) -> int:
+                      block: int = SPLIT_BLOCK, max_splits: int = MAX_SPLITS, row_tiles: int = 1,
+                      page_size: int | None = None) -> int:
     """How many splits fill the GPU: 1 when batch x heads_kv x row_tiles programs already make ~one
     wave (80% of the SMs); otherwise the smallest count whose waves are at least 85% full of the best
     count's efficiency, never more than the key blocks of ``block`` keys there are.
+
+    A paged cache (``page_size``) gets about two waves instead, never less than a page per split: a
+    paged program gathers its keys page by page through the block table, a chain of dependent loads,
+    and twice the programs in flight hide its latency. On the H200, with pages of 256, the forced
+    sweep of ``benchmarks/h200_decode.json`` was fastest at 4 splits for batch 8 (dense: 2) and at 16 to
+    32 for batch 1 (dense: 14 to 15); with one wave the paged kernel ran at 0.67 to 0.91 of its best.
 
     A decode program per (sequence, KV head, row tile, split) streams its keys once (row_tiles: the
     tiles of the group's packed query rows, 1 for decode); with P = batch x heads_kv x row_tiles programs
@@ -215,6 +222,8 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
     if programs >= 0.8 * num_sms:
         return 1
     limit = max(1, min(max_splits, cdiv(seqlen_k, block), num_sms))
+    if page_size:
+        return max(1, min(limit, cdiv(seqlen_k, page_size), 2 * num_sms // programs))
 
     def efficiency(s):
         return programs * s / (cdiv(programs * s, num_sms) * num_sms)
@@ -259,7 +268,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         append_kv(layout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     row_tiles = cdiv(layout.heads // layout.heads_kv * layout.seqlen_q, DECODE_ROWS)
     longest = max(lengths) if check_values or impl == "torch" else layout.capacity
-    splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, longest, row_tiles=row_tiles)
+    splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, longest, row_tiles=row_tiles,
+                                             page_size=layout.page_size if layout.paged else None)
     if impl == "triton":
         from .kernels import triton_decode
         keys = (cache_seqlens + layout.seqlen_new if layout.seqlen_new else cache_seqlens).contiguous()

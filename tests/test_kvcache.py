@@ -224,6 +224,34 @@ def test_the_split_heuristic_fills_the_waves():
     assert choose_num_splits(1, 8, 65536, row_tiles=16) == 1  # chunked prefill: the row tiles fill the GPU
 
 
+def test_paged_caches_get_two_waves_of_whole_pages():
+    assert choose_num_splits(8, 8, 16384, page_size=256) == 4  # 64 programs x 4: two waves of 132
+    assert choose_num_splits(1, 8, 65536, page_size=256) == 33
+    assert choose_num_splits(1, 8, 4096, page_size=256) == 16  # a page per split at most: 16 pages
+    assert choose_num_splits(32, 8, 65536, page_size=256) == 1  # already more than a wave
+    assert choose_num_splits(8, 8, 16384) == 2  # dense: one wave
+
+
+def test_the_paged_split_count_is_what_the_recorded_sweep_found_fastest():
+    """Against benchmarks/h200_decode.json's forced sweep (pages of 256): the measured count nearest the
+    heuristic's (on a log scale) runs within 3% of the best measured count at every batch and length."""
+    import math
+    from pathlib import Path
+
+    from fa_lab.bench import load_results
+    from fa_lab.bench.decode import HEADS_KV
+
+    rows = load_results(Path(fa_lab.__file__).resolve().parent.parent / "benchmarks" / "h200_decode.json")["rows"]
+    shapes = {(r["batch"], r["seqlen_k"]) for r in rows if r["impl"] == "triton_forced" and r["page_size"] == 256}
+    assert len(shapes) == 9
+    for batch, seqlen in shapes:
+        forced = {r["num_splits"]: r["fwd_ms"] for r in rows if r["impl"] == "triton_forced"
+                  and (r["batch"], r["seqlen_k"], r["page_size"]) == (batch, seqlen, 256)}
+        chosen = choose_num_splits(batch, HEADS_KV, seqlen, page_size=256)
+        nearest = min(forced, key=lambda s: abs(math.log(s / chosen)))
+        assert forced[nearest] <= 1.03 * min(forced.values()), (batch, seqlen, chosen, forced)
+
+
 def test_decode_without_keys_gives_zeros_and_minus_infinity(generator):
     k_cache, v_cache, _ = make_cache(generator, 2, 16, 1, 8, torch.float32)
     q = torch.randn(2, 2, 2, 8, generator=generator)

@@ -212,7 +212,7 @@ def run_decode(json_path=None, timer=None, with_fa4: bool = True) -> dict:
             copies = copies_for(nbytes)
             for page_size in PAGE_SIZES:
                 caches = [make_cache(batch, cache, page_size) for _ in range(copies)]
-                chosen = choose_num_splits(batch, HEADS_KV, cache)
+                chosen = choose_num_splits(batch, HEADS_KV, cache, page_size=page_size)
                 rows.append(measure(decode_row("triton", batch, cache, page_size, chosen), ours, (caches, 0),
                                     timer, copy, nbytes))
                 if page_size in (None, 256):  # the heuristic's check: every forced count
