@@ -41,7 +41,18 @@ NVLINK_BYTES_PER_S = 450e9  # one direction (module docstring)
 CASES = (("zigzag", True), ("contiguous", True), ("contiguous", False))
 
 
-def _free_port() -> int:
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def no_multicast() -> None:
+    """Keep NVLink multicast off in NCCL, PyTorch and NVSHMEM for this process and those it starts (the
+    device's rule: a program that uses it can take a shared host's GPUs out of service)."""
+    for name, value in NO_MULTICAST.items():
+        os.environ.setdefault(name, value)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -53,7 +64,7 @@ def nccl_world1_equal(seqlen: int = 8192) -> bool:
 
     import fa_lab
 
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             device_id=torch.device("cuda", torch.cuda.current_device()))
     try:
         q, k, v = (torch.randn(1, HEADS, seqlen, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -146,7 +157,7 @@ def run_ring(json_path=None, tokens=TOKENS_PER_GPU, timer=None, progress=print) 
 
     if timer is None:
         from triton.testing import do_bench as timer
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on a shared host
+    no_multicast()
     log = {**environment("cuda"), "heads": HEADS, "heads_kv": HEADS, "head_dim": HEAD_DIM, "dtype": "bf16",
            "nvlink_bytes_per_s": NVLINK_BYTES_PER_S, "calls": [], "copies": [], "model": []}
     try:

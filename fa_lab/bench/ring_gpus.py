@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import time
 
@@ -32,19 +31,11 @@ import torch.multiprocessing as mp
 
 from ..block_info import BlockInfo
 from ..iomodel import AttentionShape
+from .ring import NO_MULTICAST, free_port, no_multicast
 from .schema import empty_row, environment, save_results
 
 HEADS, HEAD_DIM = 32, 128
 CASES = (("zigzag", True), ("contiguous", True), ("zigzag", False))
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ring_row(world: int, layout: str, causal: bool, seqlen: int, heads: int, head_dim: int, dtype: str) -> dict:
     """An empty row: seqlen_q/k are the positions per rank, ``seqlen`` the whole sequence."""
     row = empty_row("ring_" + layout, AttentionShape(1, heads, seqlen // world, head_dim, causal=causal, dtype=dtype))
@@ -62,8 +53,9 @@ def fill_row(row: dict, fwd_ms: float, bwd_ms: float, single_ms: float, peak: in
     row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops / world / (fwd_ms * 1e-3) / 1e12,
                bwd_tflops=2.5 * flops / world / (bwd_ms * 1e-3) / 1e12, fwd_peak_bytes=peak,
                fwd_peak_source="measured")
+    # forward plus backward is 3.5 times the forward's FLOPs on both sides, so the pair counts decide
     row.update(fwd_tflops_per_gpu=row["fwd_tflops"], bwd_tflops_per_gpu=row["bwd_tflops"],
-               efficiency_per_gpu=(3.5 * flops / world / (fwd_ms + bwd_ms)) / (3.5 * local / single_ms))
+               efficiency_per_gpu=(flops / world / (fwd_ms + bwd_ms)) / (local / single_ms))
     return row
 
 
@@ -136,8 +128,7 @@ def run_ring_gpus(world: int, seqlens, cases=CASES, repeats: int = 3, json_path=
     its rows after each case)."""
     import tempfile
 
-    for name, value in NO_MULTICAST.items():
-        os.environ.setdefault(name, value)
+    no_multicast()
     for seqlen in seqlens:
         if seqlen % (2 * world):
             raise ValueError(f"seqlen {seqlen} must be a multiple of 2 * world = {2 * world} (zig-zag chunks)")
@@ -145,7 +136,7 @@ def run_ring_gpus(world: int, seqlens, cases=CASES, repeats: int = 3, json_path=
     results = {**environment(device), "rows": []}
     with tempfile.TemporaryDirectory(prefix="ring_gpus_") as folder:
         path = os.path.join(folder, "rows.pt")
-        context = mp.start_processes(_rank_main, args=(world, _free_port(), backend, tuple(seqlens), tuple(cases),
+        context = mp.start_processes(_rank_main, args=(world, free_port(), backend, tuple(seqlens), tuple(cases),
                                                        repeats, heads, head_dim, path),
                                      nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + deadline_s

@@ -33,10 +33,10 @@ with float32 accumulators; float32 inputs run ``input_precision="ieee"`` (not TF
 chunk is masked on load; the gate is padded with zero log-decays to whole chunks before it is cumulated,
 so the padded chunk's last row holds the cumulated decay of its last real token.
 
-The backward is kernels too, :mod:`.linear_chunk_bwd` (fla's dh, dv and dqk passes). The delta rule
-recomputes in PyTorch instead: :class:`RecomputedBackward` runs the kernels forward and, on backward,
-autograd through its PyTorch chunk form in float32. Correct, but it stores what the PyTorch form
-stores and runs at PyTorch's pace.
+The backward is kernels too, :mod:`.linear_chunk_bwd` (fla's dh, dv and dqk passes; the delta rule's
+in :mod:`.linear_delta`). Only the fused recurrence (:mod:`.linear_recurrent`, the decode-time form)
+recomputes in PyTorch: :class:`RecomputedBackward` runs a kernel forward and, on backward, autograd
+through the PyTorch chunk form in float32.
 """
 from __future__ import annotations
 
