@@ -85,7 +85,8 @@ def linear_jobs() -> list[tuple[str, dict]]:
 
 def sparse_jobs() -> list[tuple[str, dict]]:
     """(label, compile job) of the selected-blocks kernels at head_dim 128, at the packed rows of NSA (a group
-    of 16 over one query each: 16 rows) and of block-sparse tiles (64 rows)."""
+    of 16 over one query each: 16 rows) and of block-sparse tiles (64 rows), with blocks of 64 keys (one
+    chunk, one tile: the pipelined flat loops)."""
     from fa_lab.kernels.portable import sparse_select as sparse
 
     shapes = {**_ints("group seqlen_q seqlen_k head_dim block_q block_k"), "qk_scale": "fp32"}
@@ -96,12 +97,13 @@ def sparse_jobs() -> list[tuple[str, dict]]:
         jobs += [
             (f"forward, {rows} rows", sparse.block_select_fwd_kernel,
              {**_pointers("q_ptr k_ptr v_ptr o_ptr"), "index_ptr": INT_PTR, "lse_ptr": F32, **shapes, "slots": I32},
-             tile, 8 if rows * 128 >= 128 * 64 else 4),
+             {**tile, "ONE_CHUNK": True}, 8 if rows * 128 >= 128 * 64 else 4),
             (f"dQ, {rows} rows", sparse.block_select_bwd_dq_kernel,
-             {**rows_in, "index_ptr": INT_PTR, "dq_ptr": BF16, **shapes, "slots": I32, "scale": "fp32"}, tile, 8),
+             {**rows_in, "index_ptr": INT_PTR, "dq_ptr": BF16, **shapes, "slots": I32, "scale": "fp32"},
+             {**tile, "ONE_CHUNK": True}, 8),
             (f"dK/dV gather, {rows} rows", sparse.block_select_bwd_dkdv_kernel,
              {**rows_in, **_pointers("offsets_ptr selectors_ptr", INT_PTR), **_pointers("dk_ptr dv_ptr"), **shapes,
-              "scale": "fp32"}, tile, 8),
+              "scale": "fp32"}, {**tile, "ONE_TILE": True}, 8),
         ]
     return [(label, {**_job(kernel, signature, constants, warps), "num_stages": 2})  # TileConfig's default
             for label, kernel, signature, constants, warps in jobs]

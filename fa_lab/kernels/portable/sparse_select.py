@@ -92,15 +92,29 @@ def load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N: tl.c
 
 
 @triton.jit
+def attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start_n, stop, query, causal_offset, head_dim, qk_scale,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
+    """(acc, l_i, m_i) after the online-softmax update of the packed rows over keys [start_n, start_n +
+    BLOCK_N) cut to ``stop``. Always the masked update: a chunk may end inside its block, and any block may
+    hold the causal diagonal of some rows (``stop`` plays seqlen_k: keys from it on are hidden)."""
+    _, _, _, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N, HEAD_DIM)
+    p, alpha, l_i, m_new = online_softmax_tile(tl.dot(q, tl.trans(k)), l_i, m_i, qk_scale, query, start_n, stop,
+                                               causal_offset, BLOCK_N, True, CAUSAL)
+    return tl.dot(p.to(v.dtype), v, acc * alpha[:, None]), l_i, m_new
+
+
+@triton.jit
 def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
                             group, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, qk_scale,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            CAUSAL: tl.constexpr):
+                            CAUSAL: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """O and the LSE of one tile of packed rows over the blocks its selection row lists.
 
     q_ptr, o_ptr: (B, H, seqlen_q, head_dim); k_ptr, v_ptr: (B, H // group, seqlen_k, head_dim);
     index_ptr: int32 (B, H // group, R, slots); lse_ptr: (B, H, seqlen_q) float32; all contiguous.
-    qk_scale = scale * log2(e).
+    qk_scale = scale * log2(e). ONE_CHUNK: block_k <= BLOCK_N, so a block is one chunk and the loop over
+    slots is the only loop, which the compiler pipelines (the next block's index and K/V loads issued
+    while this one computes); an unused or causally hidden slot is then a fully masked chunk.
     """
     sel_row, pid_bkv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M)
@@ -116,15 +130,13 @@ def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for slot in tl.range(0, slots):
         start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
-        for start_n in tl.range(start, stop, BLOCK_N):
-            keys, kv_offsets, kv_mask, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N,
-                                                             HEAD_DIM)
-            # Always the masked update: a chunk may end inside its block, and any block may hold
-            # the causal diagonal of some rows (``stop`` plays seqlen_k: keys from it on are hidden).
-            p, alpha, l_i, m_new = online_softmax_tile(tl.dot(q, tl.trans(k)), l_i, m_i, qk_scale, query, start_n,
-                                                       stop, causal_offset, BLOCK_N, True, CAUSAL)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+        if ONE_CHUNK:
+            acc, l_i, m_i = attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start, stop, query, causal_offset,
+                                         head_dim, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL)
+        else:
+            for start_n in tl.range(start, stop, BLOCK_N):
+                acc, l_i, m_i = attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start_n, stop, query,
+                                             causal_offset, head_dim, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL)
 
     # The epilogue of a packed batch, over the group's rows of o as (group * seqlen_q, 1, head_dim) and
     # of lse as (1, group * seqlen_q) (offsets within one group fit in int32): padding rows are sent
@@ -162,14 +174,23 @@ def probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk
 
 
 @triton.jit
+def chunk_dq(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, start_n, stop, query, causal_offset, head_dim, qk_scale,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
+    """dq plus the packed rows' dS K over keys [start_n, start_n + BLOCK_N) cut to ``stop`` (unscaled)."""
+    keys, _, _, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N, HEAD_DIM)
+    _, ds = probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL)
+    return tl.dot(ds.to(k.dtype), k, dq)
+
+
+@triton.jit
 def block_select_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, index_ptr, dq_ptr,
                                group, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, qk_scale, scale,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               CAUSAL: tl.constexpr):
+                               CAUSAL: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """dQ of one tile of packed rows over the blocks its selection row lists (the forward's grid).
 
     Layouts as the forward; do_ptr, dq_ptr like q; lse2_ptr (lse * log2 e, +inf where lse = -inf) and
-    delta_ptr: (B, H, seqlen_q) float32.
+    delta_ptr: (B, H, seqlen_q) float32. ONE_CHUNK as in the forward.
     """
     sel_row, pid_bkv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query, q, do, lse2, delta, offsets, mask, last_query = packed_tile(
@@ -182,18 +203,46 @@ def block_select_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr,
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for slot in tl.range(0, slots):
         start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
-        for start_n in tl.range(start, stop, BLOCK_N):
-            keys, _, _, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N, HEAD_DIM)
-            _, ds = probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL)
-            dq = tl.dot(ds.to(k.dtype), k, dq)
+        if ONE_CHUNK:
+            dq = chunk_dq(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, start, stop, query, causal_offset, head_dim,
+                          qk_scale, BLOCK_N, HEAD_DIM, CAUSAL)
+        else:
+            for start_n in tl.range(start, stop, BLOCK_N):
+                dq = chunk_dq(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, start_n, stop, query, causal_offset,
+                              head_dim, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL)
     tl.store(dq_ptr + offsets, (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def probabilities_t(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL: tl.constexpr):
+    """(P^T, dS^T) of :func:`probabilities`, computed transposed ((keys, rows) tiles: K Q^T and V dO^T), so that
+    dK and dV take them as they come. Transposing a tl.dot result instead (tl.trans(dS)) miscompiles on
+    Hopper with Triton 3.4 to 3.7.0: wrong, run-to-run different dK (flash-linear-attention met it in its
+    ``chunk_bwd_dqkwg``)."""
+    visible = keys[:, None] < stop
+    if CAUSAL:
+        visible = visible & (keys[:, None] <= query[None, :] + causal_offset)
+    p_t = tl.where(visible, tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]), 0.0)
+    return p_t, p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+
+
+@triton.jit
+def tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, group, seqlen_q,
+              head_dim, block_q, causal_offset, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+              CAUSAL: tl.constexpr):
+    """(dk, dv) plus the contributions of one tile of packed rows (:func:`packed_tile`) to a chunk of keys:
+    dV += P^T dO, dK += dS^T Q (unscaled)."""
+    query, q, do, lse2, delta, _, _, _ = packed_tile(q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk,
+                                                     group, seqlen_q, head_dim, block_q, BLOCK_M, HEAD_DIM)
+    p_t, ds_t = probabilities_t(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL)
+    return tl.dot(ds_t.to(q.dtype), q, dk), tl.dot(p_t.to(do.dtype), do, dv)
 
 
 @triton.jit
 def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, offsets_ptr, selectors_ptr,
                                  dk_ptr, dv_ptr, group, seqlen_q, seqlen_k, head_dim, block_q, block_k, qk_scale,
                                  scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                 CAUSAL: tl.constexpr):
+                                 CAUSAL: tl.constexpr, ONE_TILE: tl.constexpr):
     """dK, dV of one chunk of BLOCK_N keys of one key block of one KV head, gathered from every selection row
     that selected the block. Grid ``(blocks * cdiv(block_k, BLOCK_N), B * H_kv)``.
 
@@ -201,7 +250,8 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
     ``selectors[offsets[bkv * blocks + b] : offsets[bkv * blocks + b + 1]]`` (int32, CSR, from
     :func:`selection_csr`). Each is read as the forward reads it, its packed tile of the group's query
     rows, and the program keeps its dK, dV in registers and stores them once: no atomics, so the
-    backward is deterministic.
+    backward is deterministic. ONE_TILE: group * block_q <= BLOCK_M, so a selection row is one tile and
+    the loop over the selecting rows is the only loop, which the compiler pipelines.
     """
     pid, pid_bkv = tl.program_id(0), tl.program_id(1)
     per_block = tl.cdiv(block_k, BLOCK_N)
@@ -217,14 +267,15 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for entry in tl.range(first, last):
         sel_row = tl.load(selectors_ptr + entry)
-        packed = group * tl.minimum(block_q, seqlen_q - sel_row * block_q)
-        for chunk in tl.range(0, tl.cdiv(packed, BLOCK_M)):
-            query, q, do, lse2, delta, _, _, _ = packed_tile(
-                q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, group, seqlen_q, head_dim, block_q,
-                BLOCK_M, HEAD_DIM)
-            p, ds = probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)
+        if ONE_TILE:
+            dk, dv = tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, 0,
+                               group, seqlen_q, head_dim, block_q, causal_offset, qk_scale, BLOCK_M, HEAD_DIM, CAUSAL)
+        else:
+            packed = group * tl.minimum(block_q, seqlen_q - sel_row * block_q)
+            for chunk in tl.range(0, tl.cdiv(packed, BLOCK_M)):
+                dk, dv = tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv,
+                                   chunk, group, seqlen_q, head_dim, block_q, causal_offset, qk_scale, BLOCK_M,
+                                   HEAD_DIM, CAUSAL)
     tl.store(dk_ptr + kv_offsets, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
@@ -267,7 +318,8 @@ def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: b
     block_select_fwd_kernel[grid](
         q, k, v, indices, out, lse, group, seqlen_q, seqlen_k, head_dim, block_q, block_k, indices.shape[3],
         scale * LOG2E, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
-        CAUSAL=causal, num_warps=config.num_warps, num_stages=config.num_stages)
+        CAUSAL=causal, ONE_CHUNK=block_k <= config.block_n, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out, lse
 
 
@@ -316,12 +368,12 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
     grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
     block_select_bwd_dq_kernel[grid](
         q, k, v, grad_out, lse2, delta, indices, dq, group, seqlen_q, seqlen_k, head_dim, block_q, block_k,
-        indices.shape[3], scale * LOG2E, scale, **meta)
+        indices.shape[3], scale * LOG2E, scale, ONE_CHUNK=block_k <= config.block_n, **meta)
     blocks = cdiv(seqlen_k, block_k)
     offsets, selectors = selection_csr(indices, blocks)
     block_select_bwd_dkdv_kernel[(blocks * cdiv(block_k, config.block_n), batch * heads_kv)](
         q, k, v, grad_out, lse2, delta, offsets, selectors, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q,
-        block_k, scale * LOG2E, scale, **meta)
+        block_k, scale * LOG2E, scale, ONE_TILE=group * block_q <= config.block_m, **meta)
     return dq, dk, dv
 
 
