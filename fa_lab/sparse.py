@@ -9,9 +9,10 @@ the course's bottom-right mask applies inside the selection too. :func:`selectio
 MoBA (Moonshot's mixture of block attention): keys are cut into blocks of ``block`` tokens, each block
 is represented by its mean key, and query ``i`` keeps its own block (always, attended causally) plus the
 ``top_k - 1`` past blocks whose mean key scores highest against it (future blocks are never selected).
-:func:`moba_attention` computes it in MoBA's two passes: the own block as varlen causal attention over the
-blocks (:func:`fa_lab.attention_varlen`), the selected past blocks as full attention per query, merged by
-their log-sum-exp (:func:`fa_lab.online_softmax.merge_splits`).
+:func:`moba_attention` computes it in MoBA's two passes: the own block as causal attention within each
+block, the selected past blocks as full attention per query, merged by their log-sum-exp
+(:func:`fa_lab.online_softmax.merge_splits`); with ``impl="triton"`` both passes run on chapter 05's
+varlen kernels, one sequence per block, the second key-block-major (:mod:`fa_lab.kernels.portable.moba`).
 
 NSA (DeepSeek's native sparse attention): three causal branches mixed by a learned gate, the query
 over the mean keys of compressed blocks (:func:`nsa_compress`), over the raw keys of the ``top_n``
@@ -168,29 +169,38 @@ def moba_mask(selected, seqlen: int, block: int) -> torch.Tensor:
     return in_block.any(dim=-2) & BlockInfo(seqlen, seqlen, causal=True).mask()
 
 
-def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None):
-    """MoBA's output and LSE in two passes merged by their LSE. Returns (out (B, H, N, d), lse (B, H, N))."""
-    from .varlen import attention_varlen
-
+def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None, impl: str = "torch"):
+    """MoBA's output and LSE in two passes merged by their LSE. Returns (out (B, H, N, d), lse (B, H, N)),
+    differentiable in q, k, v (the gate's selection is discrete). impl="triton": both passes on the varlen
+    kernels (float16/bfloat16; lse detached)."""
+    check_impl(impl)
     selected = moba_gate(q, k, block, top_k)
     scale = resolve_scale(scale, q.shape[-1])
     batch, heads, seqlen, head_dim = q.shape
     k, v = expand_kv(k, heads), expand_kv(v, heads)
-    # Pass 1: every query over its own block, causally: varlen attention with one "sequence" per block.
-    bounds = torch.tensor([*range(0, seqlen, block), seqlen], dtype=torch.int32, device=q.device)
-    packed = [t.transpose(1, 2).reshape(batch * seqlen, heads, head_dim) for t in (q, k, v)]
-    per_batch = [attention_varlen(*(t[b * seqlen:(b + 1) * seqlen] for t in packed), bounds, bounds, causal=True,
-                                  scale=scale, return_lse=True) for b in range(batch)]
-    out_own = torch.stack([o.transpose(0, 1) for o, _ in per_batch])  # (B, H, N, d)
-    lse_own = torch.stack([lse for _, lse in per_batch])  # (B, H, N)
+    if impl == "triton":
+        from .kernels import triton_moba_attention
+        return triton_moba_attention(q, k, v, selected, block, scale)
+    # Pass 1: every query over its own block, causally, all blocks at once in plain PyTorch. Not through
+    # attention_varlen: its LSE is detached (as flash-attn's is), and the merge below differentiates
+    # through the LSE. The kernel path gets the same gradients another way: it runs each pass's
+    # backward with the merged output and LSE (fa_lab/kernels/portable/moba.py).
+    dtype = _compute_dtype(q)
+    blocks = cdiv(seqlen, block)
+    q_b, k_b, v_b = (torch.nn.functional.pad(t.to(dtype), (0, 0, 0, blocks * block - seqlen))
+                     .view(batch, heads, blocks, block, head_dim) for t in (q, k, v))
+    inside = BlockInfo(block, block, causal=True).mask().to(q.device)  # padding keys follow every real query
+    p, lse_own = softmax_with_lse((torch.matmul(q_b, k_b.transpose(-2, -1)) * scale).masked_fill(~inside,
+                                                                                                float("-inf")))
+    out_own = torch.matmul(p, v_b).view(batch, heads, blocks * block, head_dim)[:, :, :seqlen]
+    lse_own = lse_own.view(batch, heads, blocks * block)[:, :, :seqlen]
     # Pass 2: every query over its selected past blocks, all of whose keys it sees.
     past = selected[..., 1:]  # (B, H, N, top_k - 1)
     if past.shape[-1] == 0:
-        return out_own, lse_own
+        return out_own.to(q.dtype), lse_own.float()
     keys = (past[..., None] * block + torch.arange(block, device=q.device)).flatten(-2)  # (B, H, N, (top_k-1)*block)
     valid = (past[..., None] >= 0).expand(*past.shape, block).flatten(-2)
     index = torch.where(valid, keys, 0)
-    dtype = _compute_dtype(q)
     k_sel = torch.gather(k.to(dtype)[:, :, None].expand(-1, -1, seqlen, -1, -1), 3,
                          index[..., None].expand(*index.shape, head_dim))
     v_sel = torch.gather(v.to(dtype)[:, :, None].expand(-1, -1, seqlen, -1, -1), 3,

@@ -104,6 +104,19 @@ def test_moba_two_passes_equal_dense_attention_under_its_selection(top_k, genera
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_moba_gradients_equal_dense_attention_under_its_selection(generator):
+    """The merge differentiates through each pass's LSE: float64 inputs (merged in float32, as the forward
+    test says) against float64 dense attention."""
+    q, k, v = (t.double() for t in make_qkv(1, 4, 70, 70, 16, generator=generator, heads_kv=2, requires_grad=False))
+    mask = moba_mask(moba_gate(q, k, 16, 3), 70, 16)
+    grad = torch.randn(q.shape, generator=generator, dtype=torch.float64)
+    got = torch.autograd.grad(moba_attention(*(t.requires_grad_() for t in (q, k, v)), 16, 3)[0], (q, k, v), grad)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(dense_masked(*leaves, mask, 16 ** -0.5)[0], leaves, grad)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_nsa_three_branches_by_brute_force(generator):
     """Each branch and the gated sum against a query-by-query computation of NSA's definitions."""
     from fa_lab.sparse import nsa_attention, nsa_select

@@ -1,8 +1,9 @@
-"""Chapter 07's selected-blocks kernel (fa_lab/kernels/portable/sparse_select.py) under the tolerance rule.
+"""Chapter 07's kernels (fa_lab/kernels/portable/sparse_select.py, moba.py) under the tolerance rule.
 
-Block-sparse attention over per-tile key lists (``block_sparse_attention(..., impl="triton")``) and
-per-query selections as NSA makes them (``nsa_select``, ``nsa_attention(..., impl="triton")``), each
-against float64 dense attention restricted to the same selection (:func:`fa_lab.sparse.selection_mask`),
+Block-sparse attention over per-tile key lists (``block_sparse_attention(..., impl="triton")``),
+per-query selections as NSA makes them (``nsa_select``, ``nsa_attention(..., impl="triton")``) and MoBA's
+two passes on the varlen kernels (``moba_attention(..., impl="triton")``), each against float64 dense
+attention restricted to the same selection (:func:`fa_lab.sparse.selection_mask`, ``moba_mask``),
 with plain attention in the kernel's dtype under that mask as the baseline: out, LSE, dq, dk, dv. On a CPU
 the kernels run in Triton's interpreter (small shapes); the ``gpu`` tests compile them at d = 128.
 """
@@ -13,7 +14,16 @@ import torch
 
 from fa_lab.block_info import BlockInfo, cdiv
 from fa_lab.reference import expand_kv, softmax_with_lse
-from fa_lab.sparse import block_sparse_attention, nsa_attention, nsa_compress, nsa_select, selection_mask
+from fa_lab.sparse import (
+    block_sparse_attention,
+    moba_attention,
+    moba_gate,
+    moba_mask,
+    nsa_attention,
+    nsa_compress,
+    nsa_select,
+    selection_mask,
+)
 from fa_lab.testing import LSE_FLOOR, compare, make_qkv
 
 pytest.importorskip("triton")
@@ -269,3 +279,25 @@ def test_gpu_sparse_backward_is_deterministic(generator):
         kernel(1, 64, True)(*leaves, selected)[0].backward(grad)
         grads.append([t.grad for t in leaves])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def check_moba(batch, heads, heads_kv, seqlen, head_dim, block, top_k, dtype, device, generator):
+    q, k, v = make_qkv(batch, heads, seqlen, seqlen, head_dim, dtype, device, generator, heads_kv=heads_kv)
+    mask = moba_mask(moba_gate(q.detach(), k.detach(), block, top_k), seqlen, block).to(device)
+    run = lambda q, k, v: moba_attention(q, k, v, block, top_k, impl="triton")
+    check_against_dense(run, q, k, v, mask, generator)
+
+
+@pytest.mark.parametrize("batch, heads, heads_kv, seqlen, block, top_k", [
+    (2, 2, 2, 77, 16, 3),  # a ragged last block, two batch rows
+    (1, 4, 2, 96, 32, 2),  # GQA: the gate and both passes per query head
+    (1, 2, 1, 64, 16, 1),  # the own block only: no second pass
+])
+def test_moba_kernel_path_meets_the_tolerance_rule(batch, heads, heads_kv, seqlen, block, top_k, generator):
+    check_moba(batch, heads, heads_kv, seqlen, 32, block, top_k, torch.float16, DEVICE, generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, heads_kv, seqlen, block, top_k", [(8, 8, 4099, 512, 3), (8, 2, 2048, 256, 4)])
+def test_gpu_moba(heads, heads_kv, seqlen, block, top_k, generator):
+    check_moba(1, heads, heads_kv, seqlen, 128, block, top_k, torch.bfloat16, "cuda", generator)

@@ -101,6 +101,16 @@ def triton_block_select_attention(q, k, v, block_indices, block_k, causal=False,
     return run(q, k, v, block_indices, block_k, causal, scale, block_q=block_q)
 
 
+def triton_moba_attention(q, k, v, selected, block, scale):
+    """Differentiable MoBA (its two passes on the varlen kernels, merged by their LSE): returns (out, lse).
+    See :mod:`fa_lab.kernels.portable.moba`."""
+    load_triton()
+    from .common import check_triton_inputs
+    from .portable.moba import MobaFunction
+    check_triton_inputs(q)
+    return MobaFunction.apply(q, k, v, selected, block, scale)
+
+
 def triton_chunk_linear_attention(q, k, v, g, initial_state, scale, chunk_size):
     """Chunkwise linear attention / simple GLA / GLA, h and o passes: returns (o, final_state).
     See :mod:`fa_lab.kernels.portable.linear_chunk`."""

@@ -1,0 +1,135 @@
+"""MoBA's two passes on the varlen attention kernels (chapter 07), forward and backward.
+
+Given each query's selection (:func:`fa_lab.sparse.moba_gate`: its own block first, then up to
+``top_k - 1`` past blocks), MoBA's output is softmax attention over the union of those blocks, computed
+in two varlen passes merged by their LSE, as flash-attn-based MoBA does:
+
+1. *own block*: every query over its own block, causally; varlen attention with one sequence per block
+   (:func:`own_block_sequences`);
+2. *past blocks*, key-block-major: the (query, selected block) entries are sorted by (batch, head,
+   block), so that the queries that chose one block of one head form one packed sequence against that
+   block's keys, all of them in a single launch with one head per sequence (:func:`past_block_sequences`).
+   Every key of a past block lies before the query, so this pass needs no mask.
+
+The partial results are merged by :func:`fa_lab.online_softmax.merge_splits`. The backward runs each
+pass's varlen backward with the *merged* output and LSE (P = exp(S - lse) is then the final softmax, so
+each pass yields its exact share of the gradients, as ring attention's steps do) and adds the shares; a
+query's dQ from its past blocks is gathered back with ``index_add``.
+
+Layouts: q, k, v (B, H, N, d) with k, v already expanded to H heads (MoBA gates per query head);
+selected int64 (B, H, N, top_k), -1 for an unused slot.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...block_info import cdiv
+from ...online_softmax import merge_splits
+from ..common import kernel_operand, on_device
+from .attention import NO_OPTIONS, triton_varlen_backward, triton_varlen_forward
+
+
+def token_major(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, d) -> (B * N, H, d), contiguous (the backward's row reads of O and dO assume it): the
+    packed layout of varlen attention, one sequence per batch row."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[-1]).contiguous()
+
+
+def head_major(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B * N, H, d) -> (B, H, N, d), the inverse of :func:`token_major`."""
+    return t.reshape(batch, -1, *t.shape[1:]).transpose(1, 2)
+
+
+def own_block_sequences(batch: int, seqlen: int, block: int, device) -> tuple[torch.Tensor, list[int]]:
+    """(cu_seqlens int32, its values as a list) of pass 1: the blocks of every batch row as sequences of
+    the (B * N) token-major rows."""
+    bounds = [b * seqlen + start for b in range(batch) for start in range(0, seqlen, block)] + [batch * seqlen]
+    return torch.tensor(bounds, dtype=torch.int32, device=device), bounds
+
+
+def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
+    """Pass 2's packing of the past-block entries, key-block-major.
+
+    The queries are the (B * H * N) head-major rows of q, the keys those of k. Returns a dict:
+    ``entries``: int64 (E,), which (query, slot) pairs of ``selected[..., 1:]`` (flattened) are packed, in
+    packed order; ``query_rows``: int64 (E,), their rows of q; ``cu_q``, ``cu_k``: int32 (B * H * blocks + 1,),
+    the packed queries and the key rows of each (batch, head, block) sequence; ``bounds``: both as lists.
+    """
+    batch, heads, seqlen, top_k = selected.shape
+    blocks, past = cdiv(seqlen, block), top_k - 1
+    device = selected.device
+    sequences = batch * heads * blocks
+    head_rows = torch.arange(batch * heads, device=device).view(batch, heads, 1, 1)
+    sequence = torch.where(selected[..., 1:] >= 0, head_rows * blocks + selected[..., 1:], sequences).flatten()
+    counts = torch.bincount(sequence, minlength=sequences + 1)[:sequences]
+    entries = torch.argsort(sequence, stable=True)[:int(counts.sum())]  # unused slots sort past the end
+    cu_q = torch.zeros(sequences + 1, dtype=torch.int32, device=device)
+    cu_q[1:] = torch.cumsum(counts, 0)
+    starts = torch.arange(batch * heads, device=device)[:, None] * seqlen + \
+        torch.arange(blocks, device=device)[None, :] * block
+    cu_k = torch.cat([starts.flatten(), torch.tensor([batch * heads * seqlen], device=device)]).to(torch.int32)
+    return {"entries": entries, "query_rows": entries // past, "cu_q": cu_q, "cu_k": cu_k,
+            "bounds": (cu_q.tolist(), cu_k.tolist())}
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, d) -> (B * H * N, 1, d): every head's rows as one-head sequences."""
+    return t.reshape(-1, 1, t.shape[-1])
+
+
+class MobaFunction(torch.autograd.Function):
+    """Autograd wrapper of MoBA's two passes (module docstring); returns (out (B, H, N, d) in q.dtype,
+    lse (B, H, N) float32, detached)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, selected, block, scale):
+        batch, heads, seqlen, head_dim = q.shape
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        cu_own, own_bounds = own_block_sequences(batch, seqlen, block, q.device)
+        packing = past_block_sequences(selected, block) if selected.shape[-1] > 1 else None
+        with on_device(q):
+            own = triton_varlen_forward(*(kernel_operand(token_major(t)) for t in (q, k, v)), cu_own, cu_own,
+                                        (own_bounds, own_bounds), True, scale, NO_OPTIONS)
+            outs = [head_major(own[0][..., :head_dim], batch)]
+            lses = [own[1].view(heads, batch, seqlen).transpose(0, 1)]
+            if packing is not None:
+                past = selected.shape[-1] - 1
+                out_g, lse_g = triton_varlen_forward(
+                    kernel_operand(rows_of(q)[packing["query_rows"]]), kernel_operand(rows_of(k)),
+                    kernel_operand(rows_of(v)), packing["cu_q"], packing["cu_k"], packing["bounds"], False, scale,
+                    NO_OPTIONS)
+                out_past = q.new_zeros(batch * heads * seqlen * past, head_dim)
+                out_past[packing["entries"]] = out_g[:, 0, :head_dim]
+                lse_past = torch.full((batch * heads * seqlen * past,), float("-inf"), device=q.device)
+                lse_past[packing["entries"]] = lse_g[0]
+                outs += out_past.view(batch, heads, seqlen, past, head_dim).unbind(3)
+                lses += lse_past.view(batch, heads, seqlen, past).unbind(3)
+        out, lse = merge_splits(torch.stack(outs), torch.stack(lses))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, cu_own)
+        ctx.args = (block, scale, own_bounds, packing)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse, cu_own = ctx.saved_tensors
+        block, scale, own_bounds, packing = ctx.args
+        batch, heads, seqlen, head_dim = q.shape
+        grad_out = grad_out.to(q.dtype).contiguous()
+        with on_device(q):
+            packed = [kernel_operand(token_major(t)) for t in (q, k, v, out, grad_out)]
+            lse_rows = lse.transpose(0, 1).reshape(heads, batch * seqlen).contiguous()
+            dq, dk, dv = (head_major(g[..., :head_dim], batch) for g in triton_varlen_backward(
+                *packed[:4], lse_rows, packed[4], cu_own, cu_own, (own_bounds, own_bounds), True, scale, NO_OPTIONS))
+            if packing is not None:
+                rows = packing["query_rows"]
+                dq_g, dk_p, dv_p = triton_varlen_backward(
+                    kernel_operand(rows_of(q)[rows]), kernel_operand(rows_of(k)), kernel_operand(rows_of(v)),
+                    kernel_operand(rows_of(out)[rows]), lse.reshape(1, -1)[:, rows].contiguous(),
+                    kernel_operand(rows_of(grad_out)[rows]), packing["cu_q"], packing["cu_k"], packing["bounds"],
+                    False, scale, NO_OPTIONS)
+                dq = dq.reshape(-1, head_dim).index_add(0, rows, dq_g[:, 0, :head_dim]).view(q.shape)
+                dk = dk + dk_p[:, 0, :head_dim].view(k.shape)
+                dv = dv + dv_p[:, 0, :head_dim].view(v.shape)
+        return dq, dk, dv, None, None, None
