@@ -24,9 +24,20 @@
 #            H200 they take about 11 minutes, more than one device call: `tests tests/test_hopper.py`
 #            and the like run a part (the arguments after OUTDIR go to pytest)
 # The machine has no `fa-lab` script installed: `python3 -m fa_lab.cli bench ...` is `fa-lab bench ...`.
+#   peers-warm - fla-core's linear kernels autotuned (one process per case, at once) at the benchmark's 4K shape,
+#            so that a later `linear` compiles one config per kernel instead of every candidate
+# Triton's cache is .device/triton-cache (git-ignored): fla-core's kernels autotune for minutes on their first
+# call (their choices do not depend on the sequence length) and store what they chose there, so each step
+# packs those choices (*.autotune.json) into OUTDIR/triton-autotune.tgz, on exit and every minute while it
+# runs; unpacked into .device/triton-cache and carried, a fresh machine reuses them.
 set -uo pipefail
 step=$1; out=$2; shift 2
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.device/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+save_autotune() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$out/triton-autotune.tgz.part" -T - \
+                   && mv "$out/triton-autotune.tgz.part" "$out/triton-autotune.tgz"); }
+( while sleep 60; do save_autotune; done ) & saver=$!
+trap 'kill $saver 2>/dev/null; save_autotune' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a "$out/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
 bench="python3 -m fa_lab.cli bench"
@@ -39,10 +50,12 @@ case "$step" in
            --log "$out/h200_hopper_variants.json" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
   interfaces) $bench interfaces --json "$out/h200_interfaces.json" --plot "$out/h200_interfaces.png" \
            2>&1 | tee "$out/interfaces.log" | grep -v "^bench" ;;
-  sparse) $bench sparse --json "$out/h200_sparse.json" --plot "$out/h200_sparse.png" \
+  sparse) $bench sparse --json "$out/h200_sparse.json" --plot "$out/h200_sparse.png" "$@" \
            2>&1 | tee "$out/sparse.log" | grep -v "^bench" ;;
-  linear) $bench linear --json "$out/h200_linear.json" --plot "$out/h200_linear.png" \
+  linear) $bench linear --json "$out/h200_linear.json" --plot "$out/h200_linear.png" "$@" \
            2>&1 | tee "$out/linear.log" | grep -v "^bench" ;;
+  peers-warm) for case in simple_gla gla delta_rule; do
+           $bench linear --cases $case --seqlens 4096 > "$out/peers_warm_$case.log" 2>&1 & done; wait ;;
   ring) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
            $bench ring --json "$out/h200_ring_model.json" 2>&1 | tee "$out/ring.log" | grep -v "^bench" ;;
   ring-gpus) gpus=$(nvidia-smi --list-gpus | wc -l)
@@ -56,5 +69,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
