@@ -117,7 +117,36 @@ def test_the_sparse_benchmarks_selection_is_nsas_and_its_pairs_are_counted_exact
     validate_results({"device": "test", "torch": torch.__version__, "triton": None, "date": "2026-12-01",
                       "rows": rows})
     found = dict(bench.speedups(rows))
-    assert found["fla_nsa time / ours fwd, 16K"] == pytest.approx(1.5) and "dense time / ours fwd, 16K" not in found
+    assert found["nsa_select: fla_nsa time / ours fwd, 16K"] == pytest.approx(1.5)
+    assert "nsa_select: dense time / ours fwd, 16K" not in found
+
+
+def test_the_sparse_benchmarks_moba_pairs_sparsity_curve_and_plot():
+    """moba_pairs counts the pairs of MoBA's mask; the sparsity curve reads the kept share from the rows'
+    FLOPs; the plot draws the rows it is given."""
+    from fa_lab.bench import sparse as bench
+    from fa_lab.sparse import moba_gate, moba_mask
+
+    q, k = torch.randn(1, 2, 100, 8), torch.randn(1, 2, 100, 8)
+    selected = moba_gate(q, k, 16, 3)
+    assert bench.moba_pairs(selected, 16) == int(moba_mask(selected, 100, 16).sum())
+    rows = []
+    for impl, case, selected_blocks, fwd_ms, kept in (("dense", "nsa_select", 16, 40.0, 1.0),
+                                                       ("triton", "nsa_select", 16, 5.0, 0.06),
+                                                       ("triton", "nsa_select", 4, 2.0, 0.015),
+                                                       ("triton", "moba", 3, 9.0, 0.25),
+                                                       ("dense", "moba", 3, 20.0, 1.0)):
+        row = bench.sparse_row(impl, bench.SWEEP_SEQLEN, case=case, selected=selected_blocks)
+        row.update(fwd_ms=fwd_ms, bwd_ms=3 * fwd_ms, fwd_tflops=100.0 * kept / fwd_ms)
+        rows.append(row)
+    validate_results({"device": "test", "torch": torch.__version__, "triton": None, "date": "2026-12-01",
+                      "rows": rows})
+    assert bench.sparsity_curve(rows) == [(pytest.approx(0.015), 20.0, 20.0), (pytest.approx(0.06), 8.0, 8.0)]
+    found = dict(bench.speedups(rows))
+    assert found["moba: dense time / ours fwd, 32K"] == pytest.approx(20 / 9)
+    assert found["nsa_select: dense time / ours bwd, 32K"] == pytest.approx(8.0)
+    figure = bench.plot_sparse({"device": "test", "torch": "x", "triton": None, "date": "2026-12-01", "rows": rows})
+    assert len(figure.axes) == 3 and all(ax.lines for ax in figure.axes)
 
 
 def test_the_linear_benchmarks_inputs_rows_ratios_and_crossover():
@@ -180,3 +209,16 @@ def test_the_ring_model_hides_a_fast_link_and_exposes_a_slow_one():
     kv_ms, dkv_ms = (b / 1e3 * 1e3 for b in bench.shard_bytes(n))
     assert slow["fwd_exposed_ms"] > 0 and slow["fwd_ring_ms"] == pytest.approx(3 * kv_ms, rel=0.01)
     assert slow["bwd_ring_ms"] == pytest.approx(3 * kv_ms + 4 * dkv_ms, rel=0.01)
+
+
+def test_the_kernel_breakdown_sums_per_kernel_and_sorts_by_time():
+    """aggregate: per-call microseconds and shares of each kernel name over the profiled calls, largest first;
+    format_breakdown: the total in ms and one line per kernel."""
+    from fa_lab.bench.breakdown import aggregate, format_breakdown
+
+    events = [("h_pass", 300.0), ("o_pass", 100.0), ("h_pass", 300.0), ("o_pass", 100.0), ("wy", 200.0)]
+    times = aggregate(events, repeats=2)
+    assert times == [("h_pass", 300.0, 0.6), ("o_pass", 100.0, 0.2), ("wy", 100.0, 0.2)]  # ties: first seen first
+    text = format_breakdown("ours gla forward", times, top=2)
+    assert text.splitlines()[0] == "ours gla forward: 0.500 ms in 3 kernels" and len(text.splitlines()) == 3
+    assert "60.0%  h_pass" in text.splitlines()[1]

@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Chapter 08's benchmark: the cases of fa_lab.bench.linear.")
     p.add_argument("--seqlens", type=int, nargs="+", default=list(linear.SEQLENS), help="default %(default)s")
     p.add_argument("--cases", nargs="+", choices=linear.CASES, default=list(linear.CASES))
+    p.add_argument("--breakdown", action="store_true", help="instead, print each impl's kernels and their times, "
+                   "forward and backward, per case at the first --seqlens")
     _add_outputs(p, "save a PNG of forward and backward time against the sequence length")
     p.set_defaults(handler=_run_linear)
 
@@ -235,12 +237,21 @@ def _run_sparse(args) -> int:
         return 2
     results = sparse.run_sparse(args.json, seqlens=tuple(args.seqlens))
     lines = [f"{what}: {value:.3f}" for what, value in sparse.speedups(results["rows"])]
-    return _finish(results, args, lines=lines, metrics=("fwd_tflops", "bwd_tflops"))
+    lines += [f"NSA selection at {sparse.SWEEP_SEQLEN // 1024}K keeping {100 * kept:.2f}% of the causal pairs: "
+              f"{fwd:.1f}x dense forward, " + (f"{bwd:.1f}x backward" if bwd else "backward not measured")
+              for kept, fwd, bwd in sparse.sparsity_curve(results["rows"])]
+    return _finish(results, args, lines=lines, plot=sparse.plot_sparse)
 
 
 def _run_linear(args) -> int:
     if _needs_cuda("linear"):
         return 2
+    if args.breakdown:
+        if args.json or args.plot:
+            print("--breakdown prints a profile and writes no results: drop --json and --plot", file=sys.stderr)
+            return 2
+        linear.breakdowns(args.seqlens[0], cases=tuple(args.cases))
+        return 0
     results = linear.run_linear(args.json, seqlens=tuple(args.seqlens), cases=tuple(args.cases))
     lines = [f"{what}: {value:.3f}" for what, value in linear.speed_ratios(results["rows"])]
     for impl in linear.IMPLS:

@@ -214,6 +214,41 @@ def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=
     return results
 
 
+def backward_call(run, leaves):
+    """A call that runs the backward of one output of ``run()`` with a fixed random gradient, the leaves'
+    gradients reset first (what :func:`.interfaces.time_backward` times)."""
+    out = run()
+    grad = torch.randn_like(out)
+
+    def call():
+        for leaf in leaves:
+            leaf.grad = None
+        out.backward(grad, retain_graph=True)
+    return call
+
+
+def breakdowns(seqlen: int = SEQLENS[0], cases=CASES, impls=IMPLS, progress=print) -> None:
+    """Print each impl's kernels, forward and backward, per case at ``seqlen`` (:mod:`.breakdown`), fla's
+    after our run at the same inputs (its refusal lifted as in the sweep)."""
+    from .breakdown import format_breakdown, kernel_times
+
+    if "fla" in impls:
+        try:
+            allow_fla_gated_backward()
+        except ImportError as exc:
+            print(f"fla: {exc!r:.300}", file=sys.stderr)
+            impls = tuple(impl for impl in impls if impl != "fla")
+    for case in cases:
+        generator = torch.Generator(device="cuda").manual_seed(seqlen + CASES.index(case))
+        tensors = linear_inputs(case, seqlen, generator)
+        for impl in impls:
+            run, leaves = MAKERS[impl](case, tensors)
+            for what, call in (("forward", run), ("backward", backward_call(run, leaves))):
+                progress(format_breakdown(f"{impl} {case} N={seqlen} {what}", kernel_times(call)))
+        del tensors
+        torch.cuda.empty_cache()
+
+
 def speed_ratios(rows: list[dict]) -> list[tuple[str, float]]:
     """(what, value): fla's time over ours (> 1: ours faster), forward and backward, per case and length."""
     def find(impl, case, seqlen):
