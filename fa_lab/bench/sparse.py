@@ -1,14 +1,22 @@
-"""The sparse benchmark (chapter 07, on a CUDA GPU): NSA's selected-blocks branch, ours against
-flash-linear-attention's (``fla-core``, ``fla_nsa``: ``fla.ops.nsa.parallel.ParallelNSAFunction``, where
-installed), with dense causal attention at the same length for scale.
+"""The sparse benchmark (chapter 07, on a CUDA GPU): NSA's selected-blocks branch and MoBA, ours against
+flash-linear-attention's (``fla-core``, where installed), with dense causal attention at the same shape.
 
 Case ``nsa_select``: bf16, d = 128, batch 1, 64 query heads over 4 KV heads (a group of 16, the smallest
 fla's NSA kernel takes), sequences of 16K, 32K and 64K tokens, each query attending to 16 blocks of 64
 keys chosen per (query, KV head) as NSA chooses them (its own block, and the top-scoring past blocks of
 random scores; fewer where the past is shorter), causally. Both impls get the same selection. Ours
-(``triton``) is :func:`fa_lab.kernels.triton_block_select_attention` (which checks the selection on
-every call, as the public API does); ``dense`` is ``fa_lab.attention(causal=True, impl="triton_hopper")``
-on the same q, k, v (grouped K/V).
+(``triton``) is the autograd function behind :func:`fa_lab.kernels.triton_block_select_attention`, timed
+without the selection checks that function runs first (they run once, before timing; fla checks none);
+``fla_nsa`` is ``fla.ops.nsa.parallel.ParallelNSAFunction``; ``dense`` is ``fa_lab.attention(causal=True,
+impl="triton_hopper")`` on the same q, k, v (grouped K/V). At 32K the sweep also runs ours with 2 to 128
+selected blocks: the speed-up over dense attention against the share of the causal pairs kept.
+
+Case ``moba``: bf16, d = 128, batch 1, 32 heads (MoBA gates per head, so K/V have 32 heads too), 32K and
+64K tokens, blocks of 4096 keys, top-3 (the own block and two past ones). Ours is
+``fa_lab.sparse.moba_attention(impl="triton")`` end to end (the gate, both varlen passes and their merge,
+:mod:`fa_lab.kernels.portable.moba`); ``fla_moba`` is ``fla.ops.moba.parallel_moba`` (which needs the
+flash-attn 2 package); ``dense`` as above. The rows' ``block_k`` and ``selected`` are the block size and
+top-k.
 
 TFLOP/s count 4 * d FLOPs per visible (query, key) pair per query head (2.5 times that for the
 backward), the pairs of the selection (or of the causal mask for ``dense``). Times are medians of
@@ -22,16 +30,21 @@ import torch
 
 from ..block_info import BlockInfo
 from ..iomodel import AttentionShape
+from ..sparse import moba_gate
 from .interfaces import time_forward_backward
 from .schema import empty_row, environment, save_results
 
 HEADS, HEADS_KV, HEAD_DIM, BLOCK_K, SELECTED = 64, 4, 128, 64, 16
 SEQLENS = (16384, 32768, 65536)
 IMPLS = ("triton", "fla_nsa", "dense")
+SWEEP_SEQLEN, SWEEP_SELECTED = 32768, (2, 4, 8, 32, 64, 128)  # with SELECTED from the main sweep
+MOBA_HEADS, MOBA_BLOCK, MOBA_TOP_K = 32, 4096, 3
+MOBA_SEQLENS = (32768, 65536)
+MOBA_IMPLS = ("triton", "fla_moba", "dense")
 
 
-def nsa_selection(seqlen: int, generator: torch.Generator, device="cuda") -> torch.Tensor:
-    """(1, HEADS_KV, seqlen, SELECTED) int32: per query and KV head, its own block and the top-scoring past
+def nsa_selection(seqlen: int, generator: torch.Generator, device="cuda", selected: int = SELECTED) -> torch.Tensor:
+    """(1, HEADS_KV, seqlen, selected) int32: per query and KV head, its own block and the top-scoring past
     blocks of uniform random scores, -1 where the past holds fewer blocks."""
     blocks = -(-seqlen // BLOCK_K)
     own = torch.arange(seqlen, device=device) // BLOCK_K
@@ -39,7 +52,7 @@ def nsa_selection(seqlen: int, generator: torch.Generator, device="cuda") -> tor
     future = torch.arange(blocks, device=device)[None, :] > own[:, None]
     scores = scores.masked_fill(future, float("-inf"))
     scores.scatter_(-1, own.view(1, 1, -1, 1).expand(1, HEADS_KV, seqlen, 1), float("inf"))
-    top, index = scores.topk(min(SELECTED, blocks), dim=-1)
+    top, index = scores.topk(min(selected, blocks), dim=-1)
     return torch.where(top == float("-inf"), -1, index).to(torch.int32)
 
 
@@ -52,17 +65,31 @@ def selection_pairs(selection: torch.Tensor) -> int:
     return int(torch.where(selection >= 0, visible, 0).sum())
 
 
-def sparse_row(impl: str, seqlen: int) -> dict:
-    row = empty_row(impl, AttentionShape(1, HEADS, seqlen, HEAD_DIM, causal=True, dtype="bf16"))
-    row.update(case="nsa_select" if impl != "dense" else "dense", heads_kv=HEADS_KV, block_k=BLOCK_K,
-               selected=SELECTED)
+def moba_pairs(selected: torch.Tensor, block: int) -> int:
+    """Visible (query, key) pairs of a MoBA selection (B, H, N, top_k) (own block first), summed over the
+    heads: the own block causally, every key of each selected past block."""
+    queries = torch.arange(selected.shape[2], device=selected.device)
+    own = int(((queries % block) + 1).sum()) * selected.shape[0] * selected.shape[1]
+    return own + int((selected[..., 1:] >= 0).sum()) * block
+
+
+def sparse_row(impl: str, seqlen: int, case: str = "nsa_select", selected: int = SELECTED) -> dict:
+    """A row of ``case`` ("nsa_select" or "moba"; impl "dense" makes it the "dense" case at that shape)."""
+    heads, heads_kv, block_k = (MOBA_HEADS, MOBA_HEADS, MOBA_BLOCK) if case == "moba" else (HEADS, HEADS_KV, BLOCK_K)
+    if case == "moba":
+        selected = MOBA_TOP_K
+    row = empty_row(impl, AttentionShape(1, heads, seqlen, HEAD_DIM, causal=True, dtype="bf16"))
+    row.update(case="dense" if impl == "dense" else case, heads_kv=heads_kv, block_k=block_k, selected=selected)
     return row
 
 
 def ours(q, k, v, selection):
-    from ..kernels import triton_block_select_attention
+    from ..kernels.portable.sparse_select import BlockSelectFunction
+    from ..sparse import check_key_tiles
 
-    return (lambda: triton_block_select_attention(q, k, v, selection, BLOCK_K, True)[0]), (q, k, v)
+    indices = check_key_tiles(selection, q, k, 1, BLOCK_K, True, name="selection").to(torch.int32).contiguous()
+    scale = HEAD_DIM ** -0.5
+    return (lambda: BlockSelectFunction.apply(q, k, v, indices, 1, BLOCK_K, True, scale)[0]), (q, k, v)
 
 
 def dense(q, k, v, _selection):
@@ -81,56 +108,167 @@ def fla_nsa(q, k, v, selection):
     return (lambda: ParallelNSAFunction.apply(qt, kt, vt, indices, SELECTED, BLOCK_K, scale, None)), (qt, kt, vt)
 
 
-def measure(impl: str, make, seqlen: int, tensors, selection, flops_fwd: float, timer) -> dict:
-    """One row (``make(q, k, v, selection) -> (run, leaves)``); null figures when the impl is missing or
+def ours_moba(q, k, v, _selection):
+    from ..sparse import moba_attention
+
+    return (lambda: moba_attention(q, k, v, MOBA_BLOCK, MOBA_TOP_K, impl="triton")[0]), (q, k, v)
+
+
+def fla_moba(q, k, v, _selection):
+    """fla's MoBA (gate and both passes) in its (B, T, H, d) layout, one sequence."""
+    from fla.ops.moba import parallel_moba
+
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    cu_seqlens = torch.tensor([0, q.shape[2]], dtype=torch.long, device=q.device)
+    return (lambda: parallel_moba(qt, kt, vt, cu_seqlens, q.shape[2], MOBA_BLOCK, MOBA_TOP_K)), (qt, kt, vt)
+
+
+def measure(row: dict, make, tensors, selection, flops_fwd: float, timer) -> dict:
+    """Fill ``row`` (``make(q, k, v, selection) -> (run, leaves)``); null figures when the impl is missing or
     refuses the case."""
-    row = sparse_row(impl, seqlen)
     try:
         fwd_ms, bwd_ms = time_forward_backward(*make(*tensors, selection), timer)
     except Exception as exc:  # a peer that is not installed or refuses must not end the sweep
-        print(f"{impl} N={seqlen}: {exc!r:.300}", file=sys.stderr)
+        print(f"{row['impl']} {row['case']} N={row['seqlen_q']}: {exc!r:.300}", file=sys.stderr)
         return row
     row.update(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_tflops=flops_fwd / (fwd_ms * 1e-3) / 1e12,
                bwd_tflops=2.5 * flops_fwd / (bwd_ms * 1e-3) / 1e12)
     return row
 
 
-def run_sparse(json_path=None, seqlens=SEQLENS, impls=IMPLS, timer=None) -> dict:
-    """Every impl at every length; saved to ``json_path`` after each length."""
+def bf16_inputs(heads: int, heads_kv: int, seqlen: int, generator: torch.Generator):
+    """q (1, heads, seqlen, d), k, v (1, heads_kv, seqlen, d), bf16 on the GPU, requiring grad."""
+    def rand(h):
+        return torch.randn(1, h, seqlen, HEAD_DIM, device="cuda", generator=generator).to(torch.bfloat16)
+
+    return tuple(t.requires_grad_() for t in (rand(heads), rand(heads_kv), rand(heads_kv)))
+
+
+def run_sparse(json_path=None, seqlens=SEQLENS, impls=IMPLS, timer=None, moba_seqlens=MOBA_SEQLENS,
+               sweep_selected=SWEEP_SELECTED, progress=print) -> dict:
+    """The NSA selection at every length (and its sparsity sweep at SWEEP_SEQLEN), then MoBA at every
+    length; saved to ``json_path`` after each length."""
     if timer is None:
         from triton.testing import do_bench as timer
     makers = {"triton": ours, "fla_nsa": fla_nsa, "dense": dense}
     generator = torch.Generator(device="cuda").manual_seed(0)
     results = {**environment("cuda"), "rows": []}
+
+    def add(row, make, tensors, selection, pairs):
+        results["rows"].append(measure(row, make, tensors, selection, 4.0 * HEAD_DIM * pairs, timer))
+        progress(f"{row['impl']} {row['case']} N={row['seqlen_q']} selected={row['selected']}: {row['fwd_ms']} / "
+                 f"{row['bwd_ms']} ms")
+        torch.cuda.empty_cache()
+
     for seqlen in seqlens:
-        q = torch.randn(1, HEADS, seqlen, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(1, HEADS_KV, seqlen, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
-                            requires_grad=True) for _ in range(2))
+        tensors = bf16_inputs(HEADS, HEADS_KV, seqlen, generator)
         selection = nsa_selection(seqlen, generator)
-        pairs = {"dense": BlockInfo(seqlen, seqlen, True).visible_pairs() * HEADS_KV}
-        pairs["triton"] = pairs["fla_nsa"] = selection_pairs(selection)
+        group = HEADS // HEADS_KV
+        pairs = {"dense": BlockInfo(seqlen, seqlen, True).visible_pairs() * HEADS}
+        pairs["triton"] = pairs["fla_nsa"] = selection_pairs(selection) * group
         for impl in impls:
-            flops = 4.0 * HEAD_DIM * (HEADS // HEADS_KV) * pairs[impl]
-            results["rows"].append(measure(impl, makers[impl], seqlen, (q, k, v), selection, flops, timer))
-            torch.cuda.empty_cache()
+            add(sparse_row(impl, seqlen), makers[impl], tensors, selection, pairs[impl])
+        if seqlen == SWEEP_SEQLEN and "triton" in impls:
+            for count in sweep_selected:
+                selection = nsa_selection(seqlen, generator, selected=count)
+                add(sparse_row("triton", seqlen, selected=count), ours, tensors, selection,
+                    selection_pairs(selection) * group)
+        del tensors
+        if json_path:
+            save_results(results, json_path)
+    moba_makers = {"triton": ours_moba, "fla_moba": fla_moba, "dense": dense}
+    for seqlen in moba_seqlens:
+        tensors = bf16_inputs(MOBA_HEADS, MOBA_HEADS, seqlen, generator)
+        with torch.no_grad():
+            kept = moba_pairs(moba_gate(tensors[0], tensors[1], MOBA_BLOCK, MOBA_TOP_K), MOBA_BLOCK)
+        pairs = {"dense": BlockInfo(seqlen, seqlen, True).visible_pairs() * MOBA_HEADS, "triton": kept,
+                 "fla_moba": kept}
+        for impl in MOBA_IMPLS:
+            add(sparse_row(impl, seqlen, case="moba"), moba_makers[impl], tensors, None, pairs[impl])
+        del tensors
         if json_path:
             save_results(results, json_path)
     return results
 
 
 def speedups(rows: list[dict]) -> list[tuple[str, float]]:
-    """(what, value): ours over fla's NSA selection (forward, backward) and over dense attention's time."""
-    def find(impl, seqlen):
-        return next((r for r in rows if r["impl"] == impl and r["seqlen_q"] == seqlen and r["fwd_ms"]), None)
+    """(what, value): ours over fla's kernel (fla_nsa, fla_moba: forward, backward) and over dense attention's
+    time at the same shape, per case and length (the NSA case at SELECTED blocks)."""
+    def find(impl, case, seqlen):
+        heads = MOBA_HEADS if case == "moba" else HEADS
+        return next((r for r in rows if r["impl"] == impl and r["case"] in (case, "dense") and r["heads"] == heads
+                     and r["seqlen_q"] == seqlen and r["fwd_ms"]
+                     and (case == "moba" or impl == "dense" or r["selected"] == SELECTED)), None)
 
     found = []
-    for seqlen in sorted({r["seqlen_q"] for r in rows}):
-        ours_row, fla_row, dense_row = find("triton", seqlen), find("fla_nsa", seqlen), find("dense", seqlen)
-        for metric in ("fwd_ms", "bwd_ms"):
-            if ours_row and fla_row:
-                found.append((f"fla_nsa time / ours {metric[:3]}, {seqlen // 1024}K",
-                              fla_row[metric] / ours_row[metric]))
-            if ours_row and dense_row:
-                found.append((f"dense time / ours {metric[:3]}, {seqlen // 1024}K",
-                              dense_row[metric] / ours_row[metric]))
+    for case, peer in (("nsa_select", "fla_nsa"), ("moba", "fla_moba")):
+        for seqlen in sorted({r["seqlen_q"] for r in rows if r["case"] == case}):
+            ours_row, peer_row, dense_row = find("triton", case, seqlen), find(peer, case, seqlen), \
+                find("dense", case, seqlen)
+            for metric in ("fwd_ms", "bwd_ms"):
+                for name, other in ((peer, peer_row), ("dense", dense_row)):
+                    if ours_row and other and ours_row[metric] and other[metric]:
+                        found.append((f"{case}: {name} time / ours {metric[:3]}, {seqlen // 1024}K",
+                                      other[metric] / ours_row[metric]))
     return found
+
+
+def sparsity_curve(rows: list[dict], seqlen: int = SWEEP_SEQLEN) -> list[tuple[float, float, float]]:
+    """(share of the causal pairs kept, dense time / ours forward, backward) of our NSA-selection rows at
+    ``seqlen``, by share: the speed-up a selection buys against what it keeps."""
+    dense_row = next((r for r in rows if r["case"] == "dense" and r["heads"] == HEADS and r["seqlen_q"] == seqlen
+                      and r["fwd_ms"]), None)
+    if dense_row is None:
+        return []
+    curve = []
+    for r in rows:
+        if r["impl"] == "triton" and r["case"] == "nsa_select" and r["seqlen_q"] == seqlen and r["fwd_ms"]:
+            kept = (r["fwd_tflops"] * r["fwd_ms"]) / (dense_row["fwd_tflops"] * dense_row["fwd_ms"])  # pairs ratio
+            curve.append((kept, dense_row["fwd_ms"] / r["fwd_ms"],
+                          dense_row["bwd_ms"] / r["bwd_ms"] if r["bwd_ms"] and dense_row["bwd_ms"] else None))
+    return sorted(curve)
+
+
+def plot_sparse(results: dict, dpi=90):
+    """Three panels: NSA's selected branch (ours, fla's, dense) against N; MoBA (same) against N; the
+    speed-up over dense attention against the share of causal pairs a selection keeps, at SWEEP_SEQLEN."""
+    from matplotlib.figure import Figure
+
+    from ..memory import use_seqlen_ticks
+    from .report import describe
+
+    rows = results["rows"]
+    fig = Figure(figsize=(13, 4), dpi=dpi)
+    axes = fig.subplots(1, 3)
+    styles = {"triton": ("ours", "C0"), "fla_nsa": ("fla", "C1"), "fla_moba": ("fla", "C1"), "dense": ("dense", "k")}
+    for ax, case, heads, title in ((axes[0], "nsa_select", HEADS, f"NSA selected branch, {SELECTED} x {BLOCK_K} keys"),
+                                   (axes[1], "moba", MOBA_HEADS, f"MoBA, top-{MOBA_TOP_K} of {MOBA_BLOCK}-key blocks")):
+        for impl, (label, color) in styles.items():
+            mine = sorted((r for r in rows if r["impl"] == impl and r["case"] in (case, "dense") and r["heads"] == heads
+                           and (impl == "dense" or case == "moba" or r["selected"] == SELECTED) and r["fwd_ms"]),
+                          key=lambda r: r["seqlen_q"])
+            for metric, style in (("fwd_ms", "o-"), ("bwd_ms", "s--")):
+                points = [(r["seqlen_q"], r[metric]) for r in mine if r[metric]]
+                if points:
+                    ax.plot(*zip(*points), style, color=color, label=f"{label} {metric[:3]}")
+        ax.set_yscale("log")
+        use_seqlen_ticks(ax.xaxis, [r["seqlen_q"] for r in rows if r["case"] in (case, "dense")])
+        ax.set(xlabel="sequence length N", ylabel="time (ms)", title=title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    curve = sparsity_curve(rows)
+    if curve:
+        kept, fwd, bwd = zip(*curve)
+        axes[2].plot([100 * x for x in kept], fwd, "o-", color="C0", label="forward")
+        if all(b is not None for b in bwd):
+            axes[2].plot([100 * x for x in kept], bwd, "s--", color="C2", label="backward")
+        axes[2].plot([100 * x for x in kept], [1 / x for x in kept], ":", color="gray", label="1 / share (ideal)")
+        axes[2].set_xscale("log")
+        axes[2].set_yscale("log")
+    axes[2].set(xlabel="causal pairs kept (%)", ylabel="dense time / ours",
+                title=f"NSA selection at {SWEEP_SEQLEN // 1024}K: speed-up vs sparsity")
+    axes[2].grid(True, alpha=0.3)
+    axes[2].legend(fontsize=7)
+    fig.suptitle(describe(results) + f", bf16, d = {HEAD_DIM}, causal", fontsize=9)
+    fig.tight_layout()
+    return fig
