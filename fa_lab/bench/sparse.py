@@ -252,7 +252,7 @@ def plot_sparse(results: dict, dpi=90):
                 if points:
                     ax.plot(*zip(*points), style, color=color, label=f"{label} {metric[:3]}")
         ax.set_yscale("log")
-        use_seqlen_ticks(ax.xaxis, [r["seqlen_q"] for r in rows if r["case"] in (case, "dense")])
+        use_seqlen_ticks(ax.xaxis, [r["seqlen_q"] for r in rows if r["case"] == case])
         ax.set(xlabel="sequence length N", ylabel="time (ms)", title=title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
