@@ -3,7 +3,8 @@
 An op built from several kernels (the chunkwise linear attention's WY, h, o and backward passes) can be
 slow because of one launch that its total hides. :func:`kernel_times` profiles a call with
 ``torch.profiler`` and returns each kernel's time per call, largest first; ``fa-lab bench linear
---breakdown`` prints it for ours and fla's forward and backward of every case, side by side.
+--breakdown`` prints it for ours and fla's forward and backward of every case, ``fa-lab bench sparse
+--breakdown`` for our NSA selection and MoBA (whose gate, gathers and merge run around its kernels).
 """
 from __future__ import annotations
 
@@ -36,6 +37,19 @@ def kernel_times(run, repeats: int = 10) -> list[tuple[str, float, float]]:
     events = [(event.name, event.time_range.elapsed_us()) for event in prof.events()
               if event.device_type == DeviceType.CUDA]
     return aggregate(events, repeats)
+
+
+def backward_call(run, leaves):
+    """A call that runs the backward of one output of ``run()`` with a fixed random gradient, the leaves'
+    gradients reset first (what :func:`.interfaces.time_backward` times), for :func:`kernel_times`."""
+    out = run()
+    grad = torch.randn_like(out)
+
+    def call():
+        for leaf in leaves:
+            leaf.grad = None
+        out.backward(grad, retain_graph=True)
+    return call
 
 
 def format_breakdown(title: str, times: list[tuple[str, float, float]], top: int = 8) -> str:

@@ -110,11 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_outputs(p, "save a PNG of TB/s against the cache length")
     p.set_defaults(handler=_run_decode)
 
-    p = commands.add_parser("sparse", help="NSA's selected-blocks attention on a CUDA GPU, next to fla-core's "
-                            "where installed and to dense attention",
-                            description="Chapter 07's benchmark: the case of fa_lab.bench.sparse.")
-    p.add_argument("--seqlens", type=int, nargs="+", default=list(sparse.SEQLENS), help="default %(default)s")
-    _add_outputs(p, "save a PNG of forward and backward TFLOP/s against the sequence length")
+    p = commands.add_parser("sparse", help="NSA's selected-blocks attention and MoBA on a CUDA GPU, next to "
+                            "fla-core's where installed and to dense attention",
+                            description="Chapter 07's benchmark: the cases of fa_lab.bench.sparse.")
+    p.add_argument("--seqlens", type=int, nargs="+", default=list(sparse.SEQLENS),
+                   help="NSA selection lengths, default %(default)s")
+    p.add_argument("--breakdown", action="store_true", help="instead, print our kernels and their times, forward "
+                   "and backward, for the NSA selection and MoBA at 64K")
+    _add_outputs(p, "save a PNG of the times, MoBA's and the speed-up against the pairs kept")
     p.set_defaults(handler=_run_sparse)
 
     p = commands.add_parser("linear", help="chunkwise linear attention (simple GLA, GLA, the delta rule) on a CUDA "
@@ -235,6 +238,12 @@ def _run_decode(args) -> int:
 def _run_sparse(args) -> int:
     if _needs_cuda("sparse"):
         return 2
+    if args.breakdown:
+        if args.json or args.plot:
+            print("--breakdown prints a profile and writes no results: drop --json and --plot", file=sys.stderr)
+            return 2
+        sparse.breakdowns()
+        return 0
     results = sparse.run_sparse(args.json, seqlens=tuple(args.seqlens))
     lines = [f"{what}: {value:.3f}" for what, value in sparse.speedups(results["rows"])]
     lines += [f"NSA selection at {sparse.SWEEP_SEQLEN // 1024}K keeping {100 * kept:.2f}% of the causal pairs: "

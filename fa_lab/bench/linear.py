@@ -214,23 +214,10 @@ def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=
     return results
 
 
-def backward_call(run, leaves):
-    """A call that runs the backward of one output of ``run()`` with a fixed random gradient, the leaves'
-    gradients reset first (what :func:`.interfaces.time_backward` times)."""
-    out = run()
-    grad = torch.randn_like(out)
-
-    def call():
-        for leaf in leaves:
-            leaf.grad = None
-        out.backward(grad, retain_graph=True)
-    return call
-
-
 def breakdowns(seqlen: int = SEQLENS[0], cases=CASES, impls=IMPLS, progress=print) -> None:
     """Print each impl's kernels, forward and backward, per case at ``seqlen`` (:mod:`.breakdown`), fla's
     after our run at the same inputs (its refusal lifted as in the sweep)."""
-    from .breakdown import format_breakdown, kernel_times
+    from .breakdown import backward_call, format_breakdown, kernel_times
 
     if "fla" in impls:
         try:

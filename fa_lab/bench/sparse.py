@@ -191,6 +191,23 @@ def run_sparse(json_path=None, seqlens=SEQLENS, impls=IMPLS, timer=None, moba_se
     return results
 
 
+def breakdowns(seqlen: int = 65536, progress=print) -> None:
+    """Print our kernels' times, forward and backward, for the NSA selection and MoBA at ``seqlen``
+    (:mod:`.breakdown`): where the time of a multi-kernel op goes."""
+    from .breakdown import backward_call, format_breakdown, kernel_times
+
+    generator = torch.Generator(device="cuda").manual_seed(seqlen)
+    cases = (("nsa_select", ours, (HEADS, HEADS_KV), lambda: nsa_selection(seqlen, generator)),
+             ("moba", ours_moba, (MOBA_HEADS, MOBA_HEADS), lambda: None))
+    for case, make, heads, selection in cases:
+        tensors = bf16_inputs(*heads, seqlen, generator)
+        run, leaves = make(*tensors, selection())
+        for what, call in (("forward", run), ("backward", backward_call(run, leaves))):
+            progress(format_breakdown(f"ours {case} N={seqlen} {what}", kernel_times(call)))
+        del tensors
+        torch.cuda.empty_cache()
+
+
 def speedups(rows: list[dict]) -> list[tuple[str, float]]:
     """(what, value): ours over fla's kernel (fla_nsa, fla_moba: forward, backward) and over dense attention's
     time at the same shape, per case and length (the NSA case at SELECTED blocks)."""
