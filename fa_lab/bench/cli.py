@@ -235,15 +235,20 @@ def _run_decode(args) -> int:
     return _finish(results, args, lines=lines, plot=decode.plot_decode)
 
 
+def _breakdown_only(args, breakdowns) -> int:
+    """Run ``breakdowns()`` (it prints a profile) for a --breakdown that came without --json or --plot."""
+    if args.json or args.plot:
+        print("--breakdown prints a profile and writes no results: drop --json and --plot", file=sys.stderr)
+        return 2
+    breakdowns()
+    return 0
+
+
 def _run_sparse(args) -> int:
     if _needs_cuda("sparse"):
         return 2
     if args.breakdown:
-        if args.json or args.plot:
-            print("--breakdown prints a profile and writes no results: drop --json and --plot", file=sys.stderr)
-            return 2
-        sparse.breakdowns()
-        return 0
+        return _breakdown_only(args, sparse.breakdowns)
     results = sparse.run_sparse(args.json, seqlens=tuple(args.seqlens))
     lines = [f"{what}: {value:.3f}" for what, value in sparse.speedups(results["rows"])]
     lines += [f"NSA selection at {sparse.SWEEP_SEQLEN // 1024}K keeping {100 * kept:.2f}% of the causal pairs: "
@@ -256,11 +261,7 @@ def _run_linear(args) -> int:
     if _needs_cuda("linear"):
         return 2
     if args.breakdown:
-        if args.json or args.plot:
-            print("--breakdown prints a profile and writes no results: drop --json and --plot", file=sys.stderr)
-            return 2
-        linear.breakdowns(args.seqlens[0], cases=tuple(args.cases))
-        return 0
+        return _breakdown_only(args, lambda: linear.breakdowns(args.seqlens[0], cases=tuple(args.cases)))
     results = linear.run_linear(args.json, seqlens=tuple(args.seqlens), cases=tuple(args.cases))
     lines = [f"{what}: {value:.3f}" for what, value in linear.speed_ratios(results["rows"])]
     for impl in linear.IMPLS:

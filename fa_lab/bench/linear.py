@@ -64,6 +64,13 @@ def linear_inputs(case: str, seqlen: int, generator: torch.Generator, device="cu
     return {name: t.to(torch.bfloat16).requires_grad_() for name, t in tensors.items()}
 
 
+def case_inputs(case: str, seqlen: int) -> dict:
+    """:func:`linear_inputs` of a case (softmax: simple GLA's q, k, v) from a generator seeded by the case and
+    length, so that every pass of a run, and the breakdown, sees the same values for them."""
+    generator = torch.Generator(device="cuda").manual_seed(1_000_003 * (CASES + ("softmax",)).index(case) + seqlen)
+    return linear_inputs("simple_gla" if case == "softmax" else case, seqlen, generator)
+
+
 def ours(case: str, tensors: dict):
     from ..kernels import triton_chunk_delta_rule, triton_chunk_linear_attention
 
@@ -110,11 +117,14 @@ def linear_row(impl: str, case: str, seqlen: int) -> dict:
     return row
 
 
-def allow_fla_gated_backward() -> bool:
+def allow_fla_gated_backward() -> bool | None:
     """Lift fla's refusal of the gated ``chunk_bwd_dqkwg`` on Hopper with Triton < 3.7.1 (module docstring);
-    True if there was one to lift."""
-    from fla.ops.common import chunk_o
-
+    True if there was one to lift, None (and a line on stderr) if fla is not installed."""
+    try:
+        from fla.ops.common import chunk_o
+    except ImportError as exc:
+        print(f"fla: {exc!r:.300}", file=sys.stderr)
+        return None
     refused = not chunk_o.TRITON_ABOVE_3_7_1
     chunk_o.TRITON_ABOVE_3_7_1 = True
     return refused
@@ -165,14 +175,10 @@ def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=
         from triton.testing import do_bench as timer
     results = {**environment("cuda"), "rows": []}
 
-    def inputs(case, seqlen):  # the same values for a (case, length) in both passes
-        generator = torch.Generator(device="cuda").manual_seed(1_000_003 * (CASES + ("softmax",)).index(case) + seqlen)
-        return linear_inputs("simple_gla" if case == "softmax" else case, seqlen, generator)
-
     def sweep(impl_names, with_softmax, backward_cases=cases):
         for seqlen in seqlens:
             for case in cases:
-                tensors = inputs(case, seqlen)
+                tensors = case_inputs(case, seqlen)
                 for impl in impl_names:
                     row = measure(impl, MAKERS[impl], case, seqlen, tensors, timer, case in backward_cases)
                     results["rows"].append(row)
@@ -181,7 +187,7 @@ def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=
                     torch.cuda.empty_cache()
                 del tensors
             if with_softmax:
-                tensors = inputs("softmax", seqlen)
+                tensors = case_inputs("softmax", seqlen)
                 results["rows"].append(measure("triton_hopper", softmax, "softmax", seqlen, tensors, timer))
                 del tensors
                 torch.cuda.empty_cache()
@@ -190,16 +196,13 @@ def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=
 
     sweep([impl for impl in impls if impl != "fla"], with_softmax=True)
     if "fla" in impls:
-        try:
-            if allow_fla_gated_backward():
-                progress("fla refuses simple GLA's backward on this stack (Triton < 3.7.1 on Hopper): lifted, "
-                         "its backward counts where its gradients agree with ours")
-        except ImportError as exc:
-            print(f"fla: {exc!r:.300}", file=sys.stderr)
+        if allow_fla_gated_backward():
+            progress("fla refuses simple GLA's backward on this stack (Triton < 3.7.1 on Hopper): lifted, "
+                     "its backward counts where its gradients agree with ours")
         agreeing = []
         for case in cases:
             try:
-                errors = agreement(case, inputs(case, 4096))
+                errors = agreement(case, case_inputs(case, 4096))
             except Exception as exc:
                 print(f"agreement {case}: {exc!r:.300}", file=sys.stderr)
                 continue
@@ -219,15 +222,10 @@ def breakdowns(seqlen: int = SEQLENS[0], cases=CASES, impls=IMPLS, progress=prin
     after our run at the same inputs (its refusal lifted as in the sweep)."""
     from .breakdown import backward_call, format_breakdown, kernel_times
 
-    if "fla" in impls:
-        try:
-            allow_fla_gated_backward()
-        except ImportError as exc:
-            print(f"fla: {exc!r:.300}", file=sys.stderr)
-            impls = tuple(impl for impl in impls if impl != "fla")
+    if "fla" in impls and allow_fla_gated_backward() is None:
+        impls = tuple(impl for impl in impls if impl != "fla")
     for case in cases:
-        generator = torch.Generator(device="cuda").manual_seed(seqlen + CASES.index(case))
-        tensors = linear_inputs(case, seqlen, generator)
+        tensors = case_inputs(case, seqlen)
         for impl in impls:
             run, leaves = MAKERS[impl](case, tensors)
             for what, call in (("forward", run), ("backward", backward_call(run, leaves))):

@@ -87,11 +87,8 @@ def chunk_fwd_h_kernel(k_ptr, v_ptr, g_ptr, h0_ptr, h_ptr, ht_ptr, seqlen, chunk
     for c in range(chunks):
         tl.store(h_ptr + (bh * chunks + c) * d_k * d_v + tile, h.to(h_ptr.dtype.element_ty), mask=tile_ok)
         rows = c * CHUNK + tl.arange(0, CHUNK)
-        row_ok = rows < seqlen
-        k = tl.load(k_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :],
-                    mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
+        v = load_rows(v_ptr, bh, rows, seqlen, cols_v, d_v)
         last = bh * padded + c * CHUNK + CHUNK - 1
         if GATE == 1:
             g = tl.load(g_ptr + bh * padded + rows)
@@ -118,7 +115,6 @@ def chunk_fwd_o_kernel(q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seqlen, chunks,
     """
     c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     rows = c * CHUNK + tl.arange(0, CHUNK)
-    row_ok = rows < seqlen
     cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = cols_v < d_v
     acc = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)
@@ -126,9 +122,8 @@ def chunk_fwd_o_kernel(q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seqlen, chunks,
     for start_k in range(0, d_k, BLOCK_K):
         cols_k = start_k + tl.arange(0, BLOCK_K)
         k_ok = cols_k < d_k
-        qk_mask = row_ok[:, None] & k_ok[None, :]
-        q = tl.load(q_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], mask=qk_mask, other=0.0)
-        k = tl.load(k_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], mask=qk_mask, other=0.0)
+        q = load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k)
+        k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
         h = tl.load(h_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
                     mask=k_ok[:, None] & v_ok[None, :], other=0.0)
         acc = tl.dot(q, h.to(q.dtype), acc, input_precision=PRECISION)
@@ -140,16 +135,24 @@ def chunk_fwd_o_kernel(q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr, seqlen, chunks,
         scores = scores * tl.math.exp2(tl.where(causal, g[:, None] - g[None, :], float("-inf")))
     else:
         scores = tl.where(causal, scores, 0.0)
-    v = tl.load(v_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :],
-                mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+    v = load_rows(v_ptr, bh, rows, seqlen, cols_v, d_v)
     acc = tl.dot(scores.to(v.dtype), v, acc, input_precision=PRECISION)
-    tl.store(o_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], (acc * scale).to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & v_ok[None, :])
+    out_rows, out_ok = chunk_tile(bh, rows, seqlen, cols_v, d_v)
+    tl.store(o_ptr + out_rows, (acc * scale).to(o_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def chunk_tile(bh, rows, seqlen, cols, width):
+    """(offsets, mask) of the rows x cols tile of head row ``bh`` of a contiguous (B*H, N, width) tensor;
+    the mask drops rows past N and columns past width."""
+    return (bh * seqlen + rows)[:, None] * width + cols[None, :], (rows < seqlen)[:, None] & (cols < width)[None, :]
 
 
 @triton.jit
 def load_rows(ptr, bh, rows, seqlen, cols, width):
-    """rows x cols of a contiguous (B*H, N, width) tensor in its own dtype, zeros outside N and width."""
+    """rows x cols of a contiguous (B*H, N, width) tensor in its own dtype, zeros outside N and width.
+    :func:`chunk_tile`'s tile written out: built through it, GLA's score kernel spills 8 bytes a thread on
+    sm_90 (tests/test_portable_sm90_builds.py)."""
     return tl.load(ptr + (bh * seqlen + rows)[:, None] * width + cols[None, :],
                    mask=(rows < seqlen)[:, None] & (cols < width)[None, :], other=0.0)
 
@@ -231,11 +234,10 @@ def chunk_gla_fwd_o_kernel(q_ptr, v_ptr, g_ptr, h_ptr, a_ptr, o_ptr, seqlen, chu
                     mask=(cols_k < d_k)[:, None] & v_ok[None, :], other=0.0)
         acc = tl.dot((q * tl.math.exp2(g)).to(dtype), h.to(dtype), acc, input_precision=PRECISION)
     scores = tl.load(a_ptr + (bh * padded + rows)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :])
-    v = tl.load(v_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :],
-                mask=(rows < seqlen)[:, None] & v_ok[None, :], other=0.0)
+    v = load_rows(v_ptr, bh, rows, seqlen, cols_v, d_v)
     acc = tl.dot(scores.to(dtype), v, acc, input_precision=PRECISION)
-    tl.store(o_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], (acc * scale).to(o_ptr.dtype.element_ty),
-             mask=(rows < seqlen)[:, None] & v_ok[None, :])
+    out_rows, out_ok = chunk_tile(bh, rows, seqlen, cols_v, d_v)
+    tl.store(o_ptr + out_rows, (acc * scale).to(o_ptr.dtype.element_ty), mask=out_ok)
 
 
 # ---------------------------------------------------------------- launchers

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_chunk import load_rows, lower_triangle, state_tile
+from .linear_chunk import chunk_tile, load_rows, lower_triangle, state_tile
 
 
 @triton.jit
@@ -101,7 +101,6 @@ def chunk_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, g_ptr, dh_ptr, dv_ptr, seqlen, chu
     Without CARRIED only the intra-chunk term (the delta rule adds the carried one in its dh pass)."""
     c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     rows = c * CHUNK + tl.arange(0, CHUNK)
-    row_ok = rows < seqlen
     cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = cols_v < d_v
     scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # Q K^T
@@ -120,8 +119,8 @@ def chunk_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, g_ptr, dh_ptr, dv_ptr, seqlen, chu
     do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v)
     dv = carried * to_last[:, None]
     dv = tl.dot(tl.trans(scores * decay * scale), do.to(tl.float32), dv, input_precision=PRECISION)
-    tl.store(dv_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], dv.to(dv_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & v_ok[None, :])
+    out_rows, out_ok = chunk_tile(bh, rows, seqlen, cols_v, d_v)
+    tl.store(dv_ptr + out_rows, dv.to(dv_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
@@ -164,13 +163,11 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_p
     d_scores = d_scores * decay * scale
     dq = tl.dot(d_scores, k.to(tl.float32), dq * (from_start * scale)[:, None], input_precision=PRECISION)
     dk = tl.dot(tl.trans(d_scores), q.to(tl.float32), dk * to_last[:, None], input_precision=PRECISION)
-    out_ok = row_ok[:, None] & k_ok[None, :]
-    tl.store(dq_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], dq.to(dq_ptr.dtype.element_ty),
-             mask=out_ok)
-    tl.store(dk_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], dk.to(dk_ptr.dtype.element_ty),
-             mask=out_ok)
+    out_rows, out_ok = chunk_tile(bh, rows, seqlen, cols_k, d_k)
+    tl.store(dq_ptr + out_rows, dq.to(dq_ptr.dtype.element_ty), mask=out_ok)
+    tl.store(dk_ptr + out_rows, dk.to(dk_ptr.dtype.element_ty), mask=out_ok)
     if DELTA:
-        tl.store(dw_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :], -dw, mask=out_ok)
+        tl.store(dw_ptr + out_rows, -dw, mask=out_ok)
     if GATE == 1:
         dgate = tl.sum(q.to(tl.float32) * dq - k.to(tl.float32) * dk, axis=1)
         tl.store(dgate_ptr + (pid_k * tl.num_programs(1) + bh) * seqlen + rows, dgate, mask=row_ok)
@@ -187,7 +184,6 @@ def chunk_gla_bwd_dv_kernel(k_ptr, do_ptr, g_ptr, a_ptr, dh_ptr, dv_ptr, seqlen,
     c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     padded = chunks * CHUNK
     rows = c * CHUNK + tl.arange(0, CHUNK)
-    row_ok = rows < seqlen
     cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = cols_v < d_v
     last = bh * padded + c * CHUNK + CHUNK - 1
@@ -204,8 +200,8 @@ def chunk_gla_bwd_dv_kernel(k_ptr, do_ptr, g_ptr, a_ptr, dh_ptr, dv_ptr, seqlen,
     scores = tl.load(a_ptr + (bh * padded + rows)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :])
     do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v).to(tl.float32)
     dv = tl.dot(tl.trans(scores * scale), do, dv, input_precision=PRECISION)
-    tl.store(dv_ptr + (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :], dv.to(dv_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & v_ok[None, :])
+    out_rows, out_ok = chunk_tile(bh, rows, seqlen, cols_v, d_v)
+    tl.store(dv_ptr + out_rows, dv.to(dv_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_chunk import state_tile
+from .linear_chunk import chunk_tile, load_rows, state_tile
 
 # The dh pass holds all d_k rows of its state slice and three (C, d_k) float32 operand tiles. Compiled for
 # sm_90 at d_k = 128 (tests/test_portable_sm90_builds.py): 4 warps with the default 3 stages spill 760
@@ -49,8 +49,7 @@ def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.con
     gram = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     for start_k in range(0, d_k, BLOCK_K):
         cols_k = start_k + tl.arange(0, BLOCK_K)
-        k = tl.load(k_ptr + (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :],
-                    mask=row_ok[:, None] & (cols_k < d_k)[None, :], other=0.0)
+        k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
         gram = tl.dot(k, tl.trans(k), gram, input_precision=PRECISION)
     row_index, col_index = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
     below = row_index > col_index
@@ -80,36 +79,31 @@ def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks,
     """
     c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = c * CHUNK + tl.arange(0, CHUNK)
-    row_ok = rows < seqlen
     inverse, _, _, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK, BLOCK_K,
                                                 GATED, PRECISION)
-    _apply_to_rows(inverse, key_scale, k_ptr, w_ptr, bh, rows, row_ok, seqlen, d_k, BLOCK_K, PRECISION)
-    _apply_to_rows(inverse, beta, v_ptr, u_ptr, bh, rows, row_ok, seqlen, d_v, BLOCK_V, PRECISION)
+    _apply_to_rows(inverse, key_scale, k_ptr, w_ptr, bh, rows, seqlen, d_k, BLOCK_K, PRECISION)
+    _apply_to_rows(inverse, beta, v_ptr, u_ptr, bh, rows, seqlen, d_v, BLOCK_V, PRECISION)
 
 
 @triton.jit
-def _apply_to_rows(matrix, row_scale, src_ptr, dst_ptr, bh, rows, row_ok, seqlen, width, BLOCK: tl.constexpr,
+def _apply_to_rows(matrix, row_scale, src_ptr, dst_ptr, bh, rows, seqlen, width, BLOCK: tl.constexpr,
                    PRECISION: tl.constexpr):
     """dst = matrix (diag(row_scale) src) for one chunk's rows of (B*H, N, width) tensors, BLOCK columns at a
     time, stored in dst's dtype."""
     for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        offsets = (bh * seqlen + rows)[:, None] * width + cols[None, :]
-        tile_ok = row_ok[:, None] & (cols < width)[None, :]
+        offsets, tile_ok = chunk_tile(bh, rows, seqlen, start + tl.arange(0, BLOCK), width)
         src = tl.load(src_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
         out = tl.dot(matrix, src * row_scale[:, None], input_precision=PRECISION)
         tl.store(dst_ptr + offsets, out.to(dst_ptr.dtype.element_ty), mask=tile_ok)
 
 
 @triton.jit
-def _add_outer(acc, grad_ptr, src_ptr, row_scale, bh, rows, row_ok, seqlen, width, BLOCK: tl.constexpr,
+def _add_outer(acc, grad_ptr, src_ptr, row_scale, bh, rows, seqlen, width, BLOCK: tl.constexpr,
                PRECISION: tl.constexpr):
     """acc + grad (diag(row_scale) src)^T over one chunk's rows of (B*H, N, width) tensors (grad float32),
     BLOCK columns at a time: a matmul's gradient with respect to its left factor."""
     for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        offsets = (bh * seqlen + rows)[:, None] * width + cols[None, :]
-        tile_ok = row_ok[:, None] & (cols < width)[None, :]
+        offsets, tile_ok = chunk_tile(bh, rows, seqlen, start + tl.arange(0, BLOCK), width)
         src = tl.load(src_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
         grad = tl.load(grad_ptr + offsets, mask=tile_ok, other=0.0)
         acc = tl.dot(grad, tl.trans(src * row_scale[:, None]), acc, input_precision=PRECISION)
@@ -138,13 +132,11 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, dw_ptr, du_ptr, dk_ptr, d
     inverse, lower, gram, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK,
                                                        BLOCK_K, GATED, PRECISION)
     d_inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dT = dW Ks^T + dU Vb^T
-    d_inverse = _add_outer(d_inverse, dw_ptr, k_ptr, key_scale, bh, rows, row_ok, seqlen, d_k, BLOCK_K, PRECISION)
-    d_inverse = _add_outer(d_inverse, du_ptr, v_ptr, beta, bh, rows, row_ok, seqlen, d_v, BLOCK_V, PRECISION)
+    d_inverse = _add_outer(d_inverse, dw_ptr, k_ptr, key_scale, bh, rows, seqlen, d_k, BLOCK_K, PRECISION)
+    d_inverse = _add_outer(d_inverse, du_ptr, v_ptr, beta, bh, rows, seqlen, d_v, BLOCK_V, PRECISION)
     d_beta = tl.zeros([CHUNK], dtype=tl.float32)
     for start_v in range(0, d_v, BLOCK_V):
-        cols_v = start_v + tl.arange(0, BLOCK_V)
-        value_rows = (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :]
-        tile_ok = row_ok[:, None] & (cols_v < d_v)[None, :]
+        value_rows, tile_ok = chunk_tile(bh, rows, seqlen, start_v + tl.arange(0, BLOCK_V), d_v)
         v = tl.load(v_ptr + value_rows, mask=tile_ok, other=0.0).to(tl.float32)
         du = tl.load(du_ptr + value_rows, mask=tile_ok, other=0.0)
         d_vb = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
@@ -164,9 +156,7 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, dw_ptr, du_ptr, dk_ptr, d
         sym = beta[:, None] * d_lower
     sym = sym + tl.trans(sym)
     for start_k in range(0, d_k, BLOCK_K):
-        cols_k = start_k + tl.arange(0, BLOCK_K)
-        key_rows = (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :]
-        tile_ok = row_ok[:, None] & (cols_k < d_k)[None, :]
+        key_rows, tile_ok = chunk_tile(bh, rows, seqlen, start_k + tl.arange(0, BLOCK_K), d_k)
         k = tl.load(k_ptr + key_rows, mask=tile_ok, other=0.0).to(tl.float32)
         dw = tl.load(dw_ptr + key_rows, mask=tile_ok, other=0.0)
         d_ks = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
@@ -195,19 +185,17 @@ def chunk_delta_fwd_h_kernel(k_ptr, w_ptr, u_ptr, g_ptr, h0_ptr, h_ptr, v_new_pt
     store, as :func:`.linear_chunk.chunk_fwd_h_kernel` stores it).
     """
     pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    cols_k, cols_v, k_ok, v_ok, tile, tile_ok, h = state_tile(h0_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
-                                                              HAS_H0)
+    cols_k, cols_v, _, _, tile, tile_ok, h = state_tile(h0_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K, BLOCK_V, HAS_H0)
     for c in range(chunks):
         tl.store(h_ptr + (bh * chunks + c) * d_k * d_v + tile, h.to(h_ptr.dtype.element_ty), mask=tile_ok)
         rows = c * CHUNK + tl.arange(0, CHUNK)
-        row_ok = rows < seqlen
-        key_rows = (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :]
-        value_rows = (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :]
-        w = tl.load(w_ptr + key_rows, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        u = tl.load(u_ptr + value_rows, mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        key_rows, key_ok = chunk_tile(bh, rows, seqlen, cols_k, d_k)
+        value_rows, value_ok = chunk_tile(bh, rows, seqlen, cols_v, d_v)
+        w = tl.load(w_ptr + key_rows, mask=key_ok, other=0.0)
+        u = tl.load(u_ptr + value_rows, mask=value_ok, other=0.0)
         v_new = u.to(tl.float32) - tl.dot(w, h.to(w.dtype), input_precision=PRECISION)
-        tl.store(v_new_ptr + value_rows, v_new.to(v_new_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
-        k = tl.load(k_ptr + key_rows, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        tl.store(v_new_ptr + value_rows, v_new.to(v_new_ptr.dtype.element_ty), mask=value_ok)
+        k = tl.load(k_ptr + key_rows, mask=key_ok, other=0.0)
         if GATED:
             g = tl.load(g_ptr + bh * chunks * CHUNK + rows)
             g_last = tl.load(g_ptr + bh * chunks * CHUNK + c * CHUNK + CHUNK - 1)
@@ -237,16 +225,14 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
     ht_ptr: the final state).
     """
     pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    cols_k, cols_v, k_ok, v_ok, tile, tile_ok, dh = state_tile(dht_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
-                                                               HAS_DHT)
+    cols_k, cols_v, _, _, tile, tile_ok, dh = state_tile(dht_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
+                                                         HAS_DHT)
     for back in range(chunks):
         c = chunks - 1 - back
         tl.store(dh_ptr + (bh * chunks + c) * d_k * d_v + tile, dh, mask=tile_ok)
         rows = c * CHUNK + tl.arange(0, CHUNK)
-        row_ok = rows < seqlen
-        key_rows = (bh * seqlen + rows)[:, None] * d_k + cols_k[None, :]
-        value_rows = (bh * seqlen + rows)[:, None] * d_v + cols_v[None, :]
-        key_ok, value_ok = row_ok[:, None] & k_ok[None, :], row_ok[:, None] & v_ok[None, :]
+        key_rows, key_ok = chunk_tile(bh, rows, seqlen, cols_k, d_k)
+        value_rows, value_ok = chunk_tile(bh, rows, seqlen, cols_v, d_v)
         # Float32 operands (TF32 matmuls), each (C, d_k) tile loaded and widened just before its one matmul:
         # held together, k, w and q in float32 spill registers on sm_90.
         key_scale = tl.full([CHUNK], 1.0, tl.float32)  # 2^(G_last - G) on the keys, 2^G on the queries
