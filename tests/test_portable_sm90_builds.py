@@ -103,7 +103,7 @@ def sparse_jobs() -> list[tuple[str, dict]]:
              {**tile, "ONE_CHUNK": True}, 8),
             (f"dK/dV gather, {rows} rows", sparse.block_select_bwd_dkdv_kernel,
              {**rows_in, **_pointers("offsets_ptr selectors_ptr", INT_PTR), **_pointers("dk_ptr dv_ptr"), **shapes,
-              "scale": "fp32"}, {**tile, "ONE_TILE": True}, 8),
+              "scale": "fp32"}, {**tile, "BLOCK_M": 64, "STACK": 64 // rows}, 8),
         ]
     return [(label, {**_job(kernel, signature, constants, warps), "num_stages": 2})  # TileConfig's default
             for label, kernel, signature, constants, warps in jobs]

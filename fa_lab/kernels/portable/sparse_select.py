@@ -53,9 +53,16 @@ def packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M: tl.c
     valid: False for the padding past the group's ``group * queries`` rows; last_query: the selection
     row's last position (what bounds its causal key range).
     """
+    return rows_of_packed(sel_row, chunk * BLOCK_M + tl.arange(0, BLOCK_M), pid_bkv, group, seqlen_q, block_q)
+
+
+@triton.jit
+def rows_of_packed(sel_row, packed, pid_bkv, group, seqlen_q, block_q):
+    """Elementwise :func:`packed_rows`: packed row ``packed`` of selection row ``sel_row`` (scalars, or
+    vectors of one shape: a tile may stack the rows of several selection rows) -> (rows, query, valid,
+    last_query)."""
     first = sel_row * block_q
     queries = tl.minimum(block_q, seqlen_q - first)  # the last selection row may be ragged
-    packed = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = packed < group * queries
     query = first + packed % queries
     # (batch * heads + head) = pid_bkv * group + member, since head = kv_head * group + member.
@@ -154,12 +161,20 @@ def packed_tile(q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, gro
     lse2 (+inf on padding rows, so their P is exactly 0, as is that of rows that see no key), delta, the
     tile's offsets and mask, its selection row's last query)."""
     rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M)
+    q, do, lse2, delta, offsets, mask = load_backward_rows(q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, valid, head_dim,
+                                                           HEAD_DIM)
+    return query, q, do, lse2, delta, offsets, mask, last_query
+
+
+@triton.jit
+def load_backward_rows(q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, valid, head_dim, HEAD_DIM: tl.constexpr):
+    """(q, dO, lse2, delta, offsets, mask) of the given rows (:func:`packed_tile` says what each holds)."""
     offsets, mask = row_tile(rows, valid, head_dim, HEAD_DIM)
     q = tl.load(q_ptr + offsets, mask=mask, other=0.0)
     do = tl.load(do_ptr + offsets, mask=mask, other=0.0)
     lse2 = tl.load(lse2_ptr + rows, mask=valid, other=float("inf"))
     delta = tl.load(delta_ptr + rows, mask=valid, other=0.0)
-    return query, q, do, lse2, delta, offsets, mask, last_query
+    return q, do, lse2, delta, offsets, mask
 
 
 @triton.jit
@@ -227,13 +242,11 @@ def probabilities_t(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, 
 
 
 @triton.jit
-def tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, group, seqlen_q,
-              head_dim, block_q, causal_offset, qk_scale, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-              CAUSAL: tl.constexpr):
-    """(dk, dv) plus the contributions of one tile of packed rows (:func:`packed_tile`) to a chunk of keys:
+def tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, query, valid, head_dim,
+              causal_offset, qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
+    """(dk, dv) plus the contributions of a tile of rows (:func:`rows_of_packed`) to a chunk of keys:
     dV += P^T dO, dK += dS^T Q (unscaled)."""
-    query, q, do, lse2, delta, _, _, _ = packed_tile(q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk,
-                                                     group, seqlen_q, head_dim, block_q, BLOCK_M, HEAD_DIM)
+    q, do, lse2, delta, _, _ = load_backward_rows(q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, valid, head_dim, HEAD_DIM)
     p_t, ds_t = probabilities_t(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL)
     return tl.dot(ds_t.to(q.dtype), q, dk), tl.dot(p_t.to(do.dtype), do, dv)
 
@@ -242,7 +255,7 @@ def tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_
 def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, offsets_ptr, selectors_ptr,
                                  dk_ptr, dv_ptr, group, seqlen_q, seqlen_k, head_dim, block_q, block_k, qk_scale,
                                  scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                 CAUSAL: tl.constexpr, ONE_TILE: tl.constexpr):
+                                 CAUSAL: tl.constexpr, STACK: tl.constexpr):
     """dK, dV of one chunk of BLOCK_N keys of one key block of one KV head, gathered from every selection row
     that selected the block. Grid ``(blocks * cdiv(block_k, BLOCK_N), B * H_kv)``.
 
@@ -250,8 +263,10 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
     ``selectors[offsets[bkv * blocks + b] : offsets[bkv * blocks + b + 1]]`` (int32, CSR, from
     :func:`selection_csr`). Each is read as the forward reads it, its packed tile of the group's query
     rows, and the program keeps its dK, dV in registers and stores them once: no atomics, so the
-    backward is deterministic. ONE_TILE: group * block_q <= BLOCK_M, so a selection row is one tile and
-    the loop over the selecting rows is the only loop, which the compiler pipelines.
+    backward is deterministic. STACK >= 1: a selection row's ``group * block_q`` packed rows fit a tile
+    STACK times, so each step stacks the rows of STACK selecting rows into one tile (fla's NSA backward
+    stacks selecting queries the same way), and the loop over them is the only loop, which the compiler
+    pipelines; STACK = 0: a selection row takes several tiles, one step each.
     """
     pid, pid_bkv = tl.program_id(0), tl.program_id(1)
     per_block = tl.cdiv(block_k, BLOCK_N)
@@ -265,22 +280,31 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
     causal_offset = seqlen_k - seqlen_q
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    for entry in tl.range(first, last):
-        sel_row = tl.load(selectors_ptr + entry)
-        if ONE_TILE:
-            dk, dv = tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, 0,
-                               group, seqlen_q, head_dim, block_q, causal_offset, qk_scale, BLOCK_M, HEAD_DIM, CAUSAL)
-        else:
+    if STACK > 0:
+        tile_row = tl.arange(0, BLOCK_M)
+        per_row = group * block_q  # packed rows per selection row (a ragged last one has fewer: masked)
+        for step in tl.range(first, last, STACK):
+            entry = step + tile_row // per_row
+            live = (tile_row // per_row < STACK) & (entry < last)
+            sel_row = tl.load(selectors_ptr + entry, mask=live, other=0)
+            rows, query, valid, _ = rows_of_packed(sel_row, tile_row % per_row, pid_bkv, group, seqlen_q, block_q)
+            dk, dv = tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, query,
+                               valid & live, head_dim, causal_offset, qk_scale, HEAD_DIM, CAUSAL)
+    else:
+        for entry in tl.range(first, last):
+            sel_row = tl.load(selectors_ptr + entry)
             packed = group * tl.minimum(block_q, seqlen_q - sel_row * block_q)
             for chunk in tl.range(0, tl.cdiv(packed, BLOCK_M)):
-                dk, dv = tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv,
-                                   chunk, group, seqlen_q, head_dim, block_q, causal_offset, qk_scale, BLOCK_M,
-                                   HEAD_DIM, CAUSAL)
+                rows, query, valid, _ = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M)
+                dk, dv = tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, query, valid,
+                                   head_dim, causal_offset, qk_scale, HEAD_DIM, CAUSAL)
     tl.store(dk_ptr + kv_offsets, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
 # ---- launchers -------------------------------------------------------------------------------------
+
+GATHER_ROWS = 64  # the dK/dV gather's tile rows: several selecting rows' packed rows stacked (capped below)
 
 def tile_config(rows: int, block_k: int, head_dim: int, backward: bool) -> TileConfig:
     """The tile of a launch: block_m covers a selection row's ``rows = group * block_q`` packed rows
@@ -371,9 +395,13 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
         indices.shape[3], scale * LOG2E, scale, ONE_CHUNK=block_k <= config.block_n, **meta)
     blocks = cdiv(seqlen_k, block_k)
     offsets, selectors = selection_csr(indices, blocks)
-    block_select_bwd_dkdv_kernel[(blocks * cdiv(block_k, config.block_n), batch * heads_kv)](
+    # The gather stacks selecting rows into tiles as tall as the backward's cap (GATHER_ROWS), not one row's.
+    gather = tile_config(max(group * block_q, GATHER_ROWS), block_k, head_dim, backward=True)
+    stack = gather.block_m // (group * block_q)  # 0: a selection row takes several tiles
+    block_select_bwd_dkdv_kernel[(blocks * cdiv(block_k, gather.block_n), batch * heads_kv)](
         q, k, v, grad_out, lse2, delta, offsets, selectors, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q,
-        block_k, scale * LOG2E, scale, ONE_TILE=group * block_q <= config.block_m, **meta)
+        block_k, scale * LOG2E, scale, STACK=stack, **{**meta, "BLOCK_M": gather.block_m,
+                                                       "num_warps": gather.num_warps})
     return dq, dk, dv
 
 
