@@ -222,3 +222,38 @@ def test_the_kernel_breakdown_sums_per_kernel_and_sorts_by_time():
     text = format_breakdown("ours gla forward", times, top=2)
     assert text.splitlines()[0] == "ours gla forward: 0.500 ms in 3 kernels" and len(text.splitlines()) == 3
     assert "60.0%  h_pass" in text.splitlines()[1]
+
+
+def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monkeypatch, tmp_path):
+    """tune_warps: per candidate the whole table takes it, each kernel's times are summed over the forward and
+    backward of every case (other kernels, PyTorch's, are left out), the fastest candidate per kernel wins,
+    the log is written, and the committed table comes back afterwards."""
+    import json
+
+    from fa_lab.bench import breakdown
+    from fa_lab.bench import linear as bench
+    from fa_lab.kernels.portable import linear_chunk
+
+    committed = dict(linear_chunk.LAUNCH_WARPS)
+    best = {"chunk_fwd_o_kernel": 2, "chunk_wy_kernel": 8}  # the fake profile's fastest warps per kernel
+
+    def fake_times(call):
+        warps = linear_chunk.LAUNCH_WARPS["chunk_fwd_o_kernel"]
+        assert set(linear_chunk.LAUNCH_WARPS.values()) == {warps}  # every launch at the candidate
+        return [(name, 1000.0 * (1 + abs(warps - fastest)), 0.5) for name, fastest in best.items()] + \
+            [("at::native::copy", 5.0, 0.0)]
+
+    monkeypatch.setattr(bench, "case_inputs", lambda case, seqlen: {})
+    monkeypatch.setattr(bench, "ours", lambda case, tensors: (lambda: None, []))
+    monkeypatch.setattr(breakdown, "backward_call", lambda run, leaves: run)
+    monkeypatch.setattr(breakdown, "kernel_times", fake_times)
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "environment", lambda device: {"device": "test", "torch": "x", "triton": None,
+                                                              "date": "2026-12-01"})
+    path = tmp_path / "tuning.json"
+    results = bench.tune_warps(path, seqlen=64, cases=("gla", "delta_rule"), progress=lambda line: None)
+    assert results["winners"] == best
+    assert json.loads(path.read_text()) == results
+    entry = next(e for e in results["log"] if e["kernel"] == "chunk_wy_kernel" and e["num_warps"] == 4)
+    assert entry["ms"] == pytest.approx(2 * 2 * 5.0)  # 2 cases x (forward + backward) x 5 ms at 4 warps
+    assert linear_chunk.LAUNCH_WARPS == committed

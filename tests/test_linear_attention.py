@@ -245,11 +245,12 @@ def test_chunk_kernel(gate, delta, chunk_size, seqlen, dtype, generator):
 
 @pytest.mark.parametrize("gated, chunk_size, seqlen", [(False, 64, 150), (True, 32, 77), (True, 16, 40)])
 def test_wy_kernel_matches_prepare_wy_repr(gated, chunk_size, seqlen, generator):
-    """The WY kernel (forward substitution in registers) against fa_lab.linear.delta's PyTorch WY with
+    """The WY kernel (the block-doubling inverse in registers) against fa_lab.linear.delta's PyTorch WY with
     solve_tril, in float64, on float32 inputs: w and u of every chunk, a ragged last one included."""
     from fa_lab.kernels.common import cdiv
-    from fa_lab.kernels.portable.linear_chunk import block_size, log2_cumulated_gate
+    from fa_lab.kernels.portable.linear_chunk import block_size
     from fa_lab.kernels.portable.linear_delta import chunk_wy_kernel
+    from fa_lab.kernels.portable.linear_gate import log2_cumulated_gate
     from fa_lab.linear.chunk import chunk_local_cumsum
     from fa_lab.linear.decay import from_chunks, to_chunks
     from fa_lab.linear.delta import prepare_wy_repr
@@ -269,6 +270,22 @@ def test_wy_kernel_matches_prepare_wy_repr(gated, chunk_size, seqlen, generator)
     for name, actual, reference in (("w", w, expected[0]), ("u", u, expected[1])):
         error = relative_rmse(actual, reference)
         assert error <= RMSE_BOUND[torch.float32], f"{name}: relative RMSE {error:.3g}"
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 4100), (2, 1, 300, 40)])  # a scalar gate past one ROWS step; d_k = 40
+def test_gate_cumsum_kernels_match_torch(shape, generator):
+    """The gate kernels against PyTorch in float64: the chunk-local cumsum in log2 units (ragged last chunk,
+    two column blocks) and the backward's reverse cumsum over the whole sequence (several carried steps)."""
+    from fa_lab.kernels.common import LOG2E
+    from fa_lab.kernels.portable.linear_gate import log2_cumulated_gate, reverse_cumsum
+    from fa_lab.linear.chunk import chunk_local_cumsum
+
+    g = -torch.rand(shape, generator=generator, dtype=torch.float64).to(DEVICE) - 0.01
+    expected = (chunk_local_cumsum(g, 64) * LOG2E).flatten(0, 1).flatten(1, 2)
+    torch.testing.assert_close(log2_cumulated_gate(g.float(), 64).double(), expected, rtol=1e-5, atol=1e-5)
+    x = torch.randn(shape, generator=generator, dtype=torch.float64).to(DEVICE)
+    actual = reverse_cumsum(x.float()).double()
+    torch.testing.assert_close(actual, x.flip(2).cumsum(2).flip(2), rtol=1e-4, atol=1e-4 * shape[2] ** 0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

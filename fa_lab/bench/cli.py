@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", nargs="+", choices=linear.CASES, default=list(linear.CASES))
     p.add_argument("--breakdown", action="store_true", help="instead, print each impl's kernels and their times, "
                    "forward and backward, per case at the first --seqlens")
+    p.add_argument("--tune", metavar="PATH", help="instead, time our kernels at each candidate num_warps (at the "
+                   "first --seqlens) and write the log to PATH")
     _add_outputs(p, "save a PNG of forward and backward time against the sequence length")
     p.set_defaults(handler=_run_linear)
 
@@ -262,6 +264,9 @@ def _run_linear(args) -> int:
         return 2
     if args.breakdown:
         return _breakdown_only(args, lambda: linear.breakdowns(args.seqlens[0], cases=tuple(args.cases)))
+    if args.tune:
+        linear.tune_warps(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases))
+        return 0
     results = linear.run_linear(args.json, seqlens=tuple(args.seqlens), cases=tuple(args.cases))
     lines = [f"{what}: {value:.3f}" for what, value in linear.speed_ratios(results["rows"])]
     for impl in linear.IMPLS:

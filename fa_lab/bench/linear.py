@@ -234,6 +234,61 @@ def breakdowns(seqlen: int = SEQLENS[0], cases=CASES, impls=IMPLS, progress=prin
         torch.cuda.empty_cache()
 
 
+WARP_CANDIDATES = (2, 4, 8)
+
+
+def tune_warps(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases=CASES, progress=print) -> dict:
+    """Time each of our kernels with every launch at each candidate num_warps, and write the log to ``path``.
+
+    Per candidate, every entry of :data:`fa_lab.kernels.portable.linear_chunk.LAUNCH_WARPS` takes it (the
+    committed table is restored after), and each kernel's time per call (:mod:`.breakdown`) is summed over
+    the forward and backward of every case at ``seqlen``; a kernel's time does not depend on the others'
+    warps, so one pass per candidate times them all. The log is ``{"device", "torch", "triton", "date",
+    "seqlen", "winners", "log"}``: the fastest num_warps per kernel and one entry (``kernel``, ``num_warps``,
+    ``ms``) per kernel and candidate. The winners go into the table by hand, where they compile without
+    spilling (tests/test_portable_sm90_builds.py). A candidate that fails in a case is logged and skipped.
+    """
+    import json
+
+    from ..kernels.portable import linear_chunk
+    from .breakdown import backward_call, kernel_times
+
+    committed = dict(linear_chunk.LAUNCH_WARPS)
+    log = []
+    try:
+        for warps in candidates:
+            linear_chunk.LAUNCH_WARPS.update(dict.fromkeys(committed, warps))
+            totals: dict[str, float] = {}
+            for case in cases:
+                tensors = case_inputs(case, seqlen)
+                try:
+                    run, leaves = ours(case, tensors)
+                    for call in (run, backward_call(run, leaves)):
+                        for name, micros, _ in kernel_times(call):
+                            if name in committed:
+                                totals[name] = totals.get(name, 0.0) + micros / 1000
+                except Exception as exc:  # a candidate that does not compile or run must not end the sweep
+                    print(f"tune linear {case} num_warps={warps}: {exc!r:.300}", file=sys.stderr)
+                del tensors
+                torch.cuda.empty_cache()
+            log += [{"kernel": name, "num_warps": warps, "ms": ms} for name, ms in sorted(totals.items())]
+            progress(f"num_warps={warps}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(totals.items())))
+    finally:
+        linear_chunk.LAUNCH_WARPS.update(committed)
+    winners = {}
+    for entry in log:
+        best = winners.get(entry["kernel"])
+        if best is None or entry["ms"] < best["ms"]:
+            winners[entry["kernel"]] = entry
+    results = {**environment("cuda"), "seqlen": seqlen,
+               "winners": {name: entry["num_warps"] for name, entry in sorted(winners.items())}, "log": log}
+    with open(path, "w") as out:
+        json.dump(results, out, indent=1)
+        out.write("\n")
+    progress("winners: " + ", ".join(f"{name} {warps}" for name, warps in results["winners"].items()))
+    return results
+
+
 def speed_ratios(rows: list[dict]) -> list[tuple[str, float]]:
     """(what, value): fla's time over ours (> 1: ours faster), forward and backward, per case and length."""
     def find(impl, case, seqlen):

@@ -15,10 +15,10 @@ inside each chunk:
 GLA's per-dim gate has no single decay matrix D, and the factorization ``(q_i e^{G_i}) (k_j e^{-G_j})``
 overflows once a chunk's decays multiply below float32's range. So its intra-chunk scores A are computed
 once per chunk by their own kernel (:func:`chunk_gla_fwd_a_kernel`, fla's ``chunk_gla_fwd_intra_gk``),
-which cuts the chunk into sub-chunks of 16 tokens: between a query sub-chunk and an earlier key
-sub-chunk it factors through the query sub-chunk's first row r, ``e^{G_i - G_r} e^{G_r - G_j}``, both
-factors <= 1, so the products are tensor-core matmuls; inside the diagonal sub-chunk it forms the exact
-pairwise decays (a 16 x 16 x BLOCK_K tile). The o pass (:func:`chunk_gla_fwd_o_kernel`) is then
+which cuts the chunk into sub-chunks of 16 tokens, one per program: between a query sub-chunk and an
+earlier key sub-chunk it factors through the query sub-chunk's first row r, ``e^{G_i - G_r} e^{G_r - G_j}``,
+both factors <= 1, so the products are tensor-core matmuls; inside the diagonal sub-chunk it forms the
+exact pairwise decays, one key row at a time. The o pass (:func:`chunk_gla_fwd_o_kernel`) is then
 ``(Q o e^G) h_c + A V``, as wide as the plain one.
 
 Why ``exp2`` and where log2(e) goes: a GPU's special-function unit computes 2^x (``ex2``), so ``exp(x)``
@@ -43,8 +43,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from .. import common
 
 GATE_CODES = {"none": 0, "scalar": 1, "per_dim": 2}  # the kernels' GATE constexpr, by fa_lab.linear's gate kind
 SUB_CHUNK = 16  # the per-dim o pass's sub-chunk: the smallest tl.dot tile
@@ -159,12 +157,11 @@ def load_rows(ptr, bh, rows, seqlen, cols, width):
 
 @triton.jit
 def gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_s, rows_t, row_r, seqlen, padded, d_k, SUB: tl.constexpr,
-               BLOCK_K: tl.constexpr, DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """(SUB, SUB) float32 scores ``sum_d q_i[d] k_j[d] 2^(G_i[d] - G_j[d])`` of query rows ``rows_s`` against
-    key rows ``rows_t`` under GLA's per-dim gate (g_ptr (B*H, padded, d_k) in log2 units), d_k walked in
-    BLOCK_K steps. An earlier key sub-chunk goes through the query sub-chunk's first row ``row_r``,
-    ``2^(G_i - G_r) 2^(G_r - G_j)``, both factors <= 1, as one tensor-core matmul; the DIAGONAL sub-chunk
-    takes the exact pairwise decays (a SUB x SUB x BLOCK_K tile), masked above the diagonal in the exponent."""
+    the rows ``rows_t`` of an earlier key sub-chunk under GLA's per-dim gate (g_ptr (B*H, padded, d_k) in log2
+    units), d_k walked in BLOCK_K steps: the decays go through the query sub-chunk's first row ``row_r``,
+    ``2^(G_i - G_r) 2^(G_r - G_j)``, both factors <= 1, and the product is one tensor-core matmul."""
     dtype = q_ptr.dtype.element_ty
     scores = tl.zeros([SUB, SUB], dtype=tl.float32)
     for start_k in range(0, d_k, BLOCK_K):
@@ -173,15 +170,10 @@ def gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_s, rows_t, row_r, seqlen, padded, d
         g_s = load_rows(g_ptr, bh, rows_s, padded, cols_k, d_k)
         k_t = load_rows(k_ptr, bh, rows_t, seqlen, cols_k, d_k).to(tl.float32)
         g_t = load_rows(g_ptr, bh, rows_t, padded, cols_k, d_k)
-        if DIAGONAL:
-            decay = tl.math.exp2(tl.where(lower_triangle(SUB)[:, :, None], g_s[:, None, :] - g_t[None, :, :],
-                                          float("-inf")))
-            scores += tl.sum(q_s[:, None, :] * k_t[None, :, :] * decay, axis=2)
-        else:
-            g_r = tl.load(g_ptr + (bh * padded + row_r) * d_k + cols_k, mask=cols_k < d_k, other=0.0)
-            q_r = (q_s * tl.math.exp2(g_s - g_r[None, :])).to(dtype)
-            k_r = (k_t * tl.math.exp2(g_r[None, :] - g_t)).to(dtype)
-            scores = tl.dot(q_r, tl.trans(k_r), scores, input_precision=PRECISION)
+        g_r = tl.load(g_ptr + (bh * padded + row_r) * d_k + cols_k, mask=cols_k < d_k, other=0.0)
+        q_r = (q_s * tl.math.exp2(g_s - g_r[None, :])).to(dtype)
+        k_r = (k_t * tl.math.exp2(g_r[None, :] - g_t)).to(dtype)
+        scores = tl.dot(q_r, tl.trans(k_r), scores, input_precision=PRECISION)
     return scores
 
 
@@ -192,24 +184,50 @@ def lower_triangle(SUB: tl.constexpr):
 
 
 @triton.jit
+def gla_diagonal_scores(q_ptr, k_ptr, g_ptr, bh, first, seqlen, padded, d_k, SUB: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """(SUB, SUB) float32 scores of the diagonal sub-chunk starting at row ``first`` with its exact pairwise
+    decays, masked above the diagonal (in the exponent, so nothing overflows): one key row at a time, each a
+    (SUB, BLOCK_K) product reduced over d_k, d_k walked in BLOCK_K steps."""
+    rows = first + tl.arange(0, SUB)
+    sub = tl.arange(0, SUB)
+    scores = tl.zeros([SUB, SUB], dtype=tl.float32)
+    for start_k in range(0, d_k, BLOCK_K):
+        cols_k = start_k + tl.arange(0, BLOCK_K)
+        k_ok = cols_k < d_k
+        q_s = load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k).to(tl.float32)
+        g_s = load_rows(g_ptr, bh, rows, padded, cols_k, d_k)
+        for t in range(0, SUB):
+            k_t = tl.load(k_ptr + (bh * seqlen + first + t) * d_k + cols_k, mask=k_ok & (first + t < seqlen),
+                          other=0.0).to(tl.float32)
+            g_t = tl.load(g_ptr + (bh * padded + first + t) * d_k + cols_k, mask=k_ok, other=0.0)
+            decay = tl.math.exp2(tl.where((sub >= t)[:, None], g_s - g_t[None, :], float("-inf")))
+            scores = tl.where((sub == t)[None, :], scores + tl.sum(q_s * k_t[None, :] * decay, axis=1)[:, None],
+                              scores)
+    return scores
+
+
+@triton.jit
 def chunk_gla_fwd_a_kernel(q_ptr, k_ptr, g_ptr, a_ptr, seqlen, chunks, d_k, CHUNK: tl.constexpr, SUB: tl.constexpr,
                            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """GLA's intra-chunk scores, once per chunk: a_ptr (B*H, chunks * CHUNK, CHUNK) gets
-    ``A[t, s] = sum_d q_t[d] k_s[d] 2^(G_t[d] - G_s[d])`` for s <= t of the same chunk, sub-chunk by
-    sub-chunk (:func:`gla_scores`), and zeros above the diagonal. Grid (chunks, B*H)."""
-    c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """GLA's intra-chunk scores, one sub-chunk of SUB query rows per program: a_ptr (B*H, chunks * CHUNK,
+    CHUNK) gets ``A[t, s] = sum_d q_t[d] k_s[d] 2^(G_t[d] - G_s[d])`` for s <= t of the same chunk, the
+    earlier key sub-chunks by :func:`gla_scores`, the diagonal one by :func:`gla_diagonal_scores`, and zeros
+    above the diagonal. Grid (chunks * (CHUNK // SUB), B*H)."""
+    pid, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    c, i = pid // (CHUNK // SUB), pid % (CHUNK // SUB)
     padded = chunks * CHUNK
-    for i in tl.static_range(CHUNK // SUB):
-        rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
-        for j in tl.static_range(CHUNK // SUB):
-            if j <= i:
-                rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
-                block = gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_i, rows_j, c * CHUNK + i * SUB, seqlen, padded,
-                                   d_k, SUB, BLOCK_K, i == j, PRECISION)
-            else:
-                block = tl.zeros([SUB, SUB], dtype=tl.float32)
-            cols = j * SUB + tl.arange(0, SUB)
-            tl.store(a_ptr + (bh * padded + rows_i)[:, None] * CHUNK + cols[None, :], block.to(a_ptr.dtype.element_ty))
+    first = c * CHUNK + i * SUB
+    rows_i = first + tl.arange(0, SUB)
+    a_rows = a_ptr + (bh * padded + rows_i)[:, None] * CHUNK + tl.arange(0, SUB)[None, :]
+    for j in range(0, i):
+        block = gla_scores(q_ptr, k_ptr, g_ptr, bh, rows_i, c * CHUNK + j * SUB + tl.arange(0, SUB), first, seqlen,
+                           padded, d_k, SUB, BLOCK_K, PRECISION)
+        tl.store(a_rows + j * SUB, block.to(a_ptr.dtype.element_ty))
+    block = gla_diagonal_scores(q_ptr, k_ptr, g_ptr, bh, first, seqlen, padded, d_k, SUB, BLOCK_K)
+    tl.store(a_rows + i * SUB, block.to(a_ptr.dtype.element_ty))
+    for j in range(i + 1, CHUNK // SUB):
+        tl.store(a_rows + j * SUB, tl.zeros([SUB, SUB], dtype=a_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -266,33 +284,40 @@ def block_size(dim: int, cap: int = 64) -> int:
     return min(cap, max(16, triton.next_power_of_2(dim)))
 
 
-def output_warps(chunk_size: int) -> int:
-    """Warps of an o-pass program: its (C, C) score tile and (C, BLOCK_V) accumulator grow with the chunk."""
-    return 4 if chunk_size <= 64 else 8
+# num_warps of each launch at chunks of up to 64 tokens, by kernel name: the fastest of 2, 4 and 8 in
+# `fa-lab bench linear --tune` on the H200 (benchmarks/h200_linear_tuning.json), except the plain dh pass,
+# which would spill 152 bytes a thread at 2 warps for a 6% gain. Two winners spill a little when compiled for
+# sm_90 at d = 128 (tests/test_portable_sm90_builds.py bounds them): the WY backward (five (C, C) float32
+# tiles: 88 bytes at 4 warps, 1.5 times faster than 8 warps without spills) and the delta rule's dh pass
+# (all d_k rows of its state slice and three (C, d_k) float32 operand tiles: 640 bytes gated at 2 warps;
+# the benchmark's ungated case runs 1.9 times faster than at 8 warps, which spill 24).
+LAUNCH_WARPS = {
+    "chunk_fwd_h_kernel": 4, "chunk_fwd_o_kernel": 4, "chunk_gla_fwd_a_kernel": 2, "chunk_gla_fwd_o_kernel": 4,
+    "chunk_bwd_dh_kernel": 4, "chunk_bwd_dv_kernel": 4, "chunk_bwd_dqk_kernel": 4, "chunk_bwd_da_kernel": 4,
+    "chunk_gla_bwd_dv_kernel": 4, "chunk_gla_bwd_dqk_kernel": 4, "chunk_wy_kernel": 4, "chunk_wy_bwd_kernel": 4,
+    "chunk_delta_fwd_h_kernel": 4, "chunk_delta_bwd_dh_kernel": 2,
+}
 
 
-def log2_cumulated_gate(g, chunk_size: int):
-    """g (B, H, N[, d_k]) natural-log decays -> float32 (B*H, chunks * C[, d_k]), cumulated within each chunk
-    and multiplied by RCP_LN2 = log2(e), once (the kernels' every decay is then one exp2)."""
-    from ...linear.chunk import chunk_local_cumsum
-
-    cum = chunk_local_cumsum(g.float(), chunk_size) * common.LOG2E
-    return cum.flatten(0, 1).flatten(1, 2).contiguous()
+def launch_warps(kernel, chunk_size: int) -> int:
+    """num_warps of a launch of ``kernel`` (a jit function of these modules) at ``chunk_size``: its
+    :data:`LAUNCH_WARPS` entry, and at least 8 for chunks of 128 (the (C, C) tiles grow with the chunk)."""
+    warps = LAUNCH_WARPS[kernel.__name__]
+    return warps if chunk_size <= 64 else max(warps, 8)
 
 
 def gla_intra_scores(q, k, cum, chunk_size: int, dtype):
     """GLA's intra-chunk scores A, (B*H, chunks * C, C) in ``dtype`` (:func:`chunk_gla_fwd_a_kernel`), of
-    contiguous q, k (B, H, N, d_k) and the log2 cumulated gate ``cum`` (:func:`log2_cumulated_gate`)."""
+    contiguous q, k (B, H, N, d_k) and the log2 cumulated gate ``cum`` (:func:`.linear_gate.log2_cumulated_gate`)."""
     from ..common import cdiv
 
     batch, heads, seqlen, d_k = q.shape
     chunks = cdiv(seqlen, chunk_size)
     scores = torch.empty(batch * heads, chunks * chunk_size, chunk_size, dtype=dtype, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # 8 warps: with 4 its diagonal sub-chunks' (16, 16, 32) pairwise tiles spill on sm_90 (8 bytes a thread).
-    chunk_gla_fwd_a_kernel[(chunks, batch * heads)](q, k, cum, scores, seqlen, chunks, d_k, CHUNK=chunk_size,
-                                                   SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32), PRECISION=precision,
-                                                   num_warps=8)
+    chunk_gla_fwd_a_kernel[(chunks * (chunk_size // SUB_CHUNK), batch * heads)](
+        q, k, cum, scores, seqlen, chunks, d_k, CHUNK=chunk_size, SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32),
+        PRECISION=precision, num_warps=launch_warps(chunk_gla_fwd_a_kernel, chunk_size))
     return scores
 
 
@@ -301,6 +326,7 @@ def chunk_forward(q, k, v, g, initial_state, scale: float, chunk_size: int):
     (B, H, N, d_k); returns (o (B, H, N, d_v) in q.dtype, final state (B, H, d_k, d_v) float32)."""
     from ...linear.inputs import gate_kind
     from ..common import cdiv, on_device
+    from .linear_gate import log2_cumulated_gate
 
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
@@ -314,20 +340,21 @@ def chunk_forward(q, k, v, g, initial_state, scale: float, chunk_size: int):
     o = torch.empty(batch, heads, seqlen, d_v, dtype=q.dtype, device=q.device)
     block_k, block_v = block_size(d_k), block_size(d_v)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    warps = output_warps(chunk_size)
     with on_device(q):
         chunk_fwd_h_kernel[(cdiv(d_k, block_k), cdiv(d_v, block_v), batch * heads)](
             k, v, cum, h0, h, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size, BLOCK_K=block_k,
-            BLOCK_V=block_v, GATE=gate, HAS_H0=initial_state is not None, PRECISION=precision)
+            BLOCK_V=block_v, GATE=gate, HAS_H0=initial_state is not None, PRECISION=precision,
+            num_warps=launch_warps(chunk_fwd_h_kernel, chunk_size))
         grid = (chunks, batch * heads, cdiv(d_v, block_v))
         if gate == GATE_CODES["per_dim"]:
             scores = gla_intra_scores(q, k, cum, chunk_size, q.dtype)
             chunk_gla_fwd_o_kernel[grid](q, v, cum, h, scores, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size,
-                                         BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, num_warps=warps)
+                                         BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
+                                         num_warps=launch_warps(chunk_gla_fwd_o_kernel, chunk_size))
         else:
             chunk_fwd_o_kernel[grid](q, k, v, cum, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size,
                                      BLOCK_K=block_k, BLOCK_V=block_v, GATE=gate, PRECISION=precision,
-                                     num_warps=warps)
+                                     num_warps=launch_warps(chunk_fwd_o_kernel, chunk_size))
     return o, final_state
 
 

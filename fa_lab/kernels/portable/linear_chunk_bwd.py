@@ -29,12 +29,13 @@ each term pairs q_t e^{G_t} with k_s e^{-G_s}, so dL/dG_t = q_t . dq_t - k_t . d
 token, the final state's <h_N, dh_N> (h_N carries e^{G_N}); g_i enters every G_t with t >= i, so dg
 is the reverse cumulative sum of dL/dG (a PyTorch op on (B, H, N)). The states h_c are recomputed
 by the forward's ``h`` kernel rather than kept from the forward (they are d_k d_v floats per chunk).
-Precision: every matmul that involves a float32 quantity (a state, its gradient, a decayed or scaled
+Precision: the dv passes take operands in the inputs' dtype, dH and the decayed scores rounded to it, as
+fla's do. Every other matmul that involves a float32 quantity (a state, its gradient, a decayed or scaled
 operand, a score tile) keeps it in float32 and runs as TF32 (IEEE float32 for float32 inputs) instead of
 rounding it to the inputs' bf16/fp16; only products of two input tensors (Q K^T, dO V^T) take 16-bit
-operands. The gate's gradient is a reverse sum over the whole sequence of differences of such products,
-and rounding them to bf16 cost it twice the error bound at 4K tokens (measured on the H200). The passes
-are memory-bound (they read the float32 states), so TF32's half rate costs little.
+operands there. The gate's gradient is a reverse sum over the whole sequence of differences of such
+products (q . dq - k . dk, which dV does not enter), and rounding them to bf16 cost it twice the error bound
+at 4K tokens (measured on the H200).
 """
 from __future__ import annotations
 
@@ -81,13 +82,20 @@ def chunk_bwd_dh_kernel(q_ptr, do_ptr, g_ptr, dht_ptr, dh_ptr, dh0_ptr, seqlen, 
 
 
 @triton.jit
-def _decay(g_ptr, bh, c, chunks, rows, CHUNK: tl.constexpr, GATE: tl.constexpr):
-    """(D (C, C) with the causal mask, 2^b (C,), 2^(b_last - b) (C,)) of chunk c; no gate: ones."""
-    causal = rows[:, None] >= rows[None, :]
+def _decay(g_ptr, bh, c, chunks, rows, CHUNK: tl.constexpr, GATE: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """(D (C, C) with the causal mask, 2^b (C,), 2^(b_last - b) (C,)) of chunk c; no gate: ones. TRANSPOSED:
+    D^T in place of D (row s, column t: 2^(b_t - b_s) for t >= s)."""
+    if TRANSPOSED:
+        causal = rows[None, :] >= rows[:, None]
+    else:
+        causal = rows[:, None] >= rows[None, :]
     if GATE == 1:
         g = tl.load(g_ptr + (bh * chunks + c) * CHUNK + tl.arange(0, CHUNK))
         g_last = tl.load(g_ptr + (bh * chunks + c) * CHUNK + CHUNK - 1)
-        decay = tl.math.exp2(tl.where(causal, g[:, None] - g[None, :], float("-inf")))
+        if TRANSPOSED:
+            decay = tl.math.exp2(tl.where(causal, g[None, :] - g[:, None], float("-inf")))
+        else:
+            decay = tl.math.exp2(tl.where(causal, g[:, None] - g[None, :], float("-inf")))
         return decay, tl.math.exp2(g), tl.math.exp2(g_last - g)
     ones = tl.full([CHUNK], 1.0, tl.float32)
     return tl.where(causal, 1.0, 0.0), ones, ones
@@ -98,27 +106,31 @@ def chunk_bwd_dv_kernel(q_ptr, k_ptr, do_ptr, g_ptr, dh_ptr, dv_ptr, seqlen, chu
                         CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATE: tl.constexpr,
                         PRECISION: tl.constexpr, CARRIED: tl.constexpr = True):
     """dV of one chunk and value block; grid (chunks, B*H, cdiv(d_v, BLOCK_V)). dh_ptr: the dh pass's output.
-    Without CARRIED only the intra-chunk term (the delta rule adds the carried one in its dh pass)."""
+    Without CARRIED only the intra-chunk term (the delta rule adds the carried one in its dh pass).
+
+    The scores are formed transposed, ``K Q^T``, rather than as ``Q K^T`` then ``tl.trans``-ed (a transposed
+    matmul result feeding another matmul is what Triton miscompiles on sm_90, chapter 07), and the matmuls
+    take operands in the inputs' dtype, dH and the decayed scores rounded to it, as fla's dv pass does."""
     c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    dtype = q_ptr.dtype.element_ty
     rows = c * CHUNK + tl.arange(0, CHUNK)
     cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = cols_v < d_v
-    scores = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # Q K^T
+    scores_t = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # K Q^T
     carried = tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32)  # K dH_{c+1}
     for start_k in range(0, d_k, BLOCK_K):
         cols_k = start_k + tl.arange(0, BLOCK_K)
         k_ok = cols_k < d_k
         q = load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k)
         k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
-        dh = tl.load(dh_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
-                     mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
+        scores_t = tl.dot(k, tl.trans(q), scores_t, input_precision=PRECISION)
         if CARRIED:
-            carried = tl.dot(k.to(tl.float32), dh, carried, input_precision=PRECISION)
-    decay, _, to_last = _decay(g_ptr, bh, c, chunks, rows, CHUNK, GATE)
+            dh = tl.load(dh_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
+                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+            carried = tl.dot(k, dh.to(dtype), carried, input_precision=PRECISION)
+    decay_t, _, to_last = _decay(g_ptr, bh, c, chunks, rows, CHUNK, GATE, TRANSPOSED=True)
     do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v)
-    dv = carried * to_last[:, None]
-    dv = tl.dot(tl.trans(scores * decay * scale), do.to(tl.float32), dv, input_precision=PRECISION)
+    dv = tl.dot((scores_t * decay_t * scale).to(dtype), do, carried * to_last[:, None], input_precision=PRECISION)
     out_rows, out_ok = chunk_tile(bh, rows, seqlen, cols_v, d_v)
     tl.store(dv_ptr + out_rows, dv.to(dv_ptr.dtype.element_ty), mask=out_ok)
 
@@ -180,8 +192,9 @@ def chunk_gla_bwd_dv_kernel(k_ptr, do_ptr, g_ptr, a_ptr, dh_ptr, dv_ptr, seqlen,
     """dV of one chunk and value block under GLA's per-dim gate:
     ``dV = (2^(G_last - G) o K) dH_{c+1} + scale A^T dO``, with a_ptr the float32 intra-chunk scores of
     :func:`fa_lab.kernels.portable.linear_chunk.chunk_gla_fwd_a_kernel`. Grid (chunks, B*H, cdiv(d_v, BLOCK_V));
-    g_ptr (B*H, chunks * CHUNK, d_k)."""
+    g_ptr (B*H, chunks * CHUNK, d_k). Operands in the inputs' dtype, as in :func:`chunk_bwd_dv_kernel`."""
     c, bh, pid_v = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    dtype = k_ptr.dtype.element_ty
     padded = chunks * CHUNK
     rows = c * CHUNK + tl.arange(0, CHUNK)
     cols_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -196,10 +209,10 @@ def chunk_gla_bwd_dv_kernel(k_ptr, do_ptr, g_ptr, a_ptr, dh_ptr, dv_ptr, seqlen,
         g_last = tl.load(g_ptr + last * d_k + cols_k, mask=k_ok, other=0.0)
         dh = tl.load(dh_ptr + (bh * chunks + c) * d_k * d_v + cols_k[:, None] * d_v + cols_v[None, :],
                      mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-        dv = tl.dot(k * tl.math.exp2(g_last[None, :] - g), dh, dv, input_precision=PRECISION)
+        dv = tl.dot((k * tl.math.exp2(g_last[None, :] - g)).to(dtype), dh.to(dtype), dv, input_precision=PRECISION)
     scores = tl.load(a_ptr + (bh * padded + rows)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :])
-    do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v).to(tl.float32)
-    dv = tl.dot(tl.trans(scores * scale), do, dv, input_precision=PRECISION)
+    do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v)
+    dv = tl.dot(tl.trans(scores * scale).to(dtype), do, dv, input_precision=PRECISION)
     out_rows, out_ok = chunk_tile(bh, rows, seqlen, cols_v, d_v)
     tl.store(dv_ptr + out_rows, dv.to(dv_ptr.dtype.element_ty), mask=out_ok)
 
@@ -225,84 +238,78 @@ def chunk_bwd_da_kernel(do_ptr, v_ptr, da_ptr, seqlen, chunks, d_v, scale, CHUNK
 def chunk_gla_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, da_ptr, dq_ptr, dk_ptr, dgate_ptr,
                              seqlen, chunks, d_k, d_v, scale, CHUNK: tl.constexpr, SUB: tl.constexpr,
                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
-    """dQ, dK of one chunk and key block under GLA's per-dim gate, and the gate term ``q o dq - k o dk``
-    per token and key dimension (dgate_ptr (B*H, N, d_k) float32). Grid (chunks, B*H, cdiv(d_k, BLOCK_K));
-    da_ptr: :func:`chunk_bwd_da_kernel`'s scale dO V^T, read in SUB x SUB blocks.
+    """dQ, dK of one sub-chunk of SUB rows and key block under GLA's per-dim gate, and the gate term
+    ``q o dq - k o dk`` per token and key dimension (dgate_ptr (B*H, N, d_k) float32). Grid
+    (chunks * (CHUNK // SUB), B*H, cdiv(d_k, BLOCK_K)); da_ptr: :func:`chunk_bwd_da_kernel`'s scale dO V^T.
 
-    First each query sub-chunk i: ``dQ_i = scale 2^G_i o (dO_i h_c^T) + sum_{j <= i} (dA_ij K_j)`` with the
-    decays factored through row r (i's first) as in :func:`fa_lab.kernels.portable.linear_chunk.gla_scores`,
-    exact on the diagonal; it stores
-    q o dq. Then each key sub-chunk j: ``dK_j = 2^(G_last - G_j) o (V_j dH_{c+1}^T) + sum_{i >= j}
-    dA_ij^T Q_i``, factored the same way, and subtracts k o dk from what the first loop stored (after a
-    barrier: other threads of the program wrote it)."""
-    c, bh, pid_k = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    For the program's rows i, with r their first row and n their last:
+    ``dQ_i = scale 2^G_i o (dO_i h_c^T) + sum_{j < i} (dA_ij (K_j o 2^(G_r - G_j))) o 2^(G_i - G_r) + diag``,
+    ``dK_i = 2^(G_last - G_i) o (V_i dH_{c+1}^T) + sum_{j > i} (dA_ji^T (Q_j o 2^(G_j - G_n))) o 2^(G_n - G_i)
+    + diag``: every factor of an earlier or later sub-chunk's decays goes through r or n and is <= 1, so those
+    are tensor-core matmuls (as in :func:`fa_lab.kernels.portable.linear_chunk.gla_scores`); the diagonal
+    sub-chunk's exact pairwise decays take one row of its keys (or queries) at a time."""
+    pid, bh, pid_k = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    subs = CHUNK // SUB
+    c, i = pid // subs, pid % subs
     padded = chunks * CHUNK
+    first = c * CHUNK + i * SUB
+    rows = first + tl.arange(0, SUB)
     cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = cols_k < d_k
     state = (bh * chunks + c) * d_k * d_v
-    for i in tl.static_range(CHUNK // SUB):
-        rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
-        q_i = load_rows(q_ptr, bh, rows_i, seqlen, cols_k, d_k).to(tl.float32)
-        g_i = load_rows(g_ptr, bh, rows_i, padded, cols_k, d_k)
-        g_r = tl.load(g_ptr + (bh * padded + c * CHUNK + i * SUB) * d_k + cols_k, mask=k_ok, other=0.0)
-        dq = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
-        for start_v in range(0, d_v, BLOCK_V):
-            cols_v = start_v + tl.arange(0, BLOCK_V)
-            v_ok = cols_v < d_v
-            do_i = load_rows(do_ptr, bh, rows_i, seqlen, cols_v, d_v)
-            h = tl.load(h_ptr + state + cols_k[:, None] * d_v + cols_v[None, :], mask=k_ok[:, None] & v_ok[None, :],
-                        other=0.0)
-            dq = tl.dot(do_i.to(tl.float32), tl.trans(h), dq, input_precision=PRECISION)
-        dq = dq * tl.math.exp2(g_i) * scale
-        for j in tl.static_range(i + 1):
-            rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
-            k_j = load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k).to(tl.float32)
-            g_j = load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
-            d_scores = tl.load(da_ptr + (bh * padded + rows_i)[:, None] * CHUNK + j * SUB + tl.arange(0, SUB)[None, :])
-            if j < i:
-                k_r = k_j * tl.math.exp2(g_r[None, :] - g_j)
-                dq += tl.dot(d_scores, k_r, input_precision=PRECISION) * tl.math.exp2(g_i - g_r[None, :])
-            else:
-                decay = tl.math.exp2(tl.where(lower_triangle(SUB)[:, :, None], g_i[:, None, :] - g_j[None, :, :],
-                                              float("-inf")))
-                dq += tl.sum(d_scores[:, :, None] * k_j[None, :, :] * decay, axis=1)
-        out = (bh * seqlen + rows_i)[:, None] * d_k + cols_k[None, :]
-        out_ok = (rows_i < seqlen)[:, None] & k_ok[None, :]
-        tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=out_ok)
-        tl.store(dgate_ptr + out, q_i * dq, mask=out_ok)
-    tl.debug_barrier()
+    dq = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)  # dO_i h_c^T
+    dk = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)  # V_i dH_{c+1}^T
+    for start_v in range(0, d_v, BLOCK_V):
+        cols_v = start_v + tl.arange(0, BLOCK_V)
+        tile = cols_k[:, None] * d_v + cols_v[None, :]
+        tile_ok = k_ok[:, None] & (cols_v < d_v)[None, :]
+        h = tl.load(h_ptr + state + tile, mask=tile_ok, other=0.0)
+        dh = tl.load(dh_ptr + state + tile, mask=tile_ok, other=0.0)
+        dq = tl.dot(load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v).to(tl.float32), tl.trans(h), dq,
+                    input_precision=PRECISION)
+        dk = tl.dot(load_rows(v_ptr, bh, rows, seqlen, cols_v, d_v).to(tl.float32), tl.trans(dh), dk,
+                    input_precision=PRECISION)
+    g_i = load_rows(g_ptr, bh, rows, padded, cols_k, d_k)
     g_last = tl.load(g_ptr + (bh * padded + c * CHUNK + CHUNK - 1) * d_k + cols_k, mask=k_ok, other=0.0)
-    for j in tl.static_range(CHUNK // SUB):
+    dq = dq * tl.math.exp2(g_i) * scale
+    dk = dk * tl.math.exp2(g_last[None, :] - g_i)
+    da_rows = (bh * padded + rows)[:, None] * CHUNK  # row i's dA entries, column s - c * CHUNK
+    g_r = tl.load(g_ptr + (bh * padded + first) * d_k + cols_k, mask=k_ok, other=0.0)
+    earlier = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
+    for j in range(0, i):
         rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
         k_j = load_rows(k_ptr, bh, rows_j, seqlen, cols_k, d_k).to(tl.float32)
         g_j = load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
-        dk = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
-        for start_v in range(0, d_v, BLOCK_V):
-            cols_v = start_v + tl.arange(0, BLOCK_V)
-            v_ok = cols_v < d_v
-            v_j = load_rows(v_ptr, bh, rows_j, seqlen, cols_v, d_v)
-            dh = tl.load(dh_ptr + state + cols_k[:, None] * d_v + cols_v[None, :],
-                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-            dk = tl.dot(v_j.to(tl.float32), tl.trans(dh), dk, input_precision=PRECISION)
-        dk = dk * tl.math.exp2(g_last[None, :] - g_j)
-        for i in tl.static_range(j, CHUNK // SUB):
-            rows_i = c * CHUNK + i * SUB + tl.arange(0, SUB)
-            q_i = load_rows(q_ptr, bh, rows_i, seqlen, cols_k, d_k).to(tl.float32)
-            g_i = load_rows(g_ptr, bh, rows_i, padded, cols_k, d_k)
-            d_scores = tl.load(da_ptr + (bh * padded + rows_i)[:, None] * CHUNK + j * SUB + tl.arange(0, SUB)[None, :])
-            if j < i:
-                g_r = tl.load(g_ptr + (bh * padded + c * CHUNK + i * SUB) * d_k + cols_k, mask=k_ok, other=0.0)
-                q_r = q_i * tl.math.exp2(g_i - g_r[None, :])
-                dk += tl.dot(tl.trans(d_scores), q_r, input_precision=PRECISION) * \
-                    tl.math.exp2(g_r[None, :] - g_j)
-            else:
-                decay = tl.math.exp2(tl.where(lower_triangle(SUB)[:, :, None], g_i[:, None, :] - g_j[None, :, :],
-                                              float("-inf")))
-                dk += tl.sum(d_scores[:, :, None] * q_i[:, None, :] * decay, axis=0)
-        out = (bh * seqlen + rows_j)[:, None] * d_k + cols_k[None, :]
-        out_ok = (rows_j < seqlen)[:, None] & k_ok[None, :]
-        tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=out_ok)
-        tl.store(dgate_ptr + out, tl.load(dgate_ptr + out, mask=out_ok, other=0.0) - k_j * dk, mask=out_ok)
+        d_scores = tl.load(da_ptr + da_rows + j * SUB + tl.arange(0, SUB)[None, :])
+        earlier = tl.dot(d_scores, k_j * tl.math.exp2(g_r[None, :] - g_j), earlier, input_precision=PRECISION)
+    dq += earlier * tl.math.exp2(g_i - g_r[None, :])
+    g_n = tl.load(g_ptr + (bh * padded + first + SUB - 1) * d_k + cols_k, mask=k_ok, other=0.0)
+    later = tl.zeros([SUB, BLOCK_K], dtype=tl.float32)
+    for j in range(i + 1, subs):
+        rows_j = c * CHUNK + j * SUB + tl.arange(0, SUB)
+        q_j = load_rows(q_ptr, bh, rows_j, seqlen, cols_k, d_k).to(tl.float32)
+        g_j = load_rows(g_ptr, bh, rows_j, padded, cols_k, d_k)
+        d_scores = tl.load(da_ptr + (bh * padded + rows_j)[:, None] * CHUNK + i * SUB + tl.arange(0, SUB)[None, :])
+        later = tl.dot(tl.trans(d_scores), q_j * tl.math.exp2(g_j - g_n[None, :]), later, input_precision=PRECISION)
+    dk += later * tl.math.exp2(g_n[None, :] - g_i)
+    sub = tl.arange(0, SUB)
+    for t in range(0, SUB):  # the diagonal sub-chunk: row t of its keys (for dQ) and of its queries (for dK)
+        row = first + t
+        row_ok = k_ok & (row < seqlen)
+        g_t = tl.load(g_ptr + (bh * padded + row) * d_k + cols_k, mask=k_ok, other=0.0)
+        k_t = tl.load(k_ptr + (bh * seqlen + row) * d_k + cols_k, mask=row_ok, other=0.0).to(tl.float32)
+        q_t = tl.load(q_ptr + (bh * seqlen + row) * d_k + cols_k, mask=row_ok, other=0.0).to(tl.float32)
+        column = tl.load(da_ptr + (bh * padded + rows) * CHUNK + i * SUB + t)  # dA[s, t] for s in i
+        line = tl.load(da_ptr + (bh * padded + row) * CHUNK + i * SUB + sub)  # dA[t, s] for s in i
+        after, before = (sub >= t)[:, None], (sub <= t)[:, None]
+        dq += column[:, None] * k_t[None, :] * tl.math.exp2(tl.where(after, g_i - g_t[None, :], float("-inf")))
+        dk += line[:, None] * q_t[None, :] * tl.math.exp2(tl.where(before, g_t[None, :] - g_i, float("-inf")))
+    out, out_ok = chunk_tile(bh, rows, seqlen, cols_k, d_k)
+    q_i = tl.load(q_ptr + out, mask=out_ok, other=0.0).to(tl.float32)
+    k_i = tl.load(k_ptr + out, mask=out_ok, other=0.0).to(tl.float32)
+    tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=out_ok)
+    tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=out_ok)
+    tl.store(dgate_ptr + out, q_i * dq - k_i * dk, mask=out_ok)
 
 
 def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, chunk_size: int):
@@ -321,9 +328,9 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
         block_size,
         chunk_fwd_h_kernel,
         gla_intra_scores,
-        log2_cumulated_gate,
-        output_warps,
+        launch_warps,
     )
+    from .linear_gate import log2_cumulated_gate, reverse_cumsum
 
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
@@ -342,40 +349,42 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
     block_k, block_v = block_size(d_k), block_size(d_v)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     shapes = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision)
-    warps = output_warps(chunk_size)
     with on_device(q):
         state_grid = (cdiv(d_k, block_k), cdiv(d_v, block_v), batch * heads)
         chunk_fwd_h_kernel[state_grid](k, v, cum, h0, states, final_state, seqlen, chunks, d_k, d_v, GATE=gate,
-                                       HAS_H0=initial_state is not None, **shapes)
+                                       HAS_H0=initial_state is not None,
+                                       num_warps=launch_warps(chunk_fwd_h_kernel, chunk_size), **shapes)
         chunk_bwd_dh_kernel[state_grid](q, grad_o, cum, dht, d_states, d_initial, seqlen, chunks, d_k, d_v, scale,
-                                        GATE=gate, HAS_DHT=grad_state is not None, **shapes)
+                                        GATE=gate, HAS_DHT=grad_state is not None,
+                                        num_warps=launch_warps(chunk_bwd_dh_kernel, chunk_size), **shapes)
         if per_dim:
             scores = gla_intra_scores(q, k, cum, chunk_size, torch.float32)
             d_scores = torch.empty_like(scores)
             chunk_bwd_da_kernel[(chunks, batch * heads)](grad_o, v, d_scores, seqlen, chunks, d_v, scale,
                                                          CHUNK=chunk_size, BLOCK_V=block_v, PRECISION=precision,
-                                                         num_warps=warps)
+                                                         num_warps=launch_warps(chunk_bwd_da_kernel, chunk_size))
             chunk_gla_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
-                k, grad_o, cum, scores, d_states, dv, seqlen, chunks, d_k, d_v, scale, num_warps=warps, **shapes)
+                k, grad_o, cum, scores, d_states, dv, seqlen, chunks, d_k, d_v, scale,
+                num_warps=launch_warps(chunk_gla_bwd_dv_kernel, chunk_size), **shapes)
             shapes.update(SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32))
             dgate = torch.empty(batch * heads, seqlen, d_k, dtype=torch.float32, device=q.device)
-            chunk_gla_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, shapes["BLOCK_K"]))](
+            chunk_gla_bwd_dqk_kernel[(chunks * (chunk_size // SUB_CHUNK), batch * heads, cdiv(d_k, shapes["BLOCK_K"]))](
                 q, k, v, grad_o, cum, states, d_states, d_scores, dq, dk, dgate, seqlen, chunks, d_k, d_v, scale,
-                num_warps=warps, **shapes)
+                num_warps=launch_warps(chunk_gla_bwd_dqk_kernel, chunk_size), **shapes)
             d_cum = dgate.view(batch, heads, seqlen, d_k)
         else:
             dgate = torch.empty(cdiv(d_k, block_k), batch * heads, seqlen, dtype=torch.float32, device=q.device)
             chunk_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
-                q, k, grad_o, cum, d_states, dv, seqlen, chunks, d_k, d_v, scale, GATE=gate, num_warps=warps,
+                q, k, grad_o, cum, d_states, dv, seqlen, chunks, d_k, d_v, scale, GATE=gate,
+                num_warps=launch_warps(chunk_bwd_dv_kernel, chunk_size),
                 **shapes)
             chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
                 q, k, v, grad_o, cum, states, d_states, dq, dk, dgate, q, q, seqlen, chunks, d_k, d_v, scale,
-                GATE=gate, num_warps=warps, **shapes)
+                GATE=gate, num_warps=launch_warps(chunk_bwd_dqk_kernel, chunk_size), **shapes)
             d_cum = dgate.sum(0).view(batch, heads, seqlen)
     if g is None:
         return dq, dk, dv, None, d_initial
     if grad_state is not None:  # h_N carries e^{G_N}: the last token's share
         shared = final_state * grad_state.float()
         d_cum[:, :, -1] += shared.sum(-1) if per_dim else shared.sum((-2, -1))
-    time_dim = 2
-    return dq, dk, dv, d_cum.flip(time_dim).cumsum(time_dim).flip(time_dim), d_initial
+    return dq, dk, dv, reverse_cumsum(d_cum), d_initial

@@ -27,10 +27,9 @@ import triton.language as tl
 
 from .linear_chunk import chunk_tile, load_rows, state_tile
 
-# The dh pass holds all d_k rows of its state slice and three (C, d_k) float32 operand tiles. Compiled for
-# sm_90 at d_k = 128 (tests/test_portable_sm90_builds.py): 4 warps with the default 3 stages spill 760
-# bytes a thread; 8 warps with no pipelining of the chunk loop, 24 (gated) and none (ungated).
-DH_WARPS, DH_STAGES = 8, 1
+# The dh pass runs its chunk loop unpipelined: with the default 3 stages it spills on sm_90 at d_k = 128
+# (tests/test_portable_sm90_builds.py; its warps: linear_chunk.LAUNCH_WARPS).
+DH_STAGES = 1
 
 
 @triton.jit
@@ -39,9 +38,8 @@ def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.con
     """One chunk's ``T = (I + L)^{-1}``, ``L = strictly_lower(diag(beta) (K K^T o D))``, in registers.
 
     Returns (T, L, K K^T, beta, the key scale beta o 2^G (beta without a gate)), float32 (C, C) or (C,).
-    T comes from forward substitution over the chunk's rows, ``T_i = e_i - L_i,:i T_:i``: row i reads only
-    finished rows. (:func:`fa_lab.linear.solve_tril` does the same in 16 x 16 blocks, as fla's kernels do;
-    one row at a time over the whole chunk costs C steps of C x C vector work and no trip through memory.)
+    T comes from block doubling (:func:`block_doubling_inverse`): log2(C) steps of two (C, C) matmuls, where
+    forward substitution takes C serial steps of (C, C) vector work.
     """
     rows = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = rows < seqlen
@@ -51,8 +49,7 @@ def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.con
         cols_k = start_k + tl.arange(0, BLOCK_K)
         k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
         gram = tl.dot(k, tl.trans(k), gram, input_precision=PRECISION)
-    row_index, col_index = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
-    below = row_index > col_index
+    below = tl.arange(0, CHUNK)[:, None] > tl.arange(0, CHUNK)[None, :]
     key_scale = beta
     if GATED:
         g = tl.load(g_ptr + bh * chunks * CHUNK + rows)
@@ -60,12 +57,33 @@ def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.con
         key_scale = beta * tl.math.exp2(g)
     else:
         lower = tl.where(below, beta[:, None] * gram, 0.0)
-    inverse = tl.where(row_index == col_index, 1.0, 0.0)  # row i becomes T_i at step i; rows below are e_j
-    for i in range(1, CHUNK):
-        lower_i = tl.sum(tl.where(row_index == i, lower, 0.0), axis=0)  # L_i,: (zero from column i on)
-        update = tl.sum(lower_i[:, None] * inverse, axis=0)  # L_i,:i T_:i
-        inverse = tl.where(row_index == i, inverse - update[None, :], inverse)
-    return inverse, lower, gram, beta, key_scale
+    return block_doubling_inverse(lower, CHUNK, PRECISION), lower, gram, beta, key_scale
+
+
+@triton.jit
+def block_doubling_inverse(lower, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """``(I + L)^{-1}`` of a strictly lower triangular (C, C) float32 tile L, C a power of two.
+
+    T starts as the inverse of I + L's 1 x 1 diagonal blocks (I) and doubles the block size each step: in a
+    block ``[[A, 0], [X, B]]`` of twice the size, ``[[A, 0], [X, B]]^{-1} = [[A^-1, 0], [-B^-1 X A^-1,
+    B^-1]]``, and with ``L_s`` the X parts of L (rows in the second half of a 2s block, columns in its first
+    half), ``T L_s T`` is exactly ``B^-1 X A^-1`` there and zero elsewhere: ``T <- T - T (L_s T)``. Every
+    intermediate T is a set of diagonal blocks of the final inverse, so no entry grows past the inverse's
+    own. (fla's ``solve_tril`` inverts 16 x 16 blocks by substitution and merges them the same way.)
+    The matmuls run at PRECISION, TF32 for 16-bit inputs: in a float64 simulation (unit keys, C = 64,
+    docs/experiments/linear_and_ring.md) that moves w's error after its rounding to bf16 from 1.68e-3 to
+    1.68e-3 relative on independent keys and from 2.41e-3 to 2.54e-3 on keys correlated at 0.95.
+    """
+    row, col = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
+    inverse = tl.where(row == col, 1.0, 0.0)
+    for level in tl.static_range(7):  # block sizes 1, 2, ..., 64 -> twice that: C up to 128
+        if (1 << level) < CHUNK:
+            half = 1 << level
+            crossing = (row // (2 * half) == col // (2 * half)) & (row % (2 * half) >= half) & \
+                (col % (2 * half) < half)
+            cross = tl.dot(tl.where(crossing, lower, 0.0), inverse, input_precision=PRECISION)
+            inverse = inverse - tl.dot(inverse, cross, input_precision=PRECISION)
+    return inverse
 
 
 @triton.jit
@@ -275,8 +293,9 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     backwards within each chunk (g_t enters every cumulated G_s with s >= t of its chunk).
     """
     from ..common import cdiv, on_device
-    from .linear_chunk import block_size, log2_cumulated_gate, output_warps
+    from .linear_chunk import block_size, launch_warps
     from .linear_chunk_bwd import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel
+    from .linear_gate import log2_cumulated_gate
 
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
@@ -299,9 +318,10 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     dk_wy, dv = torch.empty_like(dw), torch.empty_like(v)
     d_beta = torch.empty(beta.shape, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    warps = output_warps(chunk_size)
     block_k, block_v = block_size(d_k), block_size(d_v)
-    wide = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision, num_warps=warps)
+    wide = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision)
+    def warps(kernel) -> int:
+        return launch_warps(kernel, chunk_size)
     sweep = dict(CHUNK=chunk_size, BLOCK_K=block_size(d_k, 256), BLOCK_V=block_size(d_v, 32), PRECISION=precision)
     slices = cdiv(d_v, sweep["BLOCK_V"])
     gate_parts = {name: torch.empty(shape, dtype=torch.float32, device=q.device) if gated else q
@@ -309,21 +329,24 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
                                       ("qk", (cdiv(d_k, block_k), batch * heads, seqlen)),
                                       ("wy", (batch * heads, chunks * chunk_size)))}
     with on_device(q):
-        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum, w, u, seqlen, chunks, d_k, d_v, GATED=gated, **wide)
+        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum, w, u, seqlen, chunks, d_k, d_v, GATED=gated,
+                                                 num_warps=warps(chunk_wy_kernel), **wide)
         chunk_delta_fwd_h_kernel[(slices, batch * heads)](
             k, w, u, cum, h0, states, v_new, final_state, seqlen, chunks, d_k, d_v, GATED=gated,
-            HAS_H0=initial_state is not None, **sweep)
+            HAS_H0=initial_state is not None, num_warps=warps(chunk_delta_fwd_h_kernel), **sweep)
         chunk_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
-            q, k, grad_o, cum, q, dv_local, seqlen, chunks, d_k, d_v, scale, GATE=int(gated), CARRIED=False, **wide)
+            q, k, grad_o, cum, q, dv_local, seqlen, chunks, d_k, d_v, scale, GATE=int(gated), CARRIED=False,
+            num_warps=warps(chunk_bwd_dv_kernel), **wide)
         chunk_delta_bwd_dh_kernel[(slices, batch * heads)](
             q, k, w, grad_o, dv_local, dht, d_states, dv_new, d_initial, cum, states, final_state, gate_parts["last"],
-            seqlen, chunks, d_k, d_v, scale, HAS_DHT=grad_state is not None, GATED=gated, num_warps=DH_WARPS,
-            num_stages=DH_STAGES, **sweep)
+            seqlen, chunks, d_k, d_v, scale, HAS_DHT=grad_state is not None, GATED=gated,
+            num_warps=warps(chunk_delta_bwd_dh_kernel), num_stages=DH_STAGES, **sweep)
         chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
             q, k, v_new, grad_o, cum, states, d_states, dq, dk_direct, gate_parts["qk"], dv_new, dw, seqlen, chunks,
-            d_k, d_v, scale, GATE=int(gated), DELTA=True, **wide)
+            d_k, d_v, scale, GATE=int(gated), DELTA=True, num_warps=warps(chunk_bwd_dqk_kernel), **wide)
         chunk_wy_bwd_kernel[(chunks, batch * heads)](k, v, beta, cum, dw, dv_new, dk_wy, dv, d_beta, gate_parts["wy"],
-                                                     seqlen, chunks, d_k, d_v, GATED=gated, **wide)
+                                                     seqlen, chunks, d_k, d_v, GATED=gated,
+                                                     num_warps=warps(chunk_wy_bwd_kernel), **wide)
     dg = None
     if gated:
         d_cum = gate_parts["wy"]
@@ -357,7 +380,8 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
     """The WY kernel, then the h kernel and the o kernel (no autograd). q, k (B, H, N, d_k), v (B, H, N, d_v),
     beta (B, H, N), g None or (B, H, N). Returns (o in q.dtype, final state (B, H, d_k, d_v) float32)."""
     from ..common import cdiv, on_device
-    from .linear_chunk import block_size, chunk_fwd_o_kernel, log2_cumulated_gate, output_warps
+    from .linear_chunk import block_size, chunk_fwd_o_kernel, launch_warps
+    from .linear_gate import log2_cumulated_gate
 
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
@@ -371,20 +395,21 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
     final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
     o = torch.empty_like(v_new)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    warps = output_warps(chunk_size)
     with on_device(q):
         chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum2, w, u, seqlen, chunks, d_k, d_v, CHUNK=chunk_size,
                                                  BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v),
-                                                 GATED=g is not None, PRECISION=precision, num_warps=warps)
+                                                 GATED=g is not None, PRECISION=precision,
+                                                 num_warps=launch_warps(chunk_wy_kernel, chunk_size))
         block_v = block_size(d_v, 32)
         chunk_delta_fwd_h_kernel[(cdiv(d_v, block_v), batch * heads)](
             k, w, u, cum2, h0, h, v_new, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size,
             BLOCK_K=block_size(d_k, 256), BLOCK_V=block_v, GATED=g is not None, HAS_H0=initial_state is not None,
-            PRECISION=precision)
+            PRECISION=precision, num_warps=launch_warps(chunk_delta_fwd_h_kernel, chunk_size))
         block_v = block_size(d_v)
         chunk_fwd_o_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
             q, k, v_new, cum2, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size, BLOCK_K=block_size(d_k),
-            BLOCK_V=block_v, GATE=int(g is not None), PRECISION=precision, num_warps=warps)
+            BLOCK_V=block_v, GATE=int(g is not None), PRECISION=precision,
+            num_warps=launch_warps(chunk_fwd_o_kernel, chunk_size))
     return o, final_state
 
 
