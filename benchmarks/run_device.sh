@@ -26,6 +26,8 @@
 # The machine has no `fa-lab` script installed: `python3 -m fa_lab.cli bench ...` is `fa-lab bench ...`.
 #   breakdown - every kernel's time per call, forward and backward: ours and fla's linear cases at 4K (after
 #            peers-warm in the same call, or fla autotunes first), our NSA selection and MoBA at 64K
+#   linear-tune - our linear kernels at 2, 4 and 8 warps, every launch's time at 4K (h200_linear_tuning.json);
+#            the winners go into LAUNCH_WARPS in fa_lab/kernels/portable/linear_chunk.py
 #   peers-warm - fla-core's linear kernels autotuned (one process per case, at once) at the benchmark's 4K shape,
 #            so that a later `linear` compiles one config per kernel instead of every candidate
 # Triton's cache is .device/triton-cache (git-ignored): fla-core's kernels autotune for minutes on their first
@@ -56,6 +58,7 @@ case "$step" in
            2>&1 | tee "$out/sparse.log" | grep -v "^bench" ;;
   linear) $bench linear --json "$out/h200_linear.json" --plot "$out/h200_linear.png" "$@" \
            2>&1 | tee "$out/linear.log" | grep -v "^bench" ;;
+  linear-tune) $bench linear --tune "$out/h200_linear_tuning.json" 2>&1 | tee "$out/linear_tune.log" ;;
   breakdown) $bench linear --breakdown 2>&1 | tee "$out/linear_breakdown.log"
          $bench sparse --breakdown 2>&1 | tee "$out/sparse_breakdown.log" ;;
   peers-warm) for case in simple_gla gla delta_rule; do
@@ -73,5 +76,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|linear-tune|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
