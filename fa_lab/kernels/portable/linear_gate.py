@@ -1,11 +1,12 @@
 """The gate's cumulative sums of the linear-attention kernels, each one memory pass.
 
 - :func:`chunk_cumsum_log2_kernel`: the forward's gate, cumulated inside each chunk and put in log2
-  units (times RCP_LN2 = log2(e)) in the one pass that reads it, zero log-decays past the sequence's end.
-  Written as PyTorch ops (a float32 copy, a cumsum, a multiply) it was three passes over GLA's
-  (B, H, N, d_k) gate, 0.5 ms of a 3.3 ms forward at 4K on the H200 (``fa-lab bench linear --breakdown``).
-- :func:`reverse_cumsum_kernel`: the backward's ``dg_t = sum_{s >= t} dL/dG_s`` over the whole sequence,
-  which as ``flip().cumsum().flip()`` was three passes, 2.2 ms of GLA's 12.9 ms backward at 4K.
+  units (times RCP_LN2 = log2(e)) in the one pass that reads it, zero log-decays past the sequence's end;
+- :func:`reverse_cumsum_kernel`: the backward's ``dg_t = sum_{s >= t} dL/dG_s`` over the whole sequence.
+
+As PyTorch ops each is three passes over GLA's (B, H, N, d_k) float32 gate (a copy, the cumsum and a
+multiply; ``flip``, ``cumsum``, ``flip``), which cost more than some of the kernels around them
+(docs/experiments/linear_and_ring.md has the breakdown).
 """
 from __future__ import annotations
 

@@ -306,6 +306,7 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
 
 GATHER_ROWS = 64  # the dK/dV gather's tile rows: several selecting rows' packed rows stacked (capped below)
 
+
 def tile_config(rows: int, block_k: int, head_dim: int, backward: bool) -> TileConfig:
     """The tile of a launch: block_m covers a selection row's ``rows = group * block_q`` packed rows
     (a power of two, at least 16 for tl.dot) up to a cap, block_n one selected block or a chunk of it.
