@@ -24,7 +24,7 @@ exact pairwise decays, one key row at a time. The o pass (:func:`chunk_gla_fwd_o
 Why ``exp2`` and where log2(e) goes: a GPU's special-function unit computes 2^x (``ex2``), so ``exp(x)``
 costs a multiply by log2(e) and an ``ex2`` per element. The launcher multiplies the cumulated gate by
 ``RCP_LN2 = 1 / ln 2 = log2(e)`` (fla's name; :data:`fa_lab.kernels.common.LOG2E` here) once per token,
-in the same PyTorch op that cumulates it, and every decay in both passes is then one ``exp2`` of a
+in the kernel that cumulates it (:mod:`.linear_gate`), and every decay in both passes is then one ``exp2`` of a
 difference: ``exp(G_i - G_j) = exp2(G_i * RCP_LN2 - G_j * RCP_LN2)``. The multiply is paid N times
 (d_k N for GLA) instead of once per element of every C x C decay tile and state tile.
 
