@@ -4,9 +4,10 @@
 ``v_new = u - w h_c``, with w and u from the WY representation. The launcher here runs:
 
 - :func:`chunk_wy_kernel`, grid ``(chunks, batch * heads)``: one program per chunk forms the masked,
-  decayed ``diag(beta) K K^T``, inverts ``I + L`` in registers by block doubling (:func:`block_doubling_inverse`), and stores
-  ``w = T (beta o K)`` and ``u = T (beta o V)`` in the inputs' dtype, as fla stores them (fla writes
-  this as three kernels: ``chunk_scaled_dot_kkt``, ``solve_tril``, ``recompute_w_u``);
+  decayed ``diag(beta) K K^T``, inverts ``I + L`` in registers by block doubling
+  (:func:`block_doubling_inverse`), and stores ``w = T (beta o K)`` and ``u = T (beta o V)`` in the
+  inputs' dtype, as fla stores them (fla writes this as three kernels: ``chunk_scaled_dot_kkt``,
+  ``solve_tril``, ``recompute_w_u``);
 - :func:`chunk_delta_fwd_h_kernel`, grid ``(cdiv(d_v, BLOCK_V), batch * heads)``: one program holds all
   d_k rows of a BLOCK_V-wide slice of one head's state (``w h`` sums over the whole key dimension) and
   walks the chunks: store ``h_c``, form ``v_new = u - w h_c`` and store it, then
