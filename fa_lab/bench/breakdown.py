@@ -52,6 +52,11 @@ def backward_call(run, leaves):
     return call
 
 
+def passes(run, leaves):
+    """(("forward", run), ("backward", :func:`backward_call`)): the two calls a breakdown profiles."""
+    return ("forward", run), ("backward", backward_call(run, leaves))
+
+
 def format_breakdown(title: str, times: list[tuple[str, float, float]], top: int = 8) -> str:
     """A few lines: the title with the total, then the ``top`` kernels with their time and share."""
     lines = [f"{title}: {sum(micros for _, micros, _ in times) / 1000:.3f} ms in {len(times)} kernels"]

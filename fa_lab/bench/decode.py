@@ -30,7 +30,7 @@ import torch
 
 from ..block_info import BlockInfo
 from ..iomodel import AttentionShape
-from .schema import empty_row, environment, save_results
+from .schema import empty_row, environment, save_results, write_log
 
 HEADS, HEADS_KV, HEAD_DIM = 32, 8, 128
 BATCHES, CACHES = (1, 8, 32), (4096, 16384, 65536)
@@ -248,8 +248,6 @@ def tune_decode(json_path=None, shapes=TUNING_SHAPES, page_sizes=(None, 256, 16)
     batch, seqlen_k, page_size, block_n, num_warps, num_stages, num_splits, us, tbps. The winners go into
     the decode kernel's table (``fa_lab.kernels.portable.decode``) by hand.
     """
-    import json
-
     from ..kernels import load_triton
     from ..kvcache import H200_SMS, check_kvcache
 
@@ -280,8 +278,7 @@ def tune_decode(json_path=None, shapes=TUNING_SHAPES, page_sizes=(None, 256, 16)
             torch.cuda.empty_cache()
     results = {**environment("cuda"), "log": log}
     if json_path:
-        with open(json_path, "w") as out:
-            json.dump(results, out, indent=1)
+        write_log(results, json_path)
     return results
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import sys
 
 import torch
@@ -39,7 +38,7 @@ from ..kernels.hopper import (
 from ..kernels.portable.configs import TileConfig
 from ..testing import check_attention, make_qkv
 from .gpu import make_impls, measure, protocol_shapes, random_inputs, time_fwd_bwd
-from .schema import empty_row, environment, save_results
+from .schema import empty_row, environment, save_results, write_log
 
 HOPPER_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 HOPPER_PEERS = ("triton", "sdpa_flash", "sdpa_cudnn", "flex")
@@ -154,8 +153,7 @@ def save_ablation_log(path, entries: list) -> None:
 
     log = {**environment("cuda"), "variants": entries, "fp8_error_table_cpu": reproduce_error_table(),
            "defaults": {"bf16": vars(HopperOptions()), "fp8": vars(FP8_OPTIONS)}}
-    with open(path, "w") as out:
-        json.dump(log, out, indent=1)
+    write_log(log, path)
 
 
 def quant_row(shape: AttentionShape, fn) -> dict:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..iomodel import AttentionShape
 from .interfaces import time_backward
-from .schema import empty_row, environment, save_results
+from .schema import empty_row, environment, save_results, write_log
 
 BATCH, HEADS, HEAD_DIM, CHUNK = 8, 16, 128, 64
 SEQLENS = (4096, 8192, 16384, 32768, 65536)
@@ -220,7 +220,7 @@ def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=
 def breakdowns(seqlen: int = SEQLENS[0], cases=CASES, impls=IMPLS, progress=print) -> None:
     """Print each impl's kernels, forward and backward, per case at ``seqlen`` (:mod:`.breakdown`), fla's
     after our run at the same inputs (its refusal lifted as in the sweep)."""
-    from .breakdown import backward_call, format_breakdown, kernel_times
+    from .breakdown import format_breakdown, kernel_times, passes
 
     if "fla" in impls and allow_fla_gated_backward() is None:
         impls = tuple(impl for impl in impls if impl != "fla")
@@ -228,7 +228,7 @@ def breakdowns(seqlen: int = SEQLENS[0], cases=CASES, impls=IMPLS, progress=prin
         tensors = case_inputs(case, seqlen)
         for impl in impls:
             run, leaves = MAKERS[impl](case, tensors)
-            for what, call in (("forward", run), ("backward", backward_call(run, leaves))):
+            for what, call in passes(run, leaves):
                 progress(format_breakdown(f"{impl} {case} N={seqlen} {what}", kernel_times(call)))
         del tensors
         torch.cuda.empty_cache()
@@ -245,13 +245,11 @@ def tune_warps(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases
     the forward and backward of every case at ``seqlen``; a kernel's time does not depend on the others'
     warps, so one pass per candidate times them all. The log is ``{"device", "torch", "triton", "date",
     "seqlen", "winners", "log"}``: the fastest num_warps per kernel and one entry (``kernel``, ``num_warps``,
-    ``ms``) per kernel and candidate. The winners go into the table by hand, where they compile without
-    spilling (tests/test_portable_sm90_builds.py). A candidate that fails in a case is logged and skipped.
+    ``ms``) per kernel and candidate. The winners go into the table by hand, where the offline sm_90 build
+    accepts them (tests/test_portable_sm90_builds.py). A candidate that fails in a case is logged and skipped.
     """
-    import json
-
     from ..kernels.portable import linear_chunk
-    from .breakdown import backward_call, kernel_times
+    from .breakdown import kernel_times, passes
 
     committed = dict(linear_chunk.LAUNCH_WARPS)
     log = []
@@ -263,7 +261,7 @@ def tune_warps(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases
                 tensors = case_inputs(case, seqlen)
                 try:
                     run, leaves = ours(case, tensors)
-                    for call in (run, backward_call(run, leaves)):
+                    for _, call in passes(run, leaves):
                         for name, micros, _ in kernel_times(call):
                             if name in committed:
                                 totals[name] = totals.get(name, 0.0) + micros / 1000
@@ -282,9 +280,7 @@ def tune_warps(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases
             winners[entry["kernel"]] = entry
     results = {**environment("cuda"), "seqlen": seqlen,
                "winners": {name: entry["num_warps"] for name, entry in sorted(winners.items())}, "log": log}
-    with open(path, "w") as out:
-        json.dump(results, out, indent=1)
-        out.write("\n")
+    write_log(results, path)
     progress("winners: " + ", ".join(f"{name} {warps}" for name, warps in results["winners"].items()))
     return results
 

@@ -32,7 +32,7 @@ import sys
 import torch
 
 from ..block_info import BlockInfo
-from .schema import environment
+from .schema import environment, write_log
 
 HEADS, HEAD_DIM = 32, 128
 TOKENS_PER_GPU = (32768, 65536, 131072)
@@ -153,8 +153,6 @@ def model_ring(world: int, layout: str, causal: bool, tokens_per_gpu: int, call_
 
 def run_ring(json_path=None, tokens=TOKENS_PER_GPU, timer=None, progress=print) -> dict:
     """The whole measurement; the log is written to ``json_path`` (JSON) at the end."""
-    import json
-
     if timer is None:
         from triton.testing import do_bench as timer
     no_multicast()
@@ -187,8 +185,7 @@ def run_ring(json_path=None, tokens=TOKENS_PER_GPU, timer=None, progress=print) 
                                          "tokens_per_gpu": n, "seqlen": world * n, "link": link,
                                          **model_ring(world, layout, causal, n, call_ms, rate)})
         if json_path:
-            with open(json_path, "w") as out:
-                json.dump(log, out, indent=1)
+            write_log(log, json_path)
     return log
 
 

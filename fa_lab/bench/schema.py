@@ -141,12 +141,17 @@ def validate_results(results: dict) -> dict:
     return results
 
 
+def write_log(log: dict, path) -> None:
+    """Write a results file or a log (a tuning or model log: the schema's header and its own keys) as
+    indented JSON."""
+    with open(path, "w") as out:
+        json.dump(log, out, indent=1)
+        out.write("\n")
+
+
 def save_results(results: dict, path) -> None:
     """Write schema-valid ``results`` as indented JSON."""
-    validate_results(results)
-    with open(path, "w") as out:
-        json.dump(results, out, indent=1)
-        out.write("\n")
+    write_log(validate_results(results), path)
 
 
 def load_results(path) -> dict:

@@ -194,7 +194,7 @@ def run_sparse(json_path=None, seqlens=SEQLENS, impls=IMPLS, timer=None, moba_se
 def breakdowns(seqlen: int = 65536, progress=print) -> None:
     """Print our kernels' times, forward and backward, for the NSA selection and MoBA at ``seqlen``
     (:mod:`.breakdown`): where the time of a multi-kernel op goes."""
-    from .breakdown import backward_call, format_breakdown, kernel_times
+    from .breakdown import format_breakdown, kernel_times, passes
 
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     cases = (("nsa_select", ours, (HEADS, HEADS_KV), lambda: nsa_selection(seqlen, generator)),
@@ -202,7 +202,7 @@ def breakdowns(seqlen: int = 65536, progress=print) -> None:
     for case, make, heads, selection in cases:
         tensors = bf16_inputs(*heads, seqlen, generator)
         run, leaves = make(*tensors, selection())
-        for what, call in (("forward", run), ("backward", backward_call(run, leaves))):
+        for what, call in passes(run, leaves):
             progress(format_breakdown(f"ours {case} N={seqlen} {what}", kernel_times(call)))
         del tensors
         torch.cuda.empty_cache()

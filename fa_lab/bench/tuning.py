@@ -8,12 +8,11 @@ direction, and one entry per timed candidate (``kind``, ``head_dim``, ``causal``
 """
 from __future__ import annotations
 
-import json
 import sys
 
 from ..iomodel import attention_flops
 from .gpu import HEAD_DIMS, protocol_shapes, time_fwd_bwd, triton_impl
-from .schema import environment
+from .schema import environment, write_log
 
 TUNING_SEQLEN = 8192
 
@@ -52,8 +51,7 @@ def tune(head_dims=HEAD_DIMS, seqlen=TUNING_SEQLEN):
 
 def save_tuning_log(path, best_fwd: dict, best_bwd: dict, log: list) -> None:
     """Write the tuning log described in the module docstring."""
-    with open(path, "w") as out:
-        json.dump({**environment("cuda"),
-                   "best_fwd": {f"{d},{c}": vars(cfg) for (d, c), cfg in best_fwd.items()},
-                   "best_bwd": {f"{d},{c}": vars(cfg) for (d, c), cfg in best_bwd.items()},
-                   "log": log}, out, indent=1)
+    write_log({**environment("cuda"),
+               "best_fwd": {f"{d},{c}": vars(cfg) for (d, c), cfg in best_fwd.items()},
+               "best_bwd": {f"{d},{c}": vars(cfg) for (d, c), cfg in best_bwd.items()},
+               "log": log}, path)

@@ -90,21 +90,24 @@ class MobaFunction(torch.autograd.Function):
         with on_device(q):
             own = triton_varlen_forward(*(kernel_operand(token_major(t)) for t in (q, k, v)), cu_own, cu_own,
                                         (own_bounds, own_bounds), True, scale, NO_OPTIONS)
-            outs = [head_major(own[0][..., :head_dim], batch)]
-            lses = [own[1].view(heads, batch, seqlen).transpose(0, 1)]
+            # The merge's operands, one split per pass-1 result and past slot, (top_k, B, H, N[, d]); a slot
+            # that selected nothing keeps out 0 and lse -inf, so it weighs 0.
+            past = selected.shape[-1] - 1 if packing is not None else 0
+            outs = q.new_empty(1 + past, batch, heads, seqlen, head_dim)
+            lses = torch.full((1 + past, batch, heads, seqlen), float("-inf"), device=q.device)
+            outs[0] = head_major(own[0][..., :head_dim], batch)
+            outs[1:] = 0
+            lses[0] = own[1].view(heads, batch, seqlen).transpose(0, 1)
             if packing is not None:
-                past = selected.shape[-1] - 1
                 out_g, lse_g = triton_varlen_forward(
                     kernel_operand(rows_of(q)[packing["query_rows"]]), kernel_operand(rows_of(k)),
                     kernel_operand(rows_of(v)), packing["cu_q"], packing["cu_k"], packing["bounds"], False, scale,
                     NO_OPTIONS)
-                out_past = q.new_zeros(batch * heads * seqlen * past, head_dim)
-                out_past[packing["entries"]] = out_g[:, 0, :head_dim]
-                lse_past = torch.full((batch * heads * seqlen * past,), float("-inf"), device=q.device)
-                lse_past[packing["entries"]] = lse_g[0]
-                outs += out_past.view(batch, heads, seqlen, past, head_dim).unbind(3)
-                lses += lse_past.view(batch, heads, seqlen, past).unbind(3)
-        out, lse = merge_splits(torch.stack(outs), torch.stack(lses))
+                # Entry e is slot e % past of query row e // past: row e // past of split 1 + e % past.
+                dest = (1 + packing["entries"] % past) * (batch * heads * seqlen) + packing["query_rows"]
+                outs.view(-1, head_dim)[dest] = out_g[:, 0, :head_dim]
+                lses.view(-1)[dest] = lse_g[0]
+        out, lse = merge_splits(outs, lses)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, cu_own)
         ctx.args = (block, scale, own_bounds, packing)

@@ -329,6 +329,12 @@ def tile_config(rows: int, block_k: int, head_dim: int, backward: bool) -> TileC
     return TileConfig(block_m, block_n, num_warps=8 if large else 4)
 
 
+def launch_meta(config: TileConfig, head_dim: int, causal: bool) -> dict:
+    """The tile, head-dim and causal constexprs and the warps and stages of a launch at ``config``."""
+    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim), CAUSAL=causal,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: bool, scale: float):
     """Forward on contiguous q (B, H, Nq, d), k, v (B, Hkv, Nk, d) and int32 indices (B, Hkv, R, S).
 
@@ -342,9 +348,7 @@ def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: b
     grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
     block_select_fwd_kernel[grid](
         q, k, v, indices, out, lse, group, seqlen_q, seqlen_k, head_dim, block_q, block_k, indices.shape[3],
-        scale * LOG2E, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
-        CAUSAL=causal, ONE_CHUNK=block_k <= config.block_n, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        scale * LOG2E, ONE_CHUNK=block_k <= config.block_n, **launch_meta(config, head_dim, causal))
     return out, lse
 
 
@@ -388,12 +392,11 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
         out, grad_out, lse, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim), BLOCK=pre_block)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     config = tile_config(group * block_q, block_k, head_dim, backward=True)
-    meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim), CAUSAL=causal,
-                num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
     block_select_bwd_dq_kernel[grid](
         q, k, v, grad_out, lse2, delta, indices, dq, group, seqlen_q, seqlen_k, head_dim, block_q, block_k,
-        indices.shape[3], scale * LOG2E, scale, ONE_CHUNK=block_k <= config.block_n, **meta)
+        indices.shape[3], scale * LOG2E, scale, ONE_CHUNK=block_k <= config.block_n,
+        **launch_meta(config, head_dim, causal))
     blocks = cdiv(seqlen_k, block_k)
     offsets, selectors = selection_csr(indices, blocks)
     # The gather stacks selecting rows into tiles as tall as the backward's cap (GATHER_ROWS), not one row's.
@@ -401,8 +404,7 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
     stack = gather.block_m // (group * block_q)  # 0: a selection row takes several tiles
     block_select_bwd_dkdv_kernel[(blocks * cdiv(block_k, gather.block_n), batch * heads_kv)](
         q, k, v, grad_out, lse2, delta, offsets, selectors, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q,
-        block_k, scale * LOG2E, scale, STACK=stack, **{**meta, "BLOCK_M": gather.block_m,
-                                                       "num_warps": gather.num_warps})
+        block_k, scale * LOG2E, scale, STACK=stack, **launch_meta(gather, head_dim, causal))
     return dq, dk, dv
 
 
