@@ -262,14 +262,20 @@ def test_wy_kernel_matches_prepare_wy_repr(gated, chunk_size, seqlen, generator)
         *(to_chunks(t.double(), chunk_size) for t in (k, v, beta)), cum, "scalar" if gated else "none")]
     batch, heads, _, d_k = k.shape
     d_v = v.shape[-1]
-    w, u = torch.empty_like(k), torch.empty_like(v)
+    chunks = cdiv(seqlen, chunk_size)
     cum2 = log2_cumulated_gate(g, chunk_size) if gated else k
-    chunk_wy_kernel[(cdiv(seqlen, chunk_size), batch * heads)](
-        k, v, beta, cum2, w, u, seqlen, cdiv(seqlen, chunk_size), d_k, d_v, CHUNK=chunk_size, BLOCK_K=block_size(d_k),
-        BLOCK_V=block_size(d_v), GATED=gated, PRECISION="ieee")
-    for name, actual, reference in (("w", w, expected[0]), ("u", u, expected[1])):
+    inverse = torch.empty(batch * heads, chunks * chunk_size, chunk_size, dtype=torch.float32, device=DEVICE)
+    results = []
+    for mode in (1, 2):  # compute T and store it (the forward), then load it (the backward)
+        w, u = torch.empty_like(k), torch.empty_like(v)
+        chunk_wy_kernel[(chunks, batch * heads)](
+            k, v, beta, cum2, inverse, w, u, seqlen, chunks, d_k, d_v, CHUNK=chunk_size, BLOCK_K=block_size(d_k),
+            BLOCK_V=block_size(d_v), GATED=gated, PRECISION="ieee", INVERSE=mode)
+        results.append((w, u))
+    for name, actual, reference in (("w", results[0][0], expected[0]), ("u", results[0][1], expected[1])):
         error = relative_rmse(actual, reference)
         assert error <= RMSE_BOUND[torch.float32], f"{name}: relative RMSE {error:.3g}"
+    assert all(torch.equal(a, b) for a, b in zip(*results)), "w, u from the stored T differ from the computed ones"
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 4100), (2, 1, 300, 40)])  # a scalar gate past one ROWS step; d_k = 40

@@ -66,12 +66,12 @@ def linear_jobs() -> list[tuple[str, dict]]:
           **_pointers("g_ptr h_ptr dh_ptr da_ptr dgate_ptr", F32), **sizes, "scale": "fp32"},
          dict(CHUNK=64, SUB=16, BLOCK_K=32, BLOCK_V=64, **tf32)),
         ("WY, gated", delta.chunk_wy_kernel,
-         {**_pointers("k_ptr v_ptr beta_ptr w_ptr u_ptr"), "g_ptr": F32, **sizes},
-         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATED=True, **tf32)),
+         {**_pointers("k_ptr v_ptr beta_ptr"), **_pointers("g_ptr t_ptr", F32), **_pointers("w_ptr u_ptr"), **sizes},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATED=True, INVERSE=1, **tf32)),  # T kept for the backward
         ("WY backward, gated", delta.chunk_wy_bwd_kernel,
-         {**_pointers("k_ptr v_ptr beta_ptr dv_ptr"),
-          **_pointers("g_ptr dw_ptr du_ptr dk_ptr dbeta_ptr dgate_ptr", F32), **sizes},
-         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATED=True, **tf32)),
+         {**_pointers("k_ptr v_ptr beta_ptr"), **_pointers("g_ptr t_ptr dw_ptr du_ptr", F32),
+          **_pointers("dk_direct_ptr dk_ptr dv_ptr"), **_pointers("dbeta_ptr dgate_ptr", F32), **sizes},
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATED=True, INVERSE=2, **tf32)),  # T from the forward
         ("gate chunk cumsum, per-dim", gate.chunk_cumsum_log2_kernel,
          {**_pointers("g_ptr out_ptr", F32), **_ints("seqlen width"), "rcp_ln2": "fp32"}, dict(CHUNK=64, BLOCK=32)),
         ("gate reverse cumsum, scalar", gate.reverse_cumsum_kernel,

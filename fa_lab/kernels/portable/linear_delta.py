@@ -34,13 +34,15 @@ DH_STAGES = 1
 
 
 @triton.jit
-def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-               GATED: tl.constexpr, PRECISION: tl.constexpr):
+def wy_inverse(k_ptr, beta_ptr, g_ptr, t_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+               GATED: tl.constexpr, PRECISION: tl.constexpr, INVERSE: tl.constexpr):
     """One chunk's ``T = (I + L)^{-1}``, ``L = strictly_lower(diag(beta) (K K^T o D))``, in registers.
 
     Returns (T, L, K K^T, beta, the key scale beta o 2^G (beta without a gate)), float32 (C, C) or (C,).
     T comes from block doubling (:func:`block_doubling_inverse`): log2(C) steps of two (C, C) matmuls, where
-    forward substitution takes C serial steps of (C, C) vector work.
+    forward substitution takes C serial steps of (C, C) vector work. INVERSE: 0 computes T, 1 computes it and
+    stores it into t_ptr (B*H, chunks * CHUNK, CHUNK) float32 (the forward, for the backward), 2 loads it
+    from there (the backward).
     """
     rows = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = rows < seqlen
@@ -58,7 +60,14 @@ def wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.con
         key_scale = beta * tl.math.exp2(g)
     else:
         lower = tl.where(below, beta[:, None] * gram, 0.0)
-    return block_doubling_inverse(lower, CHUNK, PRECISION), lower, gram, beta, key_scale
+    inverse_offsets = (bh * chunks * CHUNK + rows)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    if INVERSE == 2:
+        inverse = tl.load(t_ptr + inverse_offsets)
+    else:
+        inverse = block_doubling_inverse(lower, CHUNK, PRECISION)
+        if INVERSE == 1:
+            tl.store(t_ptr + inverse_offsets, inverse)
+    return inverse, lower, gram, beta, key_scale
 
 
 @triton.jit
@@ -88,18 +97,20 @@ def block_doubling_inverse(lower, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, seqlen, chunks, d_k, d_v, CHUNK: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr):
+def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, t_ptr, w_ptr, u_ptr, seqlen, chunks, d_k, d_v,
+                    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr,
+                    PRECISION: tl.constexpr, INVERSE: tl.constexpr = 0):
     """The WY representation of one chunk: ``w = T (beta o 2^G o K)``, ``u = T (beta o V)`` with T from
     :func:`wy_inverse`. Grid (chunks, B*H).
 
     k_ptr, w_ptr (B*H, N, d_k), v_ptr, u_ptr (B*H, N, d_v) contiguous; beta_ptr (B*H, N); g_ptr float32
-    (B*H, chunks * CHUNK), the log2-unit gate cumulated per chunk (read if GATED).
+    (B*H, chunks * CHUNK), the log2-unit gate cumulated per chunk (read if GATED); t_ptr: T, stored or read as
+    INVERSE says (:func:`wy_inverse`).
     """
     c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = c * CHUNK + tl.arange(0, CHUNK)
-    inverse, _, _, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK, BLOCK_K,
-                                                GATED, PRECISION)
+    inverse, _, _, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, t_ptr, bh, c, seqlen, chunks, d_k, CHUNK,
+                                                BLOCK_K, GATED, PRECISION, INVERSE)
     _apply_to_rows(inverse, key_scale, k_ptr, w_ptr, bh, rows, seqlen, d_k, BLOCK_K, PRECISION)
     _apply_to_rows(inverse, beta, v_ptr, u_ptr, bh, rows, seqlen, d_v, BLOCK_V, PRECISION)
 
@@ -130,13 +141,15 @@ def _add_outer(acc, grad_ptr, src_ptr, row_scale, bh, rows, seqlen, width, BLOCK
 
 
 @triton.jit
-def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, dw_ptr, du_ptr, dk_ptr, dv_ptr, dbeta_ptr, dgate_ptr, seqlen,
-                        chunks, d_k, d_v, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                        GATED: tl.constexpr, PRECISION: tl.constexpr):
+def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, t_ptr, dw_ptr, du_ptr, dk_direct_ptr, dk_ptr, dv_ptr,
+                        dbeta_ptr, dgate_ptr, seqlen, chunks, d_k, d_v, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
+                        INVERSE: tl.constexpr = 0):
     """The WY representation's backward for one chunk: given dW and dU (float32, (B*H, N, d_k) and
-    (B*H, N, d_v)), write its share of dK (float32, (B*H, N, d_k)), dV (v's dtype), dbeta (float32,
-    (B*H, N)) and, if GATED, of the cumulated gate's gradient (float32, (B*H, chunks * CHUNK)). Grid
-    (chunks, B*H).
+    (B*H, N, d_v)), write dK (k's dtype, (B*H, N, d_k): its share plus the direct one, dk_direct_ptr, in k's
+    dtype), dV (v's dtype), dbeta (float32, (B*H, N)) and, if GATED, its share of the cumulated gate's
+    gradient (float32, (B*H, chunks * CHUNK)). T computed or loaded as INVERSE says (:func:`wy_inverse`).
+    Grid (chunks, B*H).
 
     With ``W = T Ks``, ``U = T Vb``, ``Ks = beta o 2^G o K``, ``Vb = beta o V``, ``T = (I + L)^{-1}`` and
     ``L_ij = beta_i (k_i . k_j) 2^(G_i - G_j)`` below the diagonal: ``dKs = T^T dW``, ``dVb = T^T dU``,
@@ -148,8 +161,8 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, dw_ptr, du_ptr, dk_ptr, d
     c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = rows < seqlen
-    inverse, lower, gram, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, bh, c, seqlen, chunks, d_k, CHUNK,
-                                                       BLOCK_K, GATED, PRECISION)
+    inverse, lower, gram, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, t_ptr, bh, c, seqlen, chunks, d_k,
+                                                       CHUNK, BLOCK_K, GATED, PRECISION, INVERSE)
     d_inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dT = dW Ks^T + dU Vb^T
     d_inverse = _add_outer(d_inverse, dw_ptr, k_ptr, key_scale, bh, rows, seqlen, d_k, BLOCK_K, PRECISION)
     d_inverse = _add_outer(d_inverse, du_ptr, v_ptr, beta, bh, rows, seqlen, d_v, BLOCK_V, PRECISION)
@@ -186,7 +199,8 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, dw_ptr, du_ptr, dk_ptr, d
         else:
             d_beta += k_dot
         dk = tl.dot(sym, k, d_ks * key_scale[:, None], input_precision=PRECISION)
-        tl.store(dk_ptr + key_rows, dk, mask=tile_ok)
+        dk += tl.load(dk_direct_ptr + key_rows, mask=tile_ok, other=0.0).to(tl.float32)
+        tl.store(dk_ptr + key_rows, dk.to(dk_ptr.dtype.element_ty), mask=tile_ok)
     tl.store(dbeta_ptr + bh * seqlen + rows, d_beta, mask=row_ok)
     if GATED:
         tl.store(dgate_ptr + bh * chunks * CHUNK + rows, d_gate)
@@ -280,7 +294,8 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
     tl.store(dh0_ptr + bh * d_k * d_v + tile, dh, mask=tile_ok)
 
 
-def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, scale: float, chunk_size: int):
+def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, scale: float, chunk_size: int,
+                         inverse=None):
     """(dq, dk, dv, dbeta, dg, d initial_state) of the (gated) delta rule on kernel-ready inputs, shapes as
     :func:`delta_chunk_forward`; grad_state None or (B, H, d_k, d_v). dq, dk, dv in the inputs' dtype,
     dbeta, dg (None without g) and the initial state's gradient float32.
@@ -316,7 +331,9 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     dv_new = torch.empty_like(dv_local)
     dq, dk_direct = torch.empty_like(q), torch.empty_like(k)
     dw = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk_wy, dv = torch.empty_like(dw), torch.empty_like(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    load = dict(INVERSE=2) if inverse is not None else {}  # the forward's T, else recomputed
+    inverse = inverse if inverse is not None else q
     d_beta = torch.empty(beta.shape, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_k, block_v = block_size(d_k), block_size(d_v)
@@ -330,8 +347,8 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
                                       ("qk", (cdiv(d_k, block_k), batch * heads, seqlen)),
                                       ("wy", (batch * heads, chunks * chunk_size)))}
     with on_device(q):
-        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum, w, u, seqlen, chunks, d_k, d_v, GATED=gated,
-                                                 num_warps=warps(chunk_wy_kernel), **wide)
+        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum, inverse, w, u, seqlen, chunks, d_k, d_v,
+                                                 GATED=gated, num_warps=warps(chunk_wy_kernel), **load, **wide)
         chunk_delta_fwd_h_kernel[(slices, batch * heads)](
             k, w, u, cum, h0, states, v_new, final_state, seqlen, chunks, d_k, d_v, GATED=gated,
             HAS_H0=initial_state is not None, num_warps=warps(chunk_delta_fwd_h_kernel), **sweep)
@@ -345,9 +362,9 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
         chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
             q, k, v_new, grad_o, cum, states, d_states, dq, dk_direct, gate_parts["qk"], dv_new, dw, seqlen, chunks,
             d_k, d_v, scale, GATE=int(gated), DELTA=True, num_warps=warps(chunk_bwd_dqk_kernel), **wide)
-        chunk_wy_bwd_kernel[(chunks, batch * heads)](k, v, beta, cum, dw, dv_new, dk_wy, dv, d_beta, gate_parts["wy"],
-                                                     seqlen, chunks, d_k, d_v, GATED=gated,
-                                                     num_warps=warps(chunk_wy_bwd_kernel), **wide)
+        chunk_wy_bwd_kernel[(chunks, batch * heads)](k, v, beta, cum, inverse, dw, dv_new, dk_direct, dk, dv, d_beta,
+                                                     gate_parts["wy"], seqlen, chunks, d_k, d_v, GATED=gated,
+                                                     num_warps=warps(chunk_wy_bwd_kernel), **load, **wide)
     dg = None
     if gated:
         d_cum = gate_parts["wy"]
@@ -355,7 +372,7 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
         d_cum = d_cum.view(batch * heads, chunks, chunk_size)
         d_cum[:, :, -1] += gate_parts["last"].sum(0)  # the chunk's last cumulated gate scales h_{c+1}
         dg = d_cum.flip(-1).cumsum(-1).flip(-1).flatten(1)[:, :seqlen].reshape(batch, heads, seqlen)
-    return dq, (dk_direct.float() + dk_wy).to(k.dtype), dv, d_beta, dg, d_initial
+    return dq, dk, dv, d_beta, dg, d_initial
 
 
 class ChunkDeltaFunction(torch.autograd.Function):
@@ -364,22 +381,25 @@ class ChunkDeltaFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, initial_state, scale, chunk_size):
-        ctx.save_for_backward(q, k, v, beta, g, initial_state)
+        o, final_state, inverse = delta_chunk_forward(q, k, v, beta, g, initial_state, scale, chunk_size,
+                                                      keep_inverse=any(ctx.needs_input_grad[:6]))
+        ctx.save_for_backward(q, k, v, beta, g, initial_state, inverse)
         ctx.args = scale, chunk_size
-        return delta_chunk_forward(q, k, v, beta, g, initial_state, scale, chunk_size)
+        return o, final_state
 
     @staticmethod
     def backward(ctx, grad_o, grad_state):
-        q, k, v, beta, g, initial_state = ctx.saved_tensors
+        q, k, v, beta, g, initial_state, inverse = ctx.saved_tensors
         dq, dk, dv, d_beta, dg, d_initial = delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state,
-                                                                 *ctx.args)
+                                                                 *ctx.args, inverse=inverse)
         return (dq, dk, dv, d_beta.to(beta.dtype), None if g is None else dg.to(g.dtype),
                 None if initial_state is None else d_initial.to(initial_state.dtype), None, None)
 
 
-def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_size: int):
+def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_size: int, keep_inverse: bool = False):
     """The WY kernel, then the h kernel and the o kernel (no autograd). q, k (B, H, N, d_k), v (B, H, N, d_v),
-    beta (B, H, N), g None or (B, H, N). Returns (o in q.dtype, final state (B, H, d_k, d_v) float32)."""
+    beta (B, H, N), g None or (B, H, N). Returns (o in q.dtype, final state (B, H, d_k, d_v) float32, the WY
+    inverse T (B*H, chunks * C, C) float32 if keep_inverse, for the backward, else None)."""
     from ..common import cdiv, on_device
     from .linear_chunk import block_size, chunk_fwd_o_kernel, launch_warps
     from .linear_gate import log2_cumulated_gate
@@ -391,13 +411,16 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
     cum2 = log2_cumulated_gate(g, chunk_size) if g is not None else q
     h0 = initial_state.float().contiguous() if initial_state is not None else q
     w, u = torch.empty_like(k), torch.empty_like(v)  # the WY matrices, rounded to the inputs' dtype as fla does
+    inverse = torch.empty(batch * heads, chunks * chunk_size, chunk_size, dtype=torch.float32,
+                          device=q.device) if keep_inverse else None
     h = torch.empty(batch * heads, chunks, d_k, d_v, dtype=q.dtype, device=q.device)  # read by the o pass only
     v_new = torch.empty(batch, heads, seqlen, d_v, dtype=q.dtype, device=q.device)
     final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
     o = torch.empty_like(v_new)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     with on_device(q):
-        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum2, w, u, seqlen, chunks, d_k, d_v, CHUNK=chunk_size,
+        chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum2, inverse if keep_inverse else q, w, u, seqlen, chunks,
+                                                 d_k, d_v, INVERSE=int(keep_inverse), CHUNK=chunk_size,
                                                  BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v),
                                                  GATED=g is not None, PRECISION=precision,
                                                  num_warps=launch_warps(chunk_wy_kernel, chunk_size))
@@ -411,7 +434,7 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
             q, k, v_new, cum2, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size, BLOCK_K=block_size(d_k),
             BLOCK_V=block_v, GATE=int(g is not None), PRECISION=precision,
             num_warps=launch_warps(chunk_fwd_o_kernel, chunk_size))
-    return o, final_state
+    return o, final_state, inverse
 
 
 def triton_chunk_delta_rule(q, k, v, beta, g, initial_state, scale: float, chunk_size: int):
