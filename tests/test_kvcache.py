@@ -97,6 +97,36 @@ def test_kvcache_attention_meets_the_tolerance_rule(impl, heads, heads_kv, seqle
         assert result.ok, str(result)
 
 
+@pytest.mark.parametrize("window, softcap", [((-1, -1), 0.0), ((20, -1), 0.0), ((-1, -1), 10.0)])
+def test_chunked_prefill_takes_the_prefill_forward_and_ignores_unwritten_slots(window, softcap, generator,
+                                                                                monkeypatch):
+    """Many queries over a dense cache with one split go to the prefill forward (the decode kernel is
+    made to fail), with the cache's lengths as seqused_k; the slots past each length hold NaN, which must
+    not reach the output."""
+    pytest.importorskip("triton")
+    from fa_lab.kernels.portable import decode
+
+    monkeypatch.setattr(decode, "decode_split_kernel", None)  # indexing None for a launch would raise
+    dtype, heads, heads_kv, head_dim, capacity, seqlen_q = torch.float16, 4, 2, 32, 160, 40
+    cache_seqlens = [0, 57, capacity - seqlen_q]
+    batch = len(cache_seqlens)
+    k_cache, v_cache, _ = make_cache(generator, batch, capacity, heads_kv, head_dim, dtype)
+    for b, n in enumerate(cache_seqlens):
+        k_cache[b, n + seqlen_q:], v_cache[b, n + seqlen_q:] = float("nan"), float("nan")
+    q = torch.randn(batch, seqlen_q, heads, head_dim, generator=generator).to(dtype)
+    k_new, v_new = (torch.randn(batch, seqlen_q, heads_kv, head_dim, generator=generator).to(dtype) for _ in range(2))
+    out, lse = fa_lab.attention_with_kvcache(q, k_cache, v_cache, torch.tensor(cache_seqlens, dtype=torch.int32),
+                                             k_new, v_new, window=window, softcap=softcap, num_splits=1,
+                                             impl="triton", return_lse=True)
+    lengths = [n + seqlen_q for n in cache_seqlens]
+    reference = expected(q, k_cache, v_cache, None, lengths, True, None, window, softcap, upcast=True)
+    baseline = expected(q, k_cache, v_cache, None, lengths, True, None, window, softcap, upcast=False)
+    for name, got, want, base, floor in (("out", out, reference[0], baseline[0], None),
+                                         ("lse", lse, reference[1], baseline[1], LSE_FLOOR)):
+        result = compare(name, got, want, base, dtype, floor=floor)
+        assert result.ok, str(result)
+
+
 def test_appending_leaves_every_other_byte_of_the_pool_alone(generator):
     k_cache, v_cache, table = make_cache(generator, 2, 32, 2, 16, torch.float32, page_size=8)
     k_before, v_before = k_cache.clone(), v_cache.clone()
@@ -264,7 +294,7 @@ def test_decode_without_keys_gives_zeros_and_minus_infinity(generator):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [None, 16, 256])
-@pytest.mark.parametrize("seqlen_q, splits", [(1, 0), (1, 1), (7, 0), (1, 9)])
+@pytest.mark.parametrize("seqlen_q, splits", [(1, 0), (1, 1), (7, 0), (1, 9), (256, 1)])  # 256: chunked prefill
 def test_gpu_decode(page_size, seqlen_q, splits, generator):
     dtype, batch, capacity, heads, heads_kv, head_dim = torch.bfloat16, 4, 4096, 32, 8, 128
     k_cache, v_cache, table = make_cache(generator, batch, capacity, heads_kv, head_dim, dtype, page_size)

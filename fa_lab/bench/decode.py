@@ -8,7 +8,8 @@ and paged caches of 256/64/16-token pages, with the split count it picks and wit
 check_values=True, dense); ``sdpa_gqa`` (SDPA with ``enable_gqa=True`` on the dense cache); ``fa4`` and
 ``fa4_paged`` (the upstream flash-attn-4 kernels, where installed and where they take the case); and
 ``chunked_prefill`` rows: 512 new queries appended to a 16K cache, in TFLOP/s next to
-``attention_varlen``'s forward on the same shapes.
+``attention_varlen``'s forward on the same shapes (``triton`` with the default value check, which
+reads back once, and ``triton_unchecked`` without it).
 
 How decode is timed. A decode step is a few microseconds of GPU work, so a timer that launches one
 call at a time measures the host (Python, the launch, any read-back) as much as the GPU. Serving
@@ -184,6 +185,8 @@ def chunked_prefill_rows(timer) -> list[dict]:
     cu_q = torch.arange(0, batch * n_new + 1, n_new, dtype=torch.int32, device="cuda")
     cu_k = torch.arange(0, batch * (cache + n_new) + 1, cache + n_new, dtype=torch.int32, device="cuda")
     cases = {"triton": lambda: fa_lab.attention_with_kvcache(q, k, v, seqlens, k_new, v_new, impl="triton"),
+             "triton_unchecked": lambda: fa_lab.attention_with_kvcache(q, k, v, seqlens, k_new, v_new, impl="triton",
+                                                                       check_values=False),
              "triton_varlen": lambda: fa_lab.attention_varlen(qp, kp, vp, cu_q, cu_k, causal=True, impl="triton")}
     rows = []
     for impl, run in cases.items():

@@ -46,9 +46,11 @@ NO_OPTIONS = ScoreOptions()
 
 
 def triton_forward(q, k, v, causal: bool, scale: float, config: TileConfig | None = None,
-                   options: ScoreOptions = NO_OPTIONS):
+                   options: ScoreOptions = NO_OPTIONS, seqused_k=None):
     """Forward on prepared operands q: (B, H, Nq, d8), k, v: (B, Hkv, Nk, d8).
 
+    seqused_k: int32 (B,) on q's device, or None: k and v are a KV cache of Nk slots of which sequence
+    b uses the first seqused_k[b] (flash-attn's name; causal and windows align to them).
     Returns (out: (B, H, Nq, d8) in q.dtype, lse: (B, H, Nq) float32).
     """
     from .forward import attention_fwd_kernel
@@ -63,16 +65,18 @@ def triton_forward(q, k, v, causal: bool, scale: float, config: TileConfig | Non
     attention_fwd_kernel[grid](
         descriptor(q, config.block_m), descriptor(k, config.block_n), descriptor(v, config.block_n),
         descriptor(out, config.block_m), lse, heads, seqlen_q, seqlen_k, scale * LOG2E, *option_args,
-        *_no_varlen(lse, 1), BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
-        REVERSE_GRID=causal, VARLEN=False, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
+        *_no_varlen(lse, 1, seqused_k), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim_bucket(head_dim), REVERSE_GRID=causal, VARLEN=False, SEQUSED=seqused_k is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages, **constexprs,
     )
     return out, lse
 
 
-def _no_varlen(any_tensor, outputs: int) -> tuple:
+def _no_varlen(any_tensor, outputs: int, seqused_k=None) -> tuple:
     """The packed-batch arguments of a dense launch (cu_q, cu_k, tiles, the output pointers, head_dim):
-    never read, since VARLEN is off."""
-    return (any_tensor,) * (3 + outputs) + (0,)
+    never read, since VARLEN is off, except cu_k, which carries seqused_k where one is given."""
+    cu_k = any_tensor if seqused_k is None else seqused_k
+    return (any_tensor, cu_k) + (any_tensor,) * (1 + outputs) + (0,)
 
 
 def pipelined_forward(q, k, v, out, lse, descales, causal: bool, scale: float, config: TileConfig,

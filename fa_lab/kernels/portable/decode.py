@@ -191,6 +191,8 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     config = config or (INTERPRETER if interpreting() else DECODE_CUDA)
     rows = group * seqlen_q
     block_m = min(DECODE_ROWS, max(16, triton.next_power_of_2(rows)))
+    if prefills_by_query_tiles(layout, splits):
+        return cache_prefill(q, k_cache, v_cache, lengths, causal, scale, window, softcap)
     if not layout.paged:
         table, page_size, gather = lengths, layout.capacity, DENSE  # (the table is not read)
     else:
@@ -215,6 +217,32 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     if splits == 1:
         return out[0].transpose(1, 2).to(q.dtype), lse[0]
     return merge_split_results(out, lse, q.dtype)
+
+
+def prefills_by_query_tiles(layout, splits: int) -> bool:
+    """Whether a call is a chunked prefill that the prefill forward serves better than the decode kernel:
+    one split, a dense cache whose rows a tensor descriptor can read (head_dim a multiple of 8), and at
+    least one whole query tile of the forward's per head. The decode kernel's packed tiles are sized
+    for a few query rows per head; with hundreds, the forward's larger tiles (and its unmasked inner
+    loop) win: on the H200, 512 queries over a 16K cache ran at 217 TFLOP/s in the decode kernel
+    against 342 in the forward (benchmarks/h200_decode.json before the route)."""
+    from .. import interpreting
+    from .configs import forward_config
+
+    tile = forward_config(layout.head_dim, True, interpreting()).block_m
+    return splits == 1 and not layout.paged and layout.head_dim % 8 == 0 and layout.seqlen_q >= tile
+
+
+def cache_prefill(q, k_cache, v_cache, lengths, causal: bool, scale: float, window, softcap: float):
+    """Queries over a dense cache through :func:`.attention.triton_forward`, the cache's lengths as its
+    ``seqused_k``: q (B, seqlen_q, H, d), k_cache, v_cache (B, capacity, heads_kv, d), lengths int32 (B,).
+    Returns (out (B, seqlen_q, H, d) in q.dtype, a view; lse (B, H, seqlen_q) float32). Reads nothing back."""
+    from ..common import kernel_operand
+    from .attention import ScoreOptions, triton_forward
+
+    out, lse = triton_forward(kernel_operand(q.transpose(1, 2)), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                              causal, scale, options=ScoreOptions(tuple(window), float(softcap)), seqused_k=lengths)
+    return out.transpose(1, 2), lse
 
 
 def merge_split_results(out, lse, dtype):

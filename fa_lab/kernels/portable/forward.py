@@ -93,11 +93,13 @@ def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, k_row0, star
                   seqlen_k, causal_offset, mods,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SEQUSED: tl.constexpr = False):
     """Fold the K/V tile starting at key ``start_n`` into (acc, l_i, m_i).
 
     mods: (left, right, softcap_scale, softcap_log2, slope_log2), read only where WINDOW, SOFTCAP, ALIBI say.
     k_row0: the sequence's first key row in a packed batch (0 otherwise); start_n counts from it.
+    SEQUSED: rows past seqlen_k are a cache's unwritten slots, not zeros: a masked tile zeroes them in V,
+    since p = 0 does not cancel a NaN there.
     """
     k = desc_k.load([batch, kv_head, k_row0 + start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     qk = tl.dot(q, tl.trans(k))
@@ -112,6 +114,8 @@ def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, k_row0, star
         p, alpha, l_i, m_new = online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k,
                                                    causal_offset, BLOCK_N, MASKED, CAUSAL, left, right, WINDOW)
     v = desc_v.load([batch, kv_head, k_row0 + start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+    if SEQUSED and MASKED:
+        v = tl.where((start_n + tl.arange(0, BLOCK_N) < seqlen_k)[:, None], v, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
@@ -124,7 +128,7 @@ def attention_fwd_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                          CAUSAL: tl.constexpr, REVERSE_GRID: tl.constexpr,
                          WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                         GQA: tl.constexpr, VARLEN: tl.constexpr):
+                         GQA: tl.constexpr, VARLEN: tl.constexpr, SEQUSED: tl.constexpr = False):
     """O = softmax(scale * Q K^T) V for one Q tile; lse (natural log) saved for the backward.
 
     desc_q, desc_o: descriptors over (B, H, Nq, HEAD_DIM), desc_k, desc_v over (B, H // group, Nk,
@@ -139,6 +143,8 @@ def attention_fwd_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
     query tile tiles_ptr[t] = (sequence, first row) (the launcher's schedule), cu_q_ptr and cu_k_ptr
     hold the int32 offsets, and O goes to o_ptr ((total_q, H, head_dim)) and lse to (H, total_q) by rows
     (:func:`write_output_rows`).
+    SEQUSED (dense batch only): K and V are a KV cache of seqlen_k slots per sequence, of which batch b
+    uses the first cu_k_ptr[b] (int32 (B,); flash-attn's ``seqused_k``): causal and windows align to that.
     """
     pid_m = tl.program_id(0)
     if VARLEN:
@@ -165,6 +171,8 @@ def attention_fwd_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
         q_row0 = 0
         k_row0 = 0
         slope_index = pid_bh
+        if SEQUSED:
+            seqlen_k = tl.load(cu_k_ptr + batch)
     kv_head = head // group if GQA else head
     offs_m = start_m + tl.arange(0, BLOCK_M)
     causal_offset = seqlen_k - seqlen_q  # bottom-right alignment: row i sees keys j <= i + offset
@@ -184,18 +192,18 @@ def attention_fwd_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
         for start_n in tl.range(begin, full_begin, BLOCK_N):  # the band's left edge
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, k_row0, start_n,
                                           qk_scale, offs_m, seqlen_k, causal_offset, mods,
-                                          BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI)
+                                          BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, SEQUSED)
     else:
         full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
         full_begin = 0
     for start_n in tl.range(full_begin, full_end, BLOCK_N):
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, k_row0, start_n,
                                       qk_scale, offs_m, seqlen_k, causal_offset, mods,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, WINDOW, SOFTCAP, ALIBI)
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, SEQUSED)
     for start_n in tl.range(full_end, end, BLOCK_N):
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, k_row0, start_n,
                                       qk_scale, offs_m, seqlen_k, causal_offset, mods,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI)
+                                      BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, SEQUSED)
 
     if VARLEN:
         write_output_rows(acc, l_i, m_i, o_ptr, head_dim, lse_ptr, q_row0, head, heads, total_q, offs_m,
