@@ -28,6 +28,11 @@
 #            peers-warm in the same call, or fla autotunes first), our NSA selection and MoBA at 64K
 #   linear-tune - our linear kernels at 2, 4 and 8 warps, every launch's time at 4K (h200_linear_tuning.json);
 #            the winners go into LAUNCH_WARPS in fa_lab/kernels/portable/linear_chunk.py
+#   gla-tiles - GLA's h pass and score kernel over tile widths, warps and stages (h200_gla_tile_sweep.json, by
+#            benchmarks/gla_tile_sweep.py); the winners go into linear_chunk.h_pass_tiles, SCORE_BLOCK_K,
+#            LAUNCH_WARPS and LAUNCH_STAGES
+#   linear-stages - the same at num_stages 1 to 4 and the committed warps (h200_linear_stages.json; arguments after
+#            OUTDIR go to the command, e.g. --cases delta_rule); the winners go into LAUNCH_STAGES
 #   peers-warm - fla-core's linear kernels autotuned (one process per case, at once) at the benchmark's 4K shape,
 #            so that a later `linear` compiles one config per kernel instead of every candidate
 # Triton's cache is .device/triton-cache (git-ignored): fla-core's kernels autotune for minutes on their first
@@ -59,8 +64,10 @@ case "$step" in
   linear) $bench linear --json "$out/h200_linear.json" --plot "$out/h200_linear.png" "$@" \
            2>&1 | tee "$out/linear.log" | grep -v "^bench" ;;
   linear-tune) $bench linear --tune "$out/h200_linear_tuning.json" 2>&1 | tee "$out/linear_tune.log" ;;
+  linear-stages) $bench linear --tune "$out/h200_linear_stages.json" --stages 1 2 3 4 "$@" 2>&1 | tee "$out/linear_stages.log" ;;
   breakdown) $bench linear --breakdown 2>&1 | tee "$out/linear_breakdown.log"
          $bench sparse --breakdown 2>&1 | tee "$out/sparse_breakdown.log" ;;
+  gla-tiles) python3 benchmarks/gla_tile_sweep.py "$out/h200_gla_tile_sweep.json" 2>&1 | tee "$out/gla_tiles.log" ;;
   peers-warm) for case in simple_gla gla delta_rule; do
            $bench linear --cases $case --seqlens 4096 > "$out/peers_warm_$case.log" 2>&1 & done; wait ;;
   ring) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
@@ -76,5 +83,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|linear-tune|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|linear-tune|linear-stages|gla-tiles|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -257,3 +257,35 @@ def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monk
     entry = next(e for e in results["log"] if e["kernel"] == "chunk_wy_kernel" and e["num_warps"] == 4)
     assert entry["ms"] == pytest.approx(2 * 2 * 5.0)  # 2 cases x (forward + backward) x 5 ms at 4 warps
     assert linear_chunk.LAUNCH_WARPS == committed
+
+
+def test_the_linear_tuner_times_stages_at_the_committed_warps_and_restores_both_tables(monkeypatch, tmp_path):
+    """tune_warps(knob="num_stages"): per candidate every kernel of the warp table gets that num_stages, the
+    warps stay as committed, the fastest stages per kernel win, and both tables come back afterwards."""
+    from fa_lab.bench import breakdown
+    from fa_lab.bench import linear as bench
+    from fa_lab.kernels.portable import linear_chunk
+
+    warps, stages = dict(linear_chunk.LAUNCH_WARPS), dict(linear_chunk.LAUNCH_STAGES)
+    best = {"chunk_bwd_dqk_kernel": 2, "chunk_wy_bwd_kernel": 4}
+
+    def fake_times(call):
+        assert linear_chunk.LAUNCH_WARPS == warps
+        now = linear_chunk.LAUNCH_STAGES["chunk_bwd_dqk_kernel"]
+        assert set(linear_chunk.LAUNCH_STAGES[name] for name in warps) == {now}
+        return [(name, 1000.0 * (1 + abs(now - fastest)), 0.5) for name, fastest in best.items()]
+
+    monkeypatch.setattr(bench, "case_inputs", lambda case, seqlen: {})
+    monkeypatch.setattr(bench, "ours", lambda case, tensors: (lambda: None, []))
+    monkeypatch.setattr(breakdown, "backward_call", lambda run, leaves: run)
+    monkeypatch.setattr(breakdown, "kernel_times", fake_times)
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "environment", lambda device: {"device": "test", "torch": "x", "triton": None,
+                                                              "date": "2026-12-02"})
+    results = bench.tune_warps(tmp_path / "stages.json", seqlen=64, cases=("delta_rule",), candidates=(1, 2, 4),
+                               knob="num_stages", progress=lambda line: None)
+    assert results["winners"] == best and results["knob"] == "num_stages"
+    assert {e["num_stages"] for e in results["log"]} == {1, 2, 4}
+    assert linear_chunk.LAUNCH_WARPS == warps and linear_chunk.LAUNCH_STAGES == stages
+    with pytest.raises(ValueError, match="knob"):
+        bench.tune_warps(tmp_path / "x.json", knob="num_threads")

@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "forward and backward, per case at the first --seqlens")
     p.add_argument("--tune", metavar="PATH", help="instead, time our kernels at each candidate num_warps (at the "
                    "first --seqlens) and write the log to PATH")
+    p.add_argument("--stages", type=int, nargs="+", metavar="S", help="with --tune: time these num_stages "
+                   "(at the committed num_warps) instead")
     _add_outputs(p, "save a PNG of forward and backward time against the sequence length")
     p.set_defaults(handler=_run_linear)
 
@@ -265,7 +267,11 @@ def _run_linear(args) -> int:
     if args.breakdown:
         return _breakdown_only(args, lambda: linear.breakdowns(args.seqlens[0], cases=tuple(args.cases)))
     if args.tune:
-        linear.tune_warps(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases))
+        if args.stages:
+            linear.tune_warps(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases), candidates=args.stages,
+                              knob="num_stages")
+        else:
+            linear.tune_warps(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases))
         return 0
     results = linear.run_linear(args.json, seqlens=tuple(args.seqlens), cases=tuple(args.cases))
     lines = [f"{what}: {value:.3f}" for what, value in linear.speed_ratios(results["rows"])]

@@ -237,25 +237,34 @@ def breakdowns(seqlen: int = SEQLENS[0], cases=CASES, impls=IMPLS, progress=prin
 WARP_CANDIDATES = (2, 4, 8)
 
 
-def tune_warps(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases=CASES, progress=print) -> dict:
-    """Time each of our kernels with every launch at each candidate num_warps, and write the log to ``path``.
+def tune_warps(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases=CASES, progress=print,
+               knob: str = "num_warps") -> dict:
+    """Time each of our kernels with every launch at each candidate num_warps (or, with knob "num_stages",
+    num_stages at the committed warps), and write the log to ``path``.
 
-    Per candidate, every entry of :data:`fa_lab.kernels.portable.linear_chunk.LAUNCH_WARPS` takes it (the
-    committed table is restored after), and each kernel's time per call (:mod:`.breakdown`) is summed over
-    the forward and backward of every case at ``seqlen``; a kernel's time does not depend on the others'
-    warps, so one pass per candidate times them all. The log is ``{"device", "torch", "triton", "date",
-    "seqlen", "winners", "log"}``: the fastest num_warps per kernel and one entry (``kernel``, ``num_warps``,
-    ``ms``) per kernel and candidate. The winners go into the table by hand, where the offline sm_90 build
-    accepts them (tests/test_portable_sm90_builds.py). A candidate that fails in a case is logged and skipped.
+    Per candidate, every entry of :data:`fa_lab.kernels.portable.linear_chunk.LAUNCH_WARPS` takes it (or,
+    for stages, every kernel of that table gets it in ``LAUNCH_STAGES``; the committed tables are restored
+    after), and each kernel's time per call (:mod:`.breakdown`) is summed over the forward and backward of
+    every case at ``seqlen``; a kernel's time does not depend on the others' settings, so one pass per
+    candidate times them all. The log is ``{"device", "torch", "triton", "date", "seqlen", "knob", "winners",
+    "log"}``: the fastest setting per kernel and one entry (``kernel``, the knob, ``ms``) per kernel and
+    candidate. The winners go into the tables by hand, where the offline sm_90 build accepts them
+    (tests/test_portable_sm90_builds.py). A candidate that fails in a case is logged and skipped.
     """
     from ..kernels.portable import linear_chunk
     from .breakdown import kernel_times, passes
 
+    if knob not in ("num_warps", "num_stages"):
+        raise ValueError(f"knob must be 'num_warps' or 'num_stages', got {knob!r}")
     committed = dict(linear_chunk.LAUNCH_WARPS)
+    committed_stages = dict(linear_chunk.LAUNCH_STAGES)
     log = []
     try:
-        for warps in candidates:
-            linear_chunk.LAUNCH_WARPS.update(dict.fromkeys(committed, warps))
+        for value in candidates:
+            if knob == "num_warps":
+                linear_chunk.LAUNCH_WARPS.update(dict.fromkeys(committed, value))
+            else:
+                linear_chunk.LAUNCH_STAGES.update(dict.fromkeys(committed, value))
             totals: dict[str, float] = {}
             for case in cases:
                 tensors = case_inputs(case, seqlen)
@@ -266,22 +275,25 @@ def tune_warps(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases
                             if name in committed:
                                 totals[name] = totals.get(name, 0.0) + micros / 1000
                 except Exception as exc:  # a candidate that does not compile or run must not end the sweep
-                    print(f"tune linear {case} num_warps={warps}: {exc!r:.300}", file=sys.stderr)
+                    print(f"tune linear {case} {knob}={value}: {exc!r:.300}", file=sys.stderr)
                 del tensors
                 torch.cuda.empty_cache()
-            log += [{"kernel": name, "num_warps": warps, "ms": ms} for name, ms in sorted(totals.items())]
-            progress(f"num_warps={warps}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(totals.items())))
+            log += [{"kernel": name, knob: value, "ms": ms} for name, ms in sorted(totals.items())]
+            progress(f"{knob}={value}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(totals.items())))
     finally:
+        linear_chunk.LAUNCH_WARPS.clear()
         linear_chunk.LAUNCH_WARPS.update(committed)
+        linear_chunk.LAUNCH_STAGES.clear()
+        linear_chunk.LAUNCH_STAGES.update(committed_stages)
     winners = {}
     for entry in log:
         best = winners.get(entry["kernel"])
         if best is None or entry["ms"] < best["ms"]:
             winners[entry["kernel"]] = entry
-    results = {**environment("cuda"), "seqlen": seqlen,
-               "winners": {name: entry["num_warps"] for name, entry in sorted(winners.items())}, "log": log}
+    results = {**environment("cuda"), "seqlen": seqlen, "knob": knob,
+               "winners": {name: entry[knob] for name, entry in sorted(winners.items())}, "log": log}
     write_log(results, path)
-    progress("winners: " + ", ".join(f"{name} {warps}" for name, warps in results["winners"].items()))
+    progress("winners: " + ", ".join(f"{name} {value}" for name, value in results["winners"].items()))
     return results
 
 

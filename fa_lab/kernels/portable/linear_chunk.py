@@ -288,15 +288,45 @@ def block_size(dim: int, cap: int = 64) -> int:
 # `fa-lab bench linear --tune` on the H200 (benchmarks/h200_linear_tuning.json), except the plain dh pass,
 # which would spill 152 bytes a thread at 2 warps for a 6% gain. Two winners spill a little when compiled for
 # sm_90 at d = 128 (tests/test_portable_sm90_builds.py bounds them): the WY backward (five (C, C) float32
-# tiles: 88 bytes at 4 warps, 1.5 times faster than 8 warps without spills) and the delta rule's dh pass
-# (all d_k rows of its state slice and three (C, d_k) float32 operand tiles: 640 bytes gated at 2 warps;
-# the benchmark's ungated case runs 1.9 times faster than at 8 warps, which spill 24).
+# tiles: 48 bytes at 4 warps, 1.5 times faster than 8 warps without spills) and the delta rule's dh pass
+# (all d_k rows of its state slice, h_{c+1}'s tile and its (C, d_k) operand tiles: 488 bytes gated at 2 warps;
+# the benchmark's ungated case runs 1.9 times faster than at 8 warps, which spill 24). GLA's score kernel takes
+# one warp, the winner of a wider sweep of its tiles (SCORE_BLOCK_K).
 LAUNCH_WARPS = {
-    "chunk_fwd_h_kernel": 4, "chunk_fwd_o_kernel": 4, "chunk_gla_fwd_a_kernel": 2, "chunk_gla_fwd_o_kernel": 4,
+    "chunk_fwd_h_kernel": 4, "chunk_fwd_o_kernel": 4, "chunk_gla_fwd_a_kernel": 1, "chunk_gla_fwd_o_kernel": 4,
     "chunk_bwd_dh_kernel": 4, "chunk_bwd_dv_kernel": 4, "chunk_bwd_dqk_kernel": 4, "chunk_bwd_da_kernel": 4,
     "chunk_gla_bwd_dv_kernel": 4, "chunk_gla_bwd_dqk_kernel": 4, "chunk_wy_kernel": 4, "chunk_wy_bwd_kernel": 4,
     "chunk_delta_fwd_h_kernel": 4, "chunk_delta_bwd_dh_kernel": 2,
 }
+
+
+def h_pass_tiles(gate: int, d_k: int, d_v: int) -> dict:
+    """BLOCK_K, BLOCK_V (and num_stages where it is not the default) of :func:`chunk_fwd_h_kernel` by gate.
+    Under GLA's per-dim gate a program holds a whole 128-wide row block of the state and runs its chunk
+    loop unpipelined: 0.26 ms at 4K (B = 8, H = 16, d = 128) against 0.52 with (64, 64) tiles and 3 stages,
+    the fastest of 64 settings timed on the H200 (benchmarks/h200_gla_tile_sweep.json)."""
+    if gate == GATE_CODES["per_dim"]:
+        return dict(BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v, 128), num_stages=1)
+    return dict(BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v))
+
+
+# GLA's intra-chunk score kernel: 64-wide key blocks, with one warp per 16-row sub-chunk (LAUNCH_WARPS) and 2
+# stages (LAUNCH_STAGES): 0.75 ms at 4K against 0.84 with 32-wide blocks, 2 warps and 3 stages
+# (benchmarks/h200_gla_tile_sweep.json).
+SCORE_BLOCK_K = 64
+
+
+# num_stages of the launches whose chunk loops run better with other than Triton's default 3: the delta rule's
+# dh pass unpipelined (with 3 stages it spills on sm_90 at d_k = 128, tests/test_portable_sm90_builds.py) and
+# GLA's score kernel at 2 (SCORE_BLOCK_K's sweep). chunk_fwd_h_kernel's stages depend on the gate: h_pass_tiles.
+LAUNCH_STAGES = {"chunk_delta_bwd_dh_kernel": 1, "chunk_gla_fwd_a_kernel": 2}
+
+
+def launch_meta(kernel, chunk_size: int) -> dict:
+    """The launch options of ``kernel`` at ``chunk_size``: num_warps (:func:`launch_warps`) and, where
+    :data:`LAUNCH_STAGES` has an entry, num_stages."""
+    stages = LAUNCH_STAGES.get(kernel.__name__)
+    return dict(num_warps=launch_warps(kernel, chunk_size), **({} if stages is None else {"num_stages": stages}))
 
 
 def launch_warps(kernel, chunk_size: int) -> int:
@@ -316,8 +346,8 @@ def gla_intra_scores(q, k, cum, chunk_size: int, dtype):
     scores = torch.empty(batch * heads, chunks * chunk_size, chunk_size, dtype=dtype, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     chunk_gla_fwd_a_kernel[(chunks * (chunk_size // SUB_CHUNK), batch * heads)](
-        q, k, cum, scores, seqlen, chunks, d_k, CHUNK=chunk_size, SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32),
-        PRECISION=precision, num_warps=launch_warps(chunk_gla_fwd_a_kernel, chunk_size))
+        q, k, cum, scores, seqlen, chunks, d_k, CHUNK=chunk_size, SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, SCORE_BLOCK_K),
+        PRECISION=precision, **launch_meta(chunk_gla_fwd_a_kernel, chunk_size))
     return scores
 
 
@@ -340,21 +370,22 @@ def chunk_forward(q, k, v, g, initial_state, scale: float, chunk_size: int):
     o = torch.empty(batch, heads, seqlen, d_v, dtype=q.dtype, device=q.device)
     block_k, block_v = block_size(d_k), block_size(d_v)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    tiles = h_pass_tiles(gate, d_k, d_v)
     with on_device(q):
-        chunk_fwd_h_kernel[(cdiv(d_k, block_k), cdiv(d_v, block_v), batch * heads)](
-            k, v, cum, h0, h, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size, BLOCK_K=block_k,
-            BLOCK_V=block_v, GATE=gate, HAS_H0=initial_state is not None, PRECISION=precision,
-            num_warps=launch_warps(chunk_fwd_h_kernel, chunk_size))
+        chunk_fwd_h_kernel[(cdiv(d_k, tiles["BLOCK_K"]), cdiv(d_v, tiles["BLOCK_V"]), batch * heads)](
+            k, v, cum, h0, h, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size, GATE=gate,
+            HAS_H0=initial_state is not None, PRECISION=precision,
+            num_warps=launch_warps(chunk_fwd_h_kernel, chunk_size), **tiles)
         grid = (chunks, batch * heads, cdiv(d_v, block_v))
         if gate == GATE_CODES["per_dim"]:
             scores = gla_intra_scores(q, k, cum, chunk_size, q.dtype)
             chunk_gla_fwd_o_kernel[grid](q, v, cum, h, scores, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size,
                                          BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
-                                         num_warps=launch_warps(chunk_gla_fwd_o_kernel, chunk_size))
+                                         **launch_meta(chunk_gla_fwd_o_kernel, chunk_size))
         else:
             chunk_fwd_o_kernel[grid](q, k, v, cum, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size,
                                      BLOCK_K=block_k, BLOCK_V=block_v, GATE=gate, PRECISION=precision,
-                                     num_warps=launch_warps(chunk_fwd_o_kernel, chunk_size))
+                                     **launch_meta(chunk_fwd_o_kernel, chunk_size))
     return o, final_state
 
 

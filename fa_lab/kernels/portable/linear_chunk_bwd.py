@@ -143,8 +143,13 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_p
     """dQ, dK of one chunk and key block, and (GATE 1) the key block's share of q . dq - k . dk per token;
     grid (chunks, B*H, cdiv(d_k, BLOCK_K)). h_ptr: the forward's chunk start states; dgate_ptr
     (cdiv(d_k, BLOCK_K), B*H, N) float32. DELTA (the delta rule: v_ptr holds v_new): also
-    ``dW = -dV_new h_c^T`` into dw_ptr (B*H, N, d_k) float32 from dv_new_ptr (B*H, N, d_v) float32."""
+    ``dW = -dV_new h_c^T`` into dw_ptr (B*H, N, d_k) float32 from dv_new_ptr (B*H, N, d_v) float32.
+    DELTA's matmuls over d_v and dQ's intra-chunk term take their operands in the inputs' dtype (float32
+    accumulators), the states rounded to it as fla's ``chunk_bwd_dqkwg`` does: 16-bit tensor-core matmuls
+    where they were TF32. (Under a scalar gate without DELTA, the same rounding took the gate's gradient,
+    a difference of q . dq and k . dk, to 3.5% relative RMSE on the H200, over the 1.6% bound: those stay TF32.)"""
     c, bh, pid_k = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    dtype = do_ptr.dtype.element_ty if DELTA else tl.float32
     rows = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = rows < seqlen
     cols_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -161,19 +166,20 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_p
         do = load_rows(do_ptr, bh, rows, seqlen, cols_v, d_v)
         tile = cols_k[:, None] * d_v + cols_v[None, :]
         tile_ok = k_ok[:, None] & v_ok[None, :]
-        h = tl.load(h_ptr + state + tile, mask=tile_ok, other=0.0)
-        dh = tl.load(dh_ptr + state + tile, mask=tile_ok, other=0.0)
+        h = tl.load(h_ptr + state + tile, mask=tile_ok, other=0.0).to(dtype)
+        dh = tl.load(dh_ptr + state + tile, mask=tile_ok, other=0.0).to(dtype)
         d_scores = tl.dot(do, tl.trans(v), d_scores, input_precision=PRECISION)
-        dq = tl.dot(do.to(tl.float32), tl.trans(h), dq, input_precision=PRECISION)
-        dk = tl.dot(v.to(tl.float32), tl.trans(dh), dk, input_precision=PRECISION)
+        dq = tl.dot(do.to(dtype), tl.trans(h), dq, input_precision=PRECISION)
+        dk = tl.dot(v.to(dtype), tl.trans(dh), dk, input_precision=PRECISION)
         if DELTA:
-            dv_new = load_rows(dv_new_ptr, bh, rows, seqlen, cols_v, d_v)
+            dv_new = load_rows(dv_new_ptr, bh, rows, seqlen, cols_v, d_v).to(dtype)
             dw = tl.dot(dv_new, tl.trans(h), dw, input_precision=PRECISION)
     decay, from_start, to_last = _decay(g_ptr, bh, c, chunks, rows, CHUNK, GATE)
     q = load_rows(q_ptr, bh, rows, seqlen, cols_k, d_k)
     k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
     d_scores = d_scores * decay * scale
-    dq = tl.dot(d_scores, k.to(tl.float32), dq * (from_start * scale)[:, None], input_precision=PRECISION)
+    dq = tl.dot(d_scores.to(dtype), k.to(dtype), dq * (from_start * scale)[:, None], input_precision=PRECISION)
+    # (float32 here: a 16-bit tl.trans of a dot's result is the pattern that sm_90 miscompiles, chapter 07)
     dk = tl.dot(tl.trans(d_scores), q.to(tl.float32), dk * to_last[:, None], input_precision=PRECISION)
     out_rows, out_ok = chunk_tile(bh, rows, seqlen, cols_k, d_k)
     tl.store(dq_ptr + out_rows, dq.to(dq_ptr.dtype.element_ty), mask=out_ok)
@@ -328,6 +334,8 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
         block_size,
         chunk_fwd_h_kernel,
         gla_intra_scores,
+        h_pass_tiles,
+        launch_meta,
         launch_warps,
     )
     from .linear_gate import log2_cumulated_gate, reverse_cumsum
@@ -350,37 +358,39 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     shapes = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision)
     with on_device(q):
+        tiles = h_pass_tiles(gate, d_k, d_v)
+        chunk_fwd_h_kernel[(cdiv(d_k, tiles["BLOCK_K"]), cdiv(d_v, tiles["BLOCK_V"]), batch * heads)](
+            k, v, cum, h0, states, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size, GATE=gate,
+            HAS_H0=initial_state is not None, PRECISION=precision,
+            num_warps=launch_warps(chunk_fwd_h_kernel, chunk_size), **tiles)
         state_grid = (cdiv(d_k, block_k), cdiv(d_v, block_v), batch * heads)
-        chunk_fwd_h_kernel[state_grid](k, v, cum, h0, states, final_state, seqlen, chunks, d_k, d_v, GATE=gate,
-                                       HAS_H0=initial_state is not None,
-                                       num_warps=launch_warps(chunk_fwd_h_kernel, chunk_size), **shapes)
         chunk_bwd_dh_kernel[state_grid](q, grad_o, cum, dht, d_states, d_initial, seqlen, chunks, d_k, d_v, scale,
                                         GATE=gate, HAS_DHT=grad_state is not None,
-                                        num_warps=launch_warps(chunk_bwd_dh_kernel, chunk_size), **shapes)
+                                        **launch_meta(chunk_bwd_dh_kernel, chunk_size), **shapes)
         if per_dim:
             scores = gla_intra_scores(q, k, cum, chunk_size, torch.float32)
             d_scores = torch.empty_like(scores)
             chunk_bwd_da_kernel[(chunks, batch * heads)](grad_o, v, d_scores, seqlen, chunks, d_v, scale,
                                                          CHUNK=chunk_size, BLOCK_V=block_v, PRECISION=precision,
-                                                         num_warps=launch_warps(chunk_bwd_da_kernel, chunk_size))
+                                                         **launch_meta(chunk_bwd_da_kernel, chunk_size))
             chunk_gla_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
                 k, grad_o, cum, scores, d_states, dv, seqlen, chunks, d_k, d_v, scale,
-                num_warps=launch_warps(chunk_gla_bwd_dv_kernel, chunk_size), **shapes)
+                **launch_meta(chunk_gla_bwd_dv_kernel, chunk_size), **shapes)
             shapes.update(SUB=SUB_CHUNK, BLOCK_K=block_size(d_k, 32))
             dgate = torch.empty(batch * heads, seqlen, d_k, dtype=torch.float32, device=q.device)
             chunk_gla_bwd_dqk_kernel[(chunks * (chunk_size // SUB_CHUNK), batch * heads, cdiv(d_k, shapes["BLOCK_K"]))](
                 q, k, v, grad_o, cum, states, d_states, d_scores, dq, dk, dgate, seqlen, chunks, d_k, d_v, scale,
-                num_warps=launch_warps(chunk_gla_bwd_dqk_kernel, chunk_size), **shapes)
+                **launch_meta(chunk_gla_bwd_dqk_kernel, chunk_size), **shapes)
             d_cum = dgate.view(batch, heads, seqlen, d_k)
         else:
             dgate = torch.empty(cdiv(d_k, block_k), batch * heads, seqlen, dtype=torch.float32, device=q.device)
             chunk_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
                 q, k, grad_o, cum, d_states, dv, seqlen, chunks, d_k, d_v, scale, GATE=gate,
-                num_warps=launch_warps(chunk_bwd_dv_kernel, chunk_size),
+                **launch_meta(chunk_bwd_dv_kernel, chunk_size),
                 **shapes)
             chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
                 q, k, v, grad_o, cum, states, d_states, dq, dk, dgate, q, q, seqlen, chunks, d_k, d_v, scale,
-                GATE=gate, num_warps=launch_warps(chunk_bwd_dqk_kernel, chunk_size), **shapes)
+                GATE=gate, **launch_meta(chunk_bwd_dqk_kernel, chunk_size), **shapes)
             d_cum = dgate.sum(0).view(batch, heads, seqlen)
     if g is None:
         return dq, dk, dv, None, d_initial

@@ -28,9 +28,10 @@ import triton.language as tl
 
 from .linear_chunk import chunk_tile, load_rows, state_tile
 
-# The dh pass runs its chunk loop unpipelined: with the default 3 stages it spills on sm_90 at d_k = 128
-# (tests/test_portable_sm90_builds.py; its warps: linear_chunk.LAUNCH_WARPS).
-DH_STAGES = 1
+# The delta rule's dq/dk/dw pass (chunk_bwd_dqk_kernel with DELTA) pipelines its d_v loop two deep: 0.68 ms at
+# 4K against 0.90 at Triton's default 3 stages, whose buffers hold one program per SM
+# (benchmarks/h200_linear_stages.json; GLA's launches of the kernel keep the default).
+DELTA_DQK_STAGES = 2
 
 
 @triton.jit
@@ -131,12 +132,14 @@ def _apply_to_rows(matrix, row_scale, src_ptr, dst_ptr, bh, rows, seqlen, width,
 def _add_outer(acc, grad_ptr, src_ptr, row_scale, bh, rows, seqlen, width, BLOCK: tl.constexpr,
                PRECISION: tl.constexpr):
     """acc + grad (diag(row_scale) src)^T over one chunk's rows of (B*H, N, width) tensors (grad float32),
-    BLOCK columns at a time: a matmul's gradient with respect to its left factor."""
+    BLOCK columns at a time: a matmul's gradient with respect to its left factor. Operands rounded to src's
+    dtype (a 16-bit matmul for 16-bit inputs), accumulated in float32."""
+    dtype = src_ptr.dtype.element_ty
     for start in range(0, width, BLOCK):
         offsets, tile_ok = chunk_tile(bh, rows, seqlen, start + tl.arange(0, BLOCK), width)
-        src = tl.load(src_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        grad = tl.load(grad_ptr + offsets, mask=tile_ok, other=0.0)
-        acc = tl.dot(grad, tl.trans(src * row_scale[:, None]), acc, input_precision=PRECISION)
+        src = tl.load(src_ptr + offsets, mask=tile_ok, other=0.0)
+        grad = tl.load(grad_ptr + offsets, mask=tile_ok, other=0.0).to(dtype)
+        acc = tl.dot(grad, tl.trans((src * row_scale[:, None]).to(dtype)), acc, input_precision=PRECISION)
     return acc
 
 
@@ -161,8 +164,10 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, t_ptr, dw_ptr, du_ptr, dk
     c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = rows < seqlen
+    dtype = k_ptr.dtype.element_ty
     inverse, lower, gram, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, t_ptr, bh, c, seqlen, chunks, d_k,
                                                        CHUNK, BLOCK_K, GATED, PRECISION, INVERSE)
+    inverse_t = tl.trans(inverse).to(dtype)  # T^T as the 16-bit operand of the (C, d)-wide matmuls
     d_inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dT = dW Ks^T + dU Vb^T
     d_inverse = _add_outer(d_inverse, dw_ptr, k_ptr, key_scale, bh, rows, seqlen, d_k, BLOCK_K, PRECISION)
     d_inverse = _add_outer(d_inverse, du_ptr, v_ptr, beta, bh, rows, seqlen, d_v, BLOCK_V, PRECISION)
@@ -170,8 +175,8 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, t_ptr, dw_ptr, du_ptr, dk
     for start_v in range(0, d_v, BLOCK_V):
         value_rows, tile_ok = chunk_tile(bh, rows, seqlen, start_v + tl.arange(0, BLOCK_V), d_v)
         v = tl.load(v_ptr + value_rows, mask=tile_ok, other=0.0).to(tl.float32)
-        du = tl.load(du_ptr + value_rows, mask=tile_ok, other=0.0)
-        d_vb = tl.dot(tl.trans(inverse), du, input_precision=PRECISION)
+        du = tl.load(du_ptr + value_rows, mask=tile_ok, other=0.0).to(dtype)
+        d_vb = tl.dot(inverse_t, du, input_precision=PRECISION)
         tl.store(dv_ptr + value_rows, (d_vb * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=tile_ok)
         d_beta += tl.sum(v * d_vb, axis=1)
     below = tl.arange(0, CHUNK)[:, None] > tl.arange(0, CHUNK)[None, :]
@@ -189,16 +194,16 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, t_ptr, dw_ptr, du_ptr, dk
     sym = sym + tl.trans(sym)
     for start_k in range(0, d_k, BLOCK_K):
         key_rows, tile_ok = chunk_tile(bh, rows, seqlen, start_k + tl.arange(0, BLOCK_K), d_k)
-        k = tl.load(k_ptr + key_rows, mask=tile_ok, other=0.0).to(tl.float32)
-        dw = tl.load(dw_ptr + key_rows, mask=tile_ok, other=0.0)
-        d_ks = tl.dot(tl.trans(inverse), dw, input_precision=PRECISION)
-        k_dot = tl.sum(k * d_ks, axis=1)
+        k = tl.load(k_ptr + key_rows, mask=tile_ok, other=0.0)
+        dw = tl.load(dw_ptr + key_rows, mask=tile_ok, other=0.0).to(dtype)
+        d_ks = tl.dot(inverse_t, dw, input_precision=PRECISION)
+        k_dot = tl.sum(k.to(tl.float32) * d_ks, axis=1)
         if GATED:
             d_beta += k_dot * tl.math.exp2(g)
             d_gate += k_dot * key_scale
         else:
             d_beta += k_dot
-        dk = tl.dot(sym, k, d_ks * key_scale[:, None], input_precision=PRECISION)
+        dk = tl.dot(sym.to(dtype), k, d_ks * key_scale[:, None], input_precision=PRECISION)
         dk += tl.load(dk_direct_ptr + key_rows, mask=tile_ok, other=0.0).to(tl.float32)
         tl.store(dk_ptr + key_rows, dk.to(dk_ptr.dtype.element_ty), mask=tile_ok)
     tl.store(dbeta_ptr + bh * seqlen + rows, d_beta, mask=row_ok)
@@ -249,7 +254,8 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
     dH_{c+1}; form the corrected values' gradient ``dV_new = dV_local + K dH_{c+1}`` (dv_local_ptr: the
     intra-chunk term, float32) and store it (dv_new_ptr float32); then, since h_{c+1} = h_c + K^T V_new
     and V_new = U - W h_c, ``dH_c = dH_{c+1} + scale Q^T dO - W^T dV_new``. Ends with the initial state's
-    gradient (dh0_ptr). q, k, w (B*H, N, d_k), do (B*H, N, d_v) contiguous; states float32 as the h pass's.
+    gradient (dh0_ptr). q, k, w (B*H, N, d_k), do (B*H, N, d_v) contiguous; the stored states (h_ptr,
+    dh_ptr) in their own dtype, the inputs' as the h pass's.
 
     GATED (g_ptr as the h pass reads it): ``h_{c+1} = 2^G_last h_c + (K o 2^(G_last - G))^T V_new``, so
     ``dV_new = dV_local + (K o 2^(G_last - G)) dH_{c+1}``, ``dH_c = 2^G_last dH_{c+1} + scale (Q o 2^G)^T dO
@@ -258,39 +264,41 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
     ht_ptr: the final state).
     """
     pid_v, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    dtype = do_ptr.dtype.element_ty
     cols_k, cols_v, _, _, tile, tile_ok, dh = state_tile(dht_ptr, bh, 0, pid_v, d_k, d_v, BLOCK_K, BLOCK_V,
                                                          HAS_DHT)
     for back in range(chunks):
         c = chunks - 1 - back
-        tl.store(dh_ptr + (bh * chunks + c) * d_k * d_v + tile, dh, mask=tile_ok)
+        tl.store(dh_ptr + (bh * chunks + c) * d_k * d_v + tile, dh.to(dh_ptr.dtype.element_ty), mask=tile_ok)
         rows = c * CHUNK + tl.arange(0, CHUNK)
         key_rows, key_ok = chunk_tile(bh, rows, seqlen, cols_k, d_k)
         value_rows, value_ok = chunk_tile(bh, rows, seqlen, cols_v, d_v)
-        # Float32 operands (TF32 matmuls), each (C, d_k) tile loaded and widened just before its one matmul:
-        # held together, k, w and q in float32 spill registers on sm_90.
+        # Operands in the inputs' dtype (16-bit matmuls, float32 accumulators, dH carried in float32), each
+        # (C, d_k) tile loaded and scaled just before its one matmul.
         key_scale = tl.full([CHUNK], 1.0, tl.float32)  # 2^(G_last - G) on the keys, 2^G on the queries
         query_scale = tl.full([CHUNK], 1.0, tl.float32) * scale
         if GATED:
             g = tl.load(g_ptr + bh * chunks * CHUNK + rows)
             g_last = tl.load(g_ptr + bh * chunks * CHUNK + c * CHUNK + CHUNK - 1)
             if c + 1 < chunks:
-                h_next = tl.load(h_ptr + (bh * chunks + c + 1) * d_k * d_v + tile, mask=tile_ok, other=0.0)
+                h_next = tl.load(h_ptr + (bh * chunks + c + 1) * d_k * d_v + tile, mask=tile_ok,
+                                 other=0.0).to(tl.float32)
             else:
                 h_next = tl.load(ht_ptr + bh * d_k * d_v + tile, mask=tile_ok, other=0.0)
             tl.store(dlast_ptr + (pid_v * tl.num_programs(1) + bh) * chunks + c, tl.sum(tl.sum(dh * h_next, 1), 0))
             key_scale = tl.math.exp2(g_last - g)
             query_scale = query_scale * tl.math.exp2(g)
-        k = tl.load(k_ptr + key_rows, mask=key_ok, other=0.0).to(tl.float32) * key_scale[:, None]
-        dv_new = tl.dot(k, dh, tl.load(dv_local_ptr + value_rows, mask=value_ok, other=0.0),
+        k = (tl.load(k_ptr + key_rows, mask=key_ok, other=0.0) * key_scale[:, None]).to(dtype)
+        dv_new = tl.dot(k, dh.to(dtype), tl.load(dv_local_ptr + value_rows, mask=value_ok, other=0.0),
                         input_precision=PRECISION)
         tl.store(dv_new_ptr + value_rows, dv_new, mask=value_ok)
         if GATED:
             dh = dh * tl.math.exp2(g_last)
-        q = tl.load(q_ptr + key_rows, mask=key_ok, other=0.0).to(tl.float32) * query_scale[:, None]
-        do = tl.load(do_ptr + value_rows, mask=value_ok, other=0.0).to(tl.float32)
+        q = (tl.load(q_ptr + key_rows, mask=key_ok, other=0.0) * query_scale[:, None]).to(dtype)
+        do = tl.load(do_ptr + value_rows, mask=value_ok, other=0.0)
         dh = tl.dot(tl.trans(q), do, dh, input_precision=PRECISION)
-        w = tl.load(w_ptr + key_rows, mask=key_ok, other=0.0).to(tl.float32)
-        dh -= tl.dot(tl.trans(w), dv_new, input_precision=PRECISION)
+        w = tl.load(w_ptr + key_rows, mask=key_ok, other=0.0)
+        dh -= tl.dot(tl.trans(w), dv_new.to(dtype), input_precision=PRECISION)
     tl.store(dh0_ptr + bh * d_k * d_v + tile, dh, mask=tile_ok)
 
 
@@ -309,7 +317,7 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     backwards within each chunk (g_t enters every cumulated G_s with s >= t of its chunk).
     """
     from ..common import cdiv, on_device
-    from .linear_chunk import block_size, launch_warps
+    from .linear_chunk import block_size, launch_meta
     from .linear_chunk_bwd import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel
     from .linear_gate import log2_cumulated_gate
 
@@ -322,7 +330,7 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     h0 = initial_state.float().contiguous() if initial_state is not None else q
     dht = grad_state.float().contiguous() if grad_state is not None else q
     w, u = torch.empty_like(k), torch.empty_like(v)
-    states = torch.empty(batch * heads, chunks, d_k, d_v, dtype=torch.float32, device=q.device)
+    states = torch.empty(batch * heads, chunks, d_k, d_v, dtype=q.dtype, device=q.device)  # as fla keeps them
     d_states = torch.empty_like(states)
     final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
     d_initial = torch.empty_like(final_state)
@@ -338,8 +346,8 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_k, block_v = block_size(d_k), block_size(d_v)
     wide = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision)
-    def warps(kernel) -> int:
-        return launch_warps(kernel, chunk_size)
+    def meta(kernel) -> dict:
+        return launch_meta(kernel, chunk_size)
     sweep = dict(CHUNK=chunk_size, BLOCK_K=block_size(d_k, 256), BLOCK_V=block_size(d_v, 32), PRECISION=precision)
     slices = cdiv(d_v, sweep["BLOCK_V"])
     gate_parts = {name: torch.empty(shape, dtype=torch.float32, device=q.device) if gated else q
@@ -348,23 +356,24 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
                                       ("wy", (batch * heads, chunks * chunk_size)))}
     with on_device(q):
         chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum, inverse, w, u, seqlen, chunks, d_k, d_v,
-                                                 GATED=gated, num_warps=warps(chunk_wy_kernel), **load, **wide)
+                                                 GATED=gated, **meta(chunk_wy_kernel), **load, **wide)
         chunk_delta_fwd_h_kernel[(slices, batch * heads)](
             k, w, u, cum, h0, states, v_new, final_state, seqlen, chunks, d_k, d_v, GATED=gated,
-            HAS_H0=initial_state is not None, num_warps=warps(chunk_delta_fwd_h_kernel), **sweep)
+            HAS_H0=initial_state is not None, **meta(chunk_delta_fwd_h_kernel), **sweep)
         chunk_bwd_dv_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
             q, k, grad_o, cum, q, dv_local, seqlen, chunks, d_k, d_v, scale, GATE=int(gated), CARRIED=False,
-            num_warps=warps(chunk_bwd_dv_kernel), **wide)
+            **meta(chunk_bwd_dv_kernel), **wide)
         chunk_delta_bwd_dh_kernel[(slices, batch * heads)](
             q, k, w, grad_o, dv_local, dht, d_states, dv_new, d_initial, cum, states, final_state, gate_parts["last"],
             seqlen, chunks, d_k, d_v, scale, HAS_DHT=grad_state is not None, GATED=gated,
-            num_warps=warps(chunk_delta_bwd_dh_kernel), num_stages=DH_STAGES, **sweep)
+            **meta(chunk_delta_bwd_dh_kernel), **sweep)
         chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
             q, k, v_new, grad_o, cum, states, d_states, dq, dk_direct, gate_parts["qk"], dv_new, dw, seqlen, chunks,
-            d_k, d_v, scale, GATE=int(gated), DELTA=True, num_warps=warps(chunk_bwd_dqk_kernel), **wide)
+            d_k, d_v, scale, GATE=int(gated), DELTA=True, num_warps=meta(chunk_bwd_dqk_kernel)["num_warps"],
+            num_stages=DELTA_DQK_STAGES, **wide)
         chunk_wy_bwd_kernel[(chunks, batch * heads)](k, v, beta, cum, inverse, dw, dv_new, dk_direct, dk, dv, d_beta,
                                                      gate_parts["wy"], seqlen, chunks, d_k, d_v, GATED=gated,
-                                                     num_warps=warps(chunk_wy_bwd_kernel), **load, **wide)
+                                                     **meta(chunk_wy_bwd_kernel), **load, **wide)
     dg = None
     if gated:
         d_cum = gate_parts["wy"]
@@ -401,7 +410,7 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
     beta (B, H, N), g None or (B, H, N). Returns (o in q.dtype, final state (B, H, d_k, d_v) float32, the WY
     inverse T (B*H, chunks * C, C) float32 if keep_inverse, for the backward, else None)."""
     from ..common import cdiv, on_device
-    from .linear_chunk import block_size, chunk_fwd_o_kernel, launch_warps
+    from .linear_chunk import block_size, chunk_fwd_o_kernel, launch_meta
     from .linear_gate import log2_cumulated_gate
 
     batch, heads, seqlen, d_k = q.shape
@@ -423,17 +432,17 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
                                                  d_k, d_v, INVERSE=int(keep_inverse), CHUNK=chunk_size,
                                                  BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v),
                                                  GATED=g is not None, PRECISION=precision,
-                                                 num_warps=launch_warps(chunk_wy_kernel, chunk_size))
+                                                 **launch_meta(chunk_wy_kernel, chunk_size))
         block_v = block_size(d_v, 32)
         chunk_delta_fwd_h_kernel[(cdiv(d_v, block_v), batch * heads)](
             k, w, u, cum2, h0, h, v_new, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size,
             BLOCK_K=block_size(d_k, 256), BLOCK_V=block_v, GATED=g is not None, HAS_H0=initial_state is not None,
-            PRECISION=precision, num_warps=launch_warps(chunk_delta_fwd_h_kernel, chunk_size))
+            PRECISION=precision, **launch_meta(chunk_delta_fwd_h_kernel, chunk_size))
         block_v = block_size(d_v)
         chunk_fwd_o_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
             q, k, v_new, cum2, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size, BLOCK_K=block_size(d_k),
             BLOCK_V=block_v, GATE=int(g is not None), PRECISION=precision,
-            num_warps=launch_warps(chunk_fwd_o_kernel, chunk_size))
+            **launch_meta(chunk_fwd_o_kernel, chunk_size))
     return o, final_state, inverse
 
 
