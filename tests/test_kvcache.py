@@ -51,28 +51,6 @@ def expected(q, k_cache, v_cache, table, lengths, causal, scale, window, softcap
     return out, lse
 
 
-try:  # (after fa_lab, which switches Triton's interpreter on without a GPU)
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-if triton is not None:
-    from fa_lab.kernels.portable.decode import merge_split_rows
-
-    @triton.jit
-    def merge_rows_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, per_split, head_dim, splits,
-                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """merge_split_rows over rows of (per_split,) into out (per_split, head_dim) and lse (per_split,)."""
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, HEAD_DIM)
-        valid, col_ok = rows < per_split, cols < head_dim
-        out, lse = merge_split_rows(part_ptr, part_lse_ptr, rows, valid, cols, col_ok, per_split, head_dim, splits,
-                                    BLOCK_M, HEAD_DIM)
-        tl.store(lse_ptr + rows, lse, mask=valid)
-        tl.store(out_ptr + rows[:, None] * head_dim + cols[None, :], out, mask=valid[:, None] & col_ok[None, :])
-
-
 MATRIX = [  # (heads, heads_kv, seqlen_q, page_size, cache_seqlens, seqlen_new, window, softcap, num_splits)
     (4, 4, 1, None, [0, 17, 61], 3, (-1, -1), 0.0, 1),
     (8, 2, 1, 16, [5, 0, 60], 4, (-1, -1), 0.0, 0),
@@ -232,26 +210,25 @@ def test_unchecked_triton_decode_reads_nothing_back_and_matches_the_checked_call
 
 
 @pytest.mark.parametrize("splits", [2, 5, 128])
-def test_the_merge_of_splits_computes_online_softmaxs_merge(splits, generator):
-    """The decode kernel's merge of its splits (merge_split_rows, run by a tile's last split) is the jit
-    copy of online_softmax.merge_splits: splits that saw no key weigh 0 and a row that no split saw gives
-    zeros and lse = -inf."""
-    if triton is None:
-        pytest.skip("needs triton")
+def test_the_merge_kernel_computes_online_softmaxs_merge(splits, generator):
+    """The decode kernel's merge of its splits is the jit copy of online_softmax.merge_splits: splits that
+    saw no key weigh 0, a row that no split saw gives zeros and lse = -inf, and the output moves the
+    query axis before the heads."""
+    from fa_lab.kernels import load_triton
     from fa_lab.online_softmax import merge_splits
 
+    load_triton()
+    from fa_lab.kernels.portable.decode import merge_split_results
+
     batch, heads, seqlen_q, head_dim = 2, 3, 2, 24
-    parts = torch.randn(splits, batch, heads, seqlen_q, head_dim, generator=generator)
-    lses = 4 * torch.randn(splits, batch, heads, seqlen_q, generator=generator)
-    lses[1, 0, 1] = float("-inf")  # a split that saw no key
-    lses[:, 1, 2, 0] = float("-inf")  # a row that no split saw
-    rows = batch * heads * seqlen_q
-    merged, merged_lse = torch.empty(parts.shape[1:]), torch.empty(lses.shape[1:])
-    merge_rows_kernel[(triton.cdiv(rows, 4),)](parts, lses, merged, merged_lse, rows, head_dim, splits,
-                                                 BLOCK_M=4, HEAD_DIM=32)
-    want, want_lse = merge_splits(parts, lses)
-    assert torch.equal(merged[1, 2, 0], torch.zeros(head_dim)) and merged_lse[1, 2, 0] == float("-inf")
-    torch.testing.assert_close(merged, want, rtol=1e-5, atol=1e-6)
+    out = torch.randn(splits, batch, heads, seqlen_q, head_dim, generator=generator)
+    lse = 4 * torch.randn(splits, batch, heads, seqlen_q, generator=generator)
+    lse[1, 0, 1] = float("-inf")  # a split that saw no key
+    lse[:, 1, 2, 0] = float("-inf")  # a row that no split saw
+    merged, merged_lse = merge_split_results(out, lse, torch.float32)
+    want, want_lse = merge_splits(out, lse)
+    assert torch.equal(merged[1, 0, 2], torch.zeros(head_dim)) and merged_lse[1, 2, 0] == float("-inf")
+    torch.testing.assert_close(merged, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(merged_lse, want_lse, rtol=1e-5, atol=1e-6)
 
 

@@ -3,14 +3,11 @@
 One program computes one split of one (sequence, KV head): the keys of its split, read through the
 block table, against every query row of the KV head's group packed into one tile (pack_gqa: the
 ``group * seqlen_q`` rows of the group's query heads, so each K/V tile is read once per group, and a
-decode step with one query per head still fills a tile). Grid: ``(splits, batch * heads_kv, row_tiles)``.
-
-With one split a program writes the final output and LSE. With more, each writes its split's normalized
-output and LSE to a float32 workspace and takes a ticket from a per-tile counter; the program that takes
-the last ticket merges the tile's splits (:func:`merge_split_rows`, the jit copy of
-:func:`fa_lab.online_softmax.merge_splits`) and writes the result, so the merge costs no launch of its
-own. (Done in PyTorch, the merge was a chain of small kernels that cost as much as the attention at
-batch 1, and as a second Triton launch it was still a sixth of a batch-1 call: docs/experiments/interfaces.md.)
+decode step with one query per head still fills a tile). It writes the split's normalized output and
+its LSE, and :func:`merge_splits_kernel` merges the splits in one more launch (its math is
+:func:`fa_lab.online_softmax.merge_splits`', which the tests hold it to: done in PyTorch, the merge was a
+chain of small kernels that cost as much as the attention at batch 1; docs/experiments/interfaces.md). Grid:
+``(splits, batch * heads_kv, row_tiles)``.
 
 How a key tile finds its rows (``GATHER``): a dense cache holds sequence b's tokens at rows
 ``b * capacity + position``; a paged cache whose pages hold whole key tiles reads one block-table
@@ -54,24 +51,20 @@ DECODE_CANDIDATES = (DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 3), DecodeConfi
 
 
 @triton.jit
-def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, lse_ptr, part_ptr, part_lse_ptr,
-                        tickets_ptr, stride_qb, stride_qs, stride_qh, stride_row, stride_head,
+def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, lse_ptr,
+                        stride_qb, stride_qs, stride_qh, stride_row, stride_head,
                         heads, group, seqlen_q, page_size, max_pages, head_dim, qk_scale,
                         left, right, softcap_scale, softcap_log2,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, GATHER: tl.constexpr,
-                        MERGE: tl.constexpr):
+                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, GATHER: tl.constexpr):
     """One split of one (sequence, KV head), rows ``row_tile * BLOCK_M ...`` of its packed group.
 
     q_ptr: (B, seqlen_q, H, head_dim) with the given strides; k_ptr, v_ptr: the cache's token rows
     (pages * page_size, heads_kv, head_dim), strides stride_row, stride_head, 1; table_ptr: int32
     (B, max_pages) (unread when GATHER is DENSE, where page_size is the capacity); lengths_ptr: int32
-    (B,) keys per sequence; out_ptr: (B, seqlen_q, H, head_dim) in q's dtype and lse_ptr (B, H,
-    seqlen_q) float32, the results. qk_scale = scale * log2(e). WINDOW: (left, right) as
-    ``BlockInfo.window_bounds`` gives them, causal folded in.
-    MERGE (more than one split): part_ptr float32 (splits, B, H, seqlen_q, head_dim) and part_lse_ptr
-    (splits, B, H, seqlen_q) take every split's result, tickets_ptr int32 (B * heads_kv * row_tiles,),
-    zeros, counts the splits of each tile done, and the last one merges them.
+    (B,) keys per sequence; out_ptr: float32 (splits, B, H,
+    seqlen_q, head_dim) and lse_ptr (splits, B, H, seqlen_q), both contiguous. qk_scale = scale *
+    log2(e). WINDOW: (left, right) as ``BlockInfo.window_bounds`` gives them, causal folded in.
     """
     split = tl.program_id(0)
     splits = tl.num_programs(0)
@@ -132,54 +125,45 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-    result_rows = (batch * heads + head) * seqlen_q + query  # rows of (B, H, seqlen_q)
-    out_rows = (batch * seqlen_q + query) * heads + head  # rows of (B, seqlen_q, H): the query before the head
-    tile_ok = valid_rows[:, None] & col_ok[None, :]
-    if MERGE:
-        per_split = tl.num_programs(1) // (heads // group) * heads * seqlen_q  # B * H * seqlen_q
-        tl.store(part_lse_ptr + split * per_split + result_rows, lse, mask=valid_rows)
-        part_rows = split * per_split + result_rows
-        tl.store(part_ptr + part_rows[:, None] * head_dim + cols[None, :], acc / l_safe[:, None], mask=tile_ok)
-        tl.debug_barrier()  # every thread's stores issued before the ticket releases them
-        ticket_ptr = tickets_ptr + tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
-        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == splits - 1:  # the tile's last split merges
-            merged, merged_lse = merge_split_rows(part_ptr, part_lse_ptr, result_rows, valid_rows, cols, col_ok,
-                                                  per_split, head_dim, splits, BLOCK_M, HEAD_DIM)
-            tl.store(lse_ptr + result_rows, merged_lse, mask=valid_rows)
-            tl.store(out_ptr + out_rows[:, None] * head_dim + cols[None, :], merged.to(out_ptr.dtype.element_ty),
-                     mask=tile_ok)
-    else:
-        tl.store(lse_ptr + result_rows, lse, mask=valid_rows)
-        tl.store(out_ptr + out_rows[:, None] * head_dim + cols[None, :],
-                 (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=tile_ok)
+    batches = tl.num_programs(1) // (heads // group)
+    row = ((split * batches + batch) * heads + head) * seqlen_q + query  # (splits, B, H, seqlen_q)
+    tl.store(lse_ptr + row, lse, mask=valid_rows)
+    tl.store(out_ptr + row[:, None] * head_dim + cols[None, :], acc / l_safe[:, None],
+             mask=valid_rows[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def merge_split_rows(part_ptr, part_lse_ptr, rows, valid_rows, cols, col_ok, per_split, head_dim, splits,
-                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The merge of ``splits`` partial results of BLOCK_M rows: the jit copy of
-    :func:`fa_lab.online_softmax.merge_splits`. part_ptr float32 (splits, per_split, head_dim) and
-    part_lse_ptr (splits, per_split), as :func:`decode_split_kernel` writes them; rows: the (BLOCK_M,)
-    row indices within a split. Returns (out (BLOCK_M, HEAD_DIM) float32, lse (BLOCK_M,) float32). Splits
-    that saw no key (lse = -inf) weigh 0; a row no split saw gets zeros and lse = -inf. The loads bypass
-    L1 (``.cg``): other programs wrote these rows during this launch."""
-    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in tl.range(0, splits):
-        top = tl.maximum(top, tl.load(part_lse_ptr + s * per_split + rows, mask=valid_rows, other=float("-inf"),
-                                      cache_modifier=".cg"))
+def merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, splits, heads, seqlen_q, head_dim,
+                        SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One query row's merge of its splits: the jit copy of :func:`fa_lab.online_softmax.merge_splits`.
+
+    out_ptr: float32 (splits, B, H, seqlen_q, head_dim), lse_ptr: (splits, B, H, seqlen_q), as
+    :func:`decode_split_kernel` writes them; program r merges row r of (B, H, seqlen_q) into merged_ptr
+    ((B, seqlen_q, H, head_dim), its dtype) and merged_lse_ptr ((B, H, seqlen_q) float32). SPLITS: splits
+    rounded up to a power of two. Splits that saw no key (lse = -inf) weigh 0; a row no split saw gets
+    zeros and lse = -inf.
+    """
+    row = tl.program_id(0)
+    rows = tl.num_programs(0)
+    split = tl.arange(0, SPLITS)
+    lses = tl.load(lse_ptr + split * rows + row, mask=split < splits, other=float("-inf"))
+    top = tl.max(lses, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    weights = tl.math.exp2((lses - top) * LOG2E)
+    total = tl.sum(weights, 0)
+    cols = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for s in tl.range(0, splits):
-        lse = tl.load(part_lse_ptr + s * per_split + rows, mask=valid_rows, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.math.exp2((lse - top) * LOG2E)
-        total += weight
-        part = tl.load(part_ptr + (s * per_split + rows)[:, None] * head_dim + cols[None, :],
-                       mask=valid_rows[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * part
+        weight = tl.sum(tl.where(split == s, weights, 0.0), 0)
+        acc += weight * tl.load(out_ptr + (s * rows + row) * head_dim + cols, mask=cols < head_dim, other=0.0)
     empty = total == 0.0
-    merged = acc / tl.where(empty, 1.0, total)[:, None]
-    return merged, tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total)))
+    acc = acc / tl.where(empty, 1.0, total)
+    tl.store(merged_lse_ptr + row, tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total))))
+    query = row % seqlen_q
+    batch_head = row // seqlen_q  # the output is (B, seqlen_q, H, d): move the query before the head
+    batch, head = batch_head // heads, batch_head % heads
+    tl.store(merged_ptr + ((batch * seqlen_q + query) * heads + head) * head_dim + cols,
+             acc.to(merged_ptr.dtype.element_ty), mask=cols < head_dim)
 
 
 def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: bool, scale: float,
@@ -219,25 +203,20 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     info = BlockInfo(seqlen_q, layout.capacity, causal, tuple(window))
     left, right = info.window_bounds() if info.banded else (0, 0)
     k_rows, v_rows = (t.reshape(-1, layout.heads_kv, head_dim) for t in (k_cache, v_cache))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    grid = (splits, batch * layout.heads_kv, triton.cdiv(rows, block_m))
-    if splits > 1:  # the splits' results, and one ticket counter per (sequence, KV head, row tile)
-        parts = torch.empty((splits, *lse.shape, head_dim), dtype=torch.float32, device=q.device)
-        part_lses = torch.empty((splits, *lse.shape), dtype=torch.float32, device=q.device)
-        tickets = torch.zeros(grid[1] * grid[2], dtype=torch.int32, device=q.device)
-    else:
-        parts = part_lses = tickets = lse  # (not read)
+    out = torch.empty((splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((splits, batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     with on_device(q):
-        decode_split_kernel[grid](
-            q, k_rows, v_rows, table, lengths, out, lse, parts, part_lses, tickets,
+        decode_split_kernel[(splits, batch * layout.heads_kv, triton.cdiv(rows, block_m))](
+            q, k_rows, v_rows, table, lengths, out, lse,
             q.stride(0), q.stride(1), q.stride(2), k_rows.stride(0), k_rows.stride(1),
             heads, group, seqlen_q, page_size, table.shape[-1], head_dim, scale * common.LOG2E,
             left, right, scale / softcap if softcap else 0.0, softcap * common.LOG2E,
             BLOCK_M=block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
             CAUSAL=causal and not info.banded, WINDOW=info.banded, SOFTCAP=bool(softcap), GATHER=gather,
-            MERGE=splits > 1, num_warps=config.num_warps, num_stages=config.num_stages)
-    return out, lse
+            num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits == 1:
+        return out[0].transpose(1, 2).to(q.dtype), lse[0]
+    return merge_split_results(out, lse, q.dtype)
 
 
 def prefills_by_query_tiles(layout, splits: int) -> bool:
@@ -264,3 +243,20 @@ def cache_prefill(q, k_cache, v_cache, lengths, causal: bool, scale: float, wind
     out, lse = triton_forward(kernel_operand(q.transpose(1, 2)), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                               causal, scale, options=ScoreOptions(tuple(window), float(softcap)), seqused_k=lengths)
     return out.transpose(1, 2), lse
+
+
+def merge_split_results(out, lse, dtype):
+    """Merge the splits with :func:`merge_splits_kernel`: out float32 (splits, B, H, seqlen_q, d), lse
+    (splits, B, H, seqlen_q), contiguous -> (merged (B, seqlen_q, H, d) in ``dtype``, lse (B, H, seqlen_q))."""
+    import torch
+
+    from ..common import head_dim_bucket, on_device
+
+    splits, batch, heads, seqlen_q, head_dim = out.shape
+    merged = torch.empty((batch, seqlen_q, heads, head_dim), dtype=dtype, device=out.device)
+    merged_lse = torch.empty(lse.shape[1:], dtype=torch.float32, device=out.device)
+    with on_device(out):
+        merge_splits_kernel[(batch * heads * seqlen_q,)](out, lse, merged, merged_lse, splits, heads, seqlen_q,
+                                                         head_dim, SPLITS=triton.next_power_of_2(splits),
+                                                         HEAD_DIM=head_dim_bucket(head_dim))
+    return merged, merged_lse
