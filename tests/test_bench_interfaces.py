@@ -224,13 +224,26 @@ def test_the_kernel_breakdown_sums_per_kernel_and_sorts_by_time():
     assert "60.0%  h_pass" in text.splitlines()[1]
 
 
+def fake_profiled_runs(monkeypatch, fake_times):
+    """The linear tuner without a GPU: no inputs, no-op calls, and ``fake_times(call)`` as the profile."""
+    from fa_lab.bench import breakdown
+    from fa_lab.bench import linear as bench
+
+    monkeypatch.setattr(bench, "case_inputs", lambda case, seqlen: {})
+    monkeypatch.setattr(bench, "ours", lambda case, tensors: (lambda: None, []))
+    monkeypatch.setattr(breakdown, "backward_call", lambda run, leaves: run)
+    monkeypatch.setattr(breakdown, "kernel_times", fake_times)
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "environment", lambda device: {"device": "test", "torch": "x", "triton": None,
+                                                              "date": "2026-12-01"})
+
+
 def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monkeypatch, tmp_path):
     """tune_warps: per candidate the whole table takes it, each kernel's times are summed over the forward and
     backward of every case (other kernels, PyTorch's, are left out), the fastest candidate per kernel wins,
     the log is written, and the committed table comes back afterwards."""
     import json
 
-    from fa_lab.bench import breakdown
     from fa_lab.bench import linear as bench
     from fa_lab.kernels.portable import linear_chunk
 
@@ -243,13 +256,7 @@ def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monk
         return [(name, 1000.0 * (1 + abs(warps - fastest)), 0.5) for name, fastest in best.items()] + \
             [("at::native::copy", 5.0, 0.0)]
 
-    monkeypatch.setattr(bench, "case_inputs", lambda case, seqlen: {})
-    monkeypatch.setattr(bench, "ours", lambda case, tensors: (lambda: None, []))
-    monkeypatch.setattr(breakdown, "backward_call", lambda run, leaves: run)
-    monkeypatch.setattr(breakdown, "kernel_times", fake_times)
-    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "environment", lambda device: {"device": "test", "torch": "x", "triton": None,
-                                                              "date": "2026-12-01"})
+    fake_profiled_runs(monkeypatch, fake_times)
     path = tmp_path / "tuning.json"
     results = bench.tune_warps(path, seqlen=64, cases=("gla", "delta_rule"), progress=lambda line: None)
     assert results["winners"] == best
@@ -262,7 +269,6 @@ def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monk
 def test_the_linear_tuner_times_stages_at_the_committed_warps_and_restores_both_tables(monkeypatch, tmp_path):
     """tune_warps(knob="num_stages"): per candidate every kernel of the warp table gets that num_stages, the
     warps stay as committed, the fastest stages per kernel win, and both tables come back afterwards."""
-    from fa_lab.bench import breakdown
     from fa_lab.bench import linear as bench
     from fa_lab.kernels.portable import linear_chunk
 
@@ -275,13 +281,7 @@ def test_the_linear_tuner_times_stages_at_the_committed_warps_and_restores_both_
         assert set(linear_chunk.LAUNCH_STAGES[name] for name in warps) == {now}
         return [(name, 1000.0 * (1 + abs(now - fastest)), 0.5) for name, fastest in best.items()]
 
-    monkeypatch.setattr(bench, "case_inputs", lambda case, seqlen: {})
-    monkeypatch.setattr(bench, "ours", lambda case, tensors: (lambda: None, []))
-    monkeypatch.setattr(breakdown, "backward_call", lambda run, leaves: run)
-    monkeypatch.setattr(breakdown, "kernel_times", fake_times)
-    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "environment", lambda device: {"device": "test", "torch": "x", "triton": None,
-                                                              "date": "2026-12-02"})
+    fake_profiled_runs(monkeypatch, fake_times)
     results = bench.tune_warps(tmp_path / "stages.json", seqlen=64, cases=("delta_rule",), candidates=(1, 2, 4),
                                knob="num_stages", progress=lambda line: None)
     assert results["winners"] == best and results["knob"] == "num_stages"
