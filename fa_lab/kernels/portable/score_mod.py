@@ -37,13 +37,16 @@ def modified_scores(qk, rows, cols, qk_scale, softcap_scale, softcap_log2, slope
     (softcap_log2 = softcap * log2 e) and with ALiBi's bias (slope_log2 = slope * log2 e).
 
     rows, cols: the tile's query and key positions, broadcastable to qk's shape (either orientation).
+    ALiBi's distance is formed in float32 from positions converted once per row and once per column
+    (exact below 2^24): one subtraction per score, where converting each score's integer distance
+    would put an int-to-float conversion, a quarter-rate instruction like exp2's, on every score.
     """
     if SOFTCAP:
         s = softcap_tanh(qk, softcap_scale) * softcap_log2
     else:
         s = qk * qk_scale
     if ALIBI:
-        s = s - slope_log2 * tl.abs(rows + offset - cols).to(tl.float32)
+        s = s - slope_log2 * tl.abs((rows + offset).to(tl.float32) - cols.to(tl.float32))
     return s
 
 
