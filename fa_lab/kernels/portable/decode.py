@@ -224,8 +224,8 @@ def prefills_by_query_tiles(layout, splits: int) -> bool:
     one split, a dense cache whose rows a tensor descriptor can read (head_dim a multiple of 8), and at
     least one whole query tile of the forward's per head. The decode kernel's packed tiles are sized
     for a few query rows per head; with hundreds, the forward's larger tiles (and its unmasked inner
-    loop) win: on the H200, 512 queries over a 16K cache ran at 217 TFLOP/s in the decode kernel
-    against 342 in the forward (benchmarks/h200_decode.json before the route)."""
+    loop) win: on the H200, 512 queries over a 16K cache ran at 217 TFLOP/s in the decode kernel and
+    485 through this route (docs/experiments/interfaces.md, "Decode: chunked prefill on the prefill forward")."""
     from .. import interpreting
     from .configs import forward_config
 
