@@ -3,6 +3,8 @@ heuristic, refused calls that leave the cache untouched, and the torch and Trito
 sequence's float64 reference, under the tolerance rule."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -125,6 +127,25 @@ def test_chunked_prefill_takes_the_prefill_forward_and_ignores_unwritten_slots(w
                                          ("lse", lse, reference[1], baseline[1], LSE_FLOOR)):
         result = compare(name, got, want, base, dtype, floor=floor)
         assert result.ok, str(result)
+
+
+def test_only_one_split_dense_whole_tile_calls_take_the_prefill_forward():
+    """The route's conditions one at a time: a split count above 1, a paged cache, fewer queries than the
+    forward's query tile, or a head_dim a descriptor cannot read (not a multiple of 8) keep the decode kernel."""
+    pytest.importorskip("triton")
+    from fa_lab.kernels import interpreting
+    from fa_lab.kernels.portable.configs import forward_config
+    from fa_lab.kernels.portable.decode import prefills_by_query_tiles
+    from fa_lab.kvcache import CacheLayout
+
+    tile = forward_config(32, True, interpreting()).block_m
+    dense = CacheLayout(batch=2, seqlen_q=tile, heads=4, heads_kv=2, head_dim=32, paged=False, page_size=256,
+                        capacity=256, seqlen_new=0)
+    assert prefills_by_query_tiles(dense, 1)
+    assert not prefills_by_query_tiles(dense, 2)
+    assert not prefills_by_query_tiles(replace(dense, paged=True, page_size=64), 1)
+    assert not prefills_by_query_tiles(replace(dense, seqlen_q=tile - 1), 1)
+    assert not prefills_by_query_tiles(replace(dense, head_dim=36), 1)
 
 
 def test_appending_leaves_every_other_byte_of_the_pool_alone(generator):
