@@ -152,7 +152,9 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, t_ptr, dw_ptr, du_ptr, dk
     (B*H, N, d_v)), write dK (k's dtype, (B*H, N, d_k): its share plus the direct one, dk_direct_ptr, in k's
     dtype), dV (v's dtype), dbeta (float32, (B*H, N)) and, if GATED, its share of the cumulated gate's
     gradient (float32, (B*H, chunks * CHUNK)). T computed or loaded as INVERSE says (:func:`wy_inverse`).
-    Grid (chunks, B*H).
+    Grid (chunks, B*H). The (C, d)-wide matmuls take their operands in k's dtype (T^T, dW, dU and the
+    symmetric dL term rounded to it; float32 accumulators), as fla's WY backward does; the (C, C) ones
+    stay at PRECISION.
 
     With ``W = T Ks``, ``U = T Vb``, ``Ks = beta o 2^G o K``, ``Vb = beta o V``, ``T = (I + L)^{-1}`` and
     ``L_ij = beta_i (k_i . k_j) 2^(G_i - G_j)`` below the diagonal: ``dKs = T^T dW``, ``dVb = T^T dU``,
