@@ -265,7 +265,7 @@ def test_split_ranges_cover_the_keys_in_whole_blocks():
 def test_the_split_heuristic_fills_the_waves():
     assert choose_num_splits(32, 8, 65536) == 1  # 256 programs: more than a wave already
     assert choose_num_splits(1, 8, 100) == 1  # one key block: nothing to split
-    for batch, seqlen in ((1, 4096), (1, 65536), (8, 16384), (4, 65536)):
+    for batch, seqlen in ((1, 16384), (1, 65536), (8, 16384), (4, 65536)):
         splits = choose_num_splits(batch, 8, seqlen)
         programs = batch * 8 * splits
         waves = -(-programs // 132)
@@ -275,17 +275,29 @@ def test_the_split_heuristic_fills_the_waves():
     assert choose_num_splits(1, 8, 65536, row_tiles=16) == 1  # chunked prefill: the row tiles fill the GPU
 
 
+def test_a_dense_split_keeps_at_least_four_key_blocks():
+    from fa_lab.kvcache import MIN_BLOCKS_PER_SPLIT, SPLIT_BLOCK
+
+    assert MIN_BLOCKS_PER_SPLIT == 4
+    assert choose_num_splits(1, 8, 4096) == 8  # 32 blocks: the waves alone would take 14 splits of 2 or 3
+    assert choose_num_splits(1, 8, 1000) == 2  # 8 blocks
+    assert choose_num_splits(1, 8, 3 * SPLIT_BLOCK) == 1  # fewer than 4 blocks: no split
+    for seqlen in (2048, 4096, 8192, 16384, 65536):
+        assert -(-seqlen // SPLIT_BLOCK) // choose_num_splits(1, 8, seqlen) >= MIN_BLOCKS_PER_SPLIT
+
+
 def test_paged_caches_get_two_waves_of_whole_pages():
     assert choose_num_splits(8, 8, 16384, page_size=256) == 4  # 64 programs x 4: two waves of 132
-    assert choose_num_splits(1, 8, 65536, page_size=256) == 33
+    assert choose_num_splits(1, 8, 65536, page_size=256) == 32  # 33 for two waves, down to a power of two
+    assert choose_num_splits(1, 8, 16384, page_size=256) == 32
     assert choose_num_splits(1, 8, 4096, page_size=256) == 16  # a page per split at most: 16 pages
     assert choose_num_splits(32, 8, 65536, page_size=256) == 1  # already more than a wave
     assert choose_num_splits(8, 8, 16384) == 2  # dense: one wave
 
 
-def test_the_paged_split_count_is_what_the_recorded_sweep_found_fastest():
-    """Against benchmarks/h200_decode.json's forced sweep (pages of 256): the measured count nearest the
-    heuristic's (on a log scale) runs within 3% of the best measured count at every batch and length."""
+def test_the_split_counts_are_what_the_recorded_sweep_found_fastest():
+    """Against benchmarks/h200_decode.json's forced sweep (dense and pages of 256): the measured count nearest
+    the heuristic's (on a log scale) runs within 3% of the best measured count at every batch and length."""
     import math
     from pathlib import Path
 
@@ -293,14 +305,14 @@ def test_the_paged_split_count_is_what_the_recorded_sweep_found_fastest():
     from fa_lab.bench.decode import HEADS_KV
 
     rows = load_results(Path(fa_lab.__file__).resolve().parent.parent / "benchmarks" / "h200_decode.json")["rows"]
-    shapes = {(r["batch"], r["seqlen_k"]) for r in rows if r["impl"] == "triton_forced" and r["page_size"] == 256}
-    assert len(shapes) == 9
-    for batch, seqlen in shapes:
+    shapes = {(r["batch"], r["seqlen_k"], r["page_size"]) for r in rows if r["impl"] == "triton_forced"}
+    assert len(shapes) == 18
+    for batch, seqlen, page_size in shapes:
         forced = {r["num_splits"]: r["fwd_ms"] for r in rows if r["impl"] == "triton_forced"
-                  and (r["batch"], r["seqlen_k"], r["page_size"]) == (batch, seqlen, 256)}
-        chosen = choose_num_splits(batch, HEADS_KV, seqlen, page_size=256)
+                  and (r["batch"], r["seqlen_k"], r["page_size"]) == (batch, seqlen, page_size)}
+        chosen = choose_num_splits(batch, HEADS_KV, seqlen, page_size=page_size)
         nearest = min(forced, key=lambda s: abs(math.log(s / chosen)))
-        assert forced[nearest] <= 1.03 * min(forced.values()), (batch, seqlen, chosen, forced)
+        assert forced[nearest] <= 1.03 * min(forced.values()), (batch, seqlen, page_size, chosen, forced)
 
 
 def test_decode_without_keys_gives_zeros_and_minus_infinity(generator):

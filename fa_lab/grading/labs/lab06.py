@@ -9,7 +9,7 @@ split_attention   split_attention(q, k, v, num_splits, causal, scale) -> (out, l
 choose_splits     choose_splits(batch, heads_kv, seqlen_k, num_sms) -> int: the split heuristic
 ================  ==================================================================================
 
-Judged against :mod:`fa_lab.kvcache` (``gather_kv``'s page arithmetic, ``choose_num_splits``),
+Judged against :mod:`fa_lab.kvcache` (``gather_kv``'s page arithmetic, ``wave_splits``),
 :func:`fa_lab.online_softmax.merge_splits` and :func:`fa_lab.reference.reference_attention`, in the
 grader's process; fa_lab's own versions are forbidden in every exercise, so they are absent while grading.
 """
@@ -19,7 +19,7 @@ import torch
 
 from ...block_info import BlockInfo, cdiv
 from ...inputs import resolve_scale
-from ...kvcache import choose_num_splits, split_ranges
+from ...kvcache import split_ranges, wave_splits
 from ...online_softmax import merge_splits
 from ...reference import reference_attention
 from ...testing import LSE_FLOOR
@@ -247,7 +247,7 @@ def judge_choice(case, outcome) -> Verdict:
     if problem:
         return Verdict(False, problem)
     value = outcome["outputs"]
-    want = choose_num_splits(batch, heads_kv, seqlen_k, num_sms=sms)
+    want = wave_splits(batch * heads_kv, seqlen_k, num_sms=sms)
     if isinstance(value, bool) or not isinstance(value, int):
         return Verdict(False, f"expected an int (the number of splits), got {type(value).__name__}.")
     if value == want:
