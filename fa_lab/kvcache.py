@@ -200,6 +200,14 @@ def split_ranges(seqlen_k: int, num_splits: int, block: int = SPLIT_BLOCK) -> li
     return [(start, min(end, seqlen_k)) for start, end in zip(edges, edges[1:])]
 
 
+def _split_limit(programs: int, seqlen_k: int, num_sms: int, block: int, max_splits: int) -> int | None:
+    """None when ``programs`` already make about one wave (80% of the SMs: no split), else the most splits
+    a call may take: one key block of ``block`` keys each at least, at most max_splits and the SMs."""
+    if programs >= 0.8 * num_sms:
+        return None
+    return max(1, min(max_splits, cdiv(seqlen_k, block), num_sms))
+
+
 def wave_splits(programs: int, seqlen_k: int, num_sms: int = H200_SMS, block: int = SPLIT_BLOCK,
                 max_splits: int = MAX_SPLITS) -> int:
     """Chapter 02's waves applied to split-KV: 1 when ``programs`` already make ~one wave (80% of the SMs);
@@ -210,9 +218,9 @@ def wave_splits(programs: int, seqlen_k: int, num_sms: int = H200_SMS, block: in
     efficiency of a count is P x s / (waves x num_sms). This is the rule notebook 06 derives (and lab 06
     asks for); :func:`choose_num_splits` adds what the H200 measured.
     """
-    if programs >= 0.8 * num_sms:
+    limit = _split_limit(programs, seqlen_k, num_sms, block, max_splits)
+    if limit is None:
         return 1
-    limit = max(1, min(max_splits, cdiv(seqlen_k, block), num_sms))
 
     def efficiency(s):
         return programs * s / (cdiv(programs * s, num_sms) * num_sms)
@@ -242,14 +250,14 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
     own key tile (:func:`split_ranges`).
     """
     programs = batch * heads_kv * row_tiles
-    if programs >= 0.8 * num_sms:
+    if not page_size:
+        filled = wave_splits(programs, seqlen_k, num_sms, block, max_splits)
+        return max(1, min(filled, cdiv(seqlen_k, block) // MIN_BLOCKS_PER_SPLIT))
+    limit = _split_limit(programs, seqlen_k, num_sms, block, max_splits)
+    if limit is None:
         return 1
-    if page_size:
-        limit = max(1, min(max_splits, cdiv(seqlen_k, block), num_sms))
-        two_waves = max(1, min(limit, cdiv(seqlen_k, page_size), 2 * num_sms // programs))
-        return 1 << (two_waves.bit_length() - 1)
-    filled = wave_splits(programs, seqlen_k, num_sms, block, max_splits)
-    return max(1, min(filled, cdiv(seqlen_k, block) // MIN_BLOCKS_PER_SPLIT))
+    two_waves = max(1, min(limit, cdiv(seqlen_k, page_size), 2 * num_sms // programs))
+    return 1 << (two_waves.bit_length() - 1)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None,

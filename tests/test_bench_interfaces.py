@@ -239,7 +239,7 @@ def fake_profiled_runs(monkeypatch, fake_times):
 
 
 def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monkeypatch, tmp_path):
-    """tune_warps: per candidate the whole table takes it, each kernel's times are summed over the forward and
+    """tune_launches: per candidate the whole table takes it, each kernel's times are summed over the forward and
     backward of every case (other kernels, PyTorch's, are left out), the fastest candidate per kernel wins,
     the log is written, and the committed table comes back afterwards."""
     import json
@@ -258,7 +258,7 @@ def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monk
 
     fake_profiled_runs(monkeypatch, fake_times)
     path = tmp_path / "tuning.json"
-    results = bench.tune_warps(path, seqlen=64, cases=("gla", "delta_rule"), progress=lambda line: None)
+    results = bench.tune_launches(path, seqlen=64, cases=("gla", "delta_rule"), progress=lambda line: None)
     assert results["winners"] == best
     assert json.loads(path.read_text()) == results
     entry = next(e for e in results["log"] if e["kernel"] == "chunk_wy_kernel" and e["num_warps"] == 4)
@@ -267,7 +267,7 @@ def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monk
 
 
 def test_the_linear_tuner_times_stages_at_the_committed_warps_and_restores_both_tables(monkeypatch, tmp_path):
-    """tune_warps(knob="num_stages"): per candidate every kernel of the warp table gets that num_stages, the
+    """tune_launches(knob="num_stages"): per candidate every kernel of the warp table gets that num_stages, the
     warps stay as committed, the fastest stages per kernel win, and both tables come back afterwards."""
     from fa_lab.bench import linear as bench
     from fa_lab.kernels.portable import linear_chunk
@@ -282,10 +282,10 @@ def test_the_linear_tuner_times_stages_at_the_committed_warps_and_restores_both_
         return [(name, 1000.0 * (1 + abs(now - fastest)), 0.5) for name, fastest in best.items()]
 
     fake_profiled_runs(monkeypatch, fake_times)
-    results = bench.tune_warps(tmp_path / "stages.json", seqlen=64, cases=("delta_rule",), candidates=(1, 2, 4),
+    results = bench.tune_launches(tmp_path / "stages.json", seqlen=64, cases=("delta_rule",), candidates=(1, 2, 4),
                                knob="num_stages", progress=lambda line: None)
     assert results["winners"] == best and results["knob"] == "num_stages"
     assert {e["num_stages"] for e in results["log"]} == {1, 2, 4}
     assert linear_chunk.LAUNCH_WARPS == warps and linear_chunk.LAUNCH_STAGES == stages
     with pytest.raises(ValueError, match="knob"):
-        bench.tune_warps(tmp_path / "x.json", knob="num_threads")
+        bench.tune_launches(tmp_path / "x.json", knob="num_threads")

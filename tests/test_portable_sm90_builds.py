@@ -85,12 +85,10 @@ def linear_jobs() -> list[tuple[str, dict]]:
           "scale": "fp32"},
          dict(CHUNK=64, BLOCK_K=128, BLOCK_V=32, HAS_DHT=True, GATED=True, **tf32)),
     ]
+    variants = {"h pass, per-dim gate": "per_dim", "dqk pass, gated delta rule": "delta"}
+
     def stages(label, kernel) -> dict:  # what the launchers pass; else Triton's 3 stages
-        if label == "h pass, per-dim gate":
-            return dict(num_stages=chunk.h_pass_tiles(2, 128, 128)["num_stages"])
-        if label == "dqk pass, gated delta rule":
-            return dict(num_stages=delta.DELTA_DQK_STAGES)
-        found = chunk.LAUNCH_STAGES.get(kernel.__name__)
+        found = chunk.launch_stages(kernel, variants.get(label))
         return {} if found is None else dict(num_stages=found)
     return [(label, {**_job(kernel, signature, constants, launch_warps(kernel)), **stages(label, kernel)})
             for label, kernel, signature, constants in jobs]

@@ -268,10 +268,10 @@ def _run_linear(args) -> int:
         return _breakdown_only(args, lambda: linear.breakdowns(args.seqlens[0], cases=tuple(args.cases)))
     if args.tune:
         if args.stages:
-            linear.tune_warps(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases), candidates=args.stages,
+            linear.tune_launches(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases), candidates=args.stages,
                               knob="num_stages")
         else:
-            linear.tune_warps(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases))
+            linear.tune_launches(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases))
         return 0
     results = linear.run_linear(args.json, seqlens=tuple(args.seqlens), cases=tuple(args.cases))
     lines = [f"{what}: {value:.3f}" for what, value in linear.speed_ratios(results["rows"])]

@@ -237,19 +237,19 @@ def breakdowns(seqlen: int = SEQLENS[0], cases=CASES, impls=IMPLS, progress=prin
 WARP_CANDIDATES = (2, 4, 8)
 
 
-def tune_warps(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases=CASES, progress=print,
+def tune_launches(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases=CASES, progress=print,
                knob: str = "num_warps") -> dict:
     """Time each of our kernels with every launch at each candidate num_warps (or, with knob "num_stages",
     num_stages at the committed warps), and write the log to ``path``.
 
-    Per candidate, every entry of :data:`fa_lab.kernels.portable.linear_chunk.LAUNCH_WARPS` takes it (or,
-    for stages, every kernel of that table gets it in ``LAUNCH_STAGES``; the committed tables are restored
-    after), and each kernel's time per call (:mod:`.breakdown`) is summed over the forward and backward of
-    every case at ``seqlen``; a kernel's time does not depend on the others' settings, so one pass per
-    candidate times them all. The log is ``{"device", "torch", "triton", "date", "seqlen", "knob", "winners",
-    "log"}``: the fastest setting per kernel and one entry (``kernel``, the knob, ``ms``) per kernel and
-    candidate. The winners go into the tables by hand, where the offline sm_90 build accepts them
-    (tests/test_portable_sm90_builds.py). A candidate that fails in a case is logged and skipped.
+    Per candidate, every entry of :data:`fa_lab.kernels.portable.linear_chunk.LAUNCH_WARPS` takes it (or, for
+    stages, every kernel of that table and every variant entry of ``LAUNCH_STAGES`` gets it there; the
+    committed tables are restored after), and each kernel's time per call (:mod:`.breakdown`) is summed over
+    the forward and backward of every case at ``seqlen``; a kernel's time does not depend on the others'
+    settings, so one pass per candidate times them all. The log is ``{"device", "torch", "triton", "date",
+    "seqlen", "knob", "winners", "log"}``: the fastest setting per kernel and one entry (``kernel``, the knob,
+    ``ms``) per kernel and candidate. The winners go into the tables by hand, where the offline sm_90 build
+    accepts them (tests/test_portable_sm90_builds.py). A candidate that fails in a case is logged and skipped.
     """
     from ..kernels.portable import linear_chunk
     from .breakdown import kernel_times, passes
@@ -264,7 +264,7 @@ def tune_warps(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, cases
             if knob == "num_warps":
                 linear_chunk.LAUNCH_WARPS.update(dict.fromkeys(committed, value))
             else:
-                linear_chunk.LAUNCH_STAGES.update(dict.fromkeys(committed, value))
+                linear_chunk.LAUNCH_STAGES.update(dict.fromkeys([*committed, *committed_stages], value))
             totals: dict[str, float] = {}
             for case in cases:
                 tensors = case_inputs(case, seqlen)

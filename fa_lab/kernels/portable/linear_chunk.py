@@ -301,12 +301,12 @@ LAUNCH_WARPS = {
 
 
 def h_pass_tiles(gate: int, d_k: int, d_v: int) -> dict:
-    """BLOCK_K, BLOCK_V (and num_stages where it is not the default) of :func:`chunk_fwd_h_kernel` by gate.
-    Under GLA's per-dim gate a program holds a whole 128-wide row block of the state and runs its chunk
-    loop unpipelined: 0.26 ms at 4K (B = 8, H = 16, d = 128) against 0.52 with (64, 64) tiles and 3 stages,
-    the fastest of 64 settings timed on the H200 (benchmarks/h200_gla_tile_sweep.json)."""
+    """BLOCK_K, BLOCK_V of :func:`chunk_fwd_h_kernel` by gate. Under GLA's per-dim gate a program holds a
+    whole 128-wide row block of the state and runs its chunk loop unpipelined (``LAUNCH_STAGES``): 0.26 ms
+    at 4K (B = 8, H = 16, d = 128) against 0.52 with (64, 64) tiles and 3 stages, the fastest of 64 settings
+    timed on the H200 (benchmarks/h200_gla_tile_sweep.json)."""
     if gate == GATE_CODES["per_dim"]:
-        return dict(BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v, 128), num_stages=1)
+        return dict(BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v, 128))
     return dict(BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v))
 
 
@@ -316,16 +316,29 @@ def h_pass_tiles(gate: int, d_k: int, d_v: int) -> dict:
 SCORE_BLOCK_K = 64
 
 
-# num_stages of the launches whose chunk loops run better with other than Triton's default 3: the delta rule's
-# dh pass unpipelined (with 3 stages it spills on sm_90 at d_k = 128, tests/test_portable_sm90_builds.py) and
-# GLA's score kernel at 2 (SCORE_BLOCK_K's sweep). chunk_fwd_h_kernel's stages depend on the gate: h_pass_tiles.
-LAUNCH_STAGES = {"chunk_delta_bwd_dh_kernel": 1, "chunk_gla_fwd_a_kernel": 2}
+# num_stages of the launches whose chunk loops run better with other than Triton's default 3, by kernel name or
+# by "name/variant" where one kind of launch of a kernel differs: the delta rule's dh pass unpipelined (with 3
+# stages it spills on sm_90 at d_k = 128, tests/test_portable_sm90_builds.py), GLA's score kernel at 2 and its
+# h pass under the per-dim gate at 1 (benchmarks/h200_gla_tile_sweep.json), and the delta rule's dq/dk/dw pass
+# at 2: 0.68 ms at 4K against 0.90 at 3 stages, whose buffers hold one program per SM
+# (benchmarks/h200_linear_stages.json; GLA's launches of that kernel keep the default).
+LAUNCH_STAGES = {"chunk_delta_bwd_dh_kernel": 1, "chunk_gla_fwd_a_kernel": 2, "chunk_fwd_h_kernel/per_dim": 1,
+                 "chunk_bwd_dqk_kernel/delta": 2}
 
 
-def launch_meta(kernel, chunk_size: int) -> dict:
+def launch_stages(kernel, variant: str | None = None) -> int | None:
+    """num_stages of a launch of ``kernel`` (a jit function of these modules): the :data:`LAUNCH_STAGES` entry
+    of its variant (a gate kind, "delta"), else of its name, else None (Triton's default)."""
+    name = kernel.__name__
+    if variant is not None and f"{name}/{variant}" in LAUNCH_STAGES:
+        return LAUNCH_STAGES[f"{name}/{variant}"]
+    return LAUNCH_STAGES.get(name)
+
+
+def launch_meta(kernel, chunk_size: int, variant: str | None = None) -> dict:
     """The launch options of ``kernel`` at ``chunk_size``: num_warps (:func:`launch_warps`) and, where
-    :data:`LAUNCH_STAGES` has an entry, num_stages."""
-    stages = LAUNCH_STAGES.get(kernel.__name__)
+    :func:`launch_stages` has one, num_stages."""
+    stages = launch_stages(kernel, variant)
     return dict(num_warps=launch_warps(kernel, chunk_size), **({} if stages is None else {"num_stages": stages}))
 
 
@@ -361,7 +374,8 @@ def chunk_forward(q, k, v, g, initial_state, scale: float, chunk_size: int):
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
     chunks = cdiv(seqlen, chunk_size)
-    gate = GATE_CODES[gate_kind(g)]
+    kind = gate_kind(g)
+    gate = GATE_CODES[kind]
     q, k, v = (t.contiguous() for t in (q, k, v))
     cum = log2_cumulated_gate(g, chunk_size) if g is not None else q
     h0 = initial_state.float().contiguous() if initial_state is not None else q
@@ -375,7 +389,7 @@ def chunk_forward(q, k, v, g, initial_state, scale: float, chunk_size: int):
         chunk_fwd_h_kernel[(cdiv(d_k, tiles["BLOCK_K"]), cdiv(d_v, tiles["BLOCK_V"]), batch * heads)](
             k, v, cum, h0, h, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size, GATE=gate,
             HAS_H0=initial_state is not None, PRECISION=precision,
-            num_warps=launch_warps(chunk_fwd_h_kernel, chunk_size), **tiles)
+            **launch_meta(chunk_fwd_h_kernel, chunk_size, kind), **tiles)
         grid = (chunks, batch * heads, cdiv(d_v, block_v))
         if gate == GATE_CODES["per_dim"]:
             scores = gla_intra_scores(q, k, cum, chunk_size, q.dtype)

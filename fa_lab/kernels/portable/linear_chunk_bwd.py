@@ -336,14 +336,14 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
         gla_intra_scores,
         h_pass_tiles,
         launch_meta,
-        launch_warps,
     )
     from .linear_gate import log2_cumulated_gate, reverse_cumsum
 
     batch, heads, seqlen, d_k = q.shape
     d_v = v.shape[-1]
     chunks = cdiv(seqlen, chunk_size)
-    gate = GATE_CODES[gate_kind(g)]
+    kind = gate_kind(g)
+    gate = GATE_CODES[kind]
     per_dim = gate == GATE_CODES["per_dim"]
     q, k, v, grad_o = (t.contiguous() for t in (q, k, v, grad_o.to(q.dtype)))
     cum = log2_cumulated_gate(g, chunk_size) if g is not None else q
@@ -362,7 +362,7 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
         chunk_fwd_h_kernel[(cdiv(d_k, tiles["BLOCK_K"]), cdiv(d_v, tiles["BLOCK_V"]), batch * heads)](
             k, v, cum, h0, states, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size, GATE=gate,
             HAS_H0=initial_state is not None, PRECISION=precision,
-            num_warps=launch_warps(chunk_fwd_h_kernel, chunk_size), **tiles)
+            **launch_meta(chunk_fwd_h_kernel, chunk_size, kind), **tiles)
         state_grid = (cdiv(d_k, block_k), cdiv(d_v, block_v), batch * heads)
         chunk_bwd_dh_kernel[state_grid](q, grad_o, cum, dht, d_states, d_initial, seqlen, chunks, d_k, d_v, scale,
                                         GATE=gate, HAS_DHT=grad_state is not None,

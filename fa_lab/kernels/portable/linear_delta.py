@@ -28,11 +28,6 @@ import triton.language as tl
 
 from .linear_chunk import chunk_tile, load_rows, state_tile
 
-# The delta rule's dq/dk/dw pass (chunk_bwd_dqk_kernel with DELTA) pipelines its d_v loop two deep: 0.68 ms at
-# 4K against 0.90 at Triton's default 3 stages, whose buffers hold one program per SM
-# (benchmarks/h200_linear_stages.json; GLA's launches of the kernel keep the default).
-DELTA_DQK_STAGES = 2
-
 
 @triton.jit
 def wy_inverse(k_ptr, beta_ptr, g_ptr, t_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -348,8 +343,8 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_k, block_v = block_size(d_k), block_size(d_v)
     wide = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision)
-    def meta(kernel) -> dict:
-        return launch_meta(kernel, chunk_size)
+    def meta(kernel, variant=None) -> dict:
+        return launch_meta(kernel, chunk_size, variant)
     sweep = dict(CHUNK=chunk_size, BLOCK_K=block_size(d_k, 256), BLOCK_V=block_size(d_v, 32), PRECISION=precision)
     slices = cdiv(d_v, sweep["BLOCK_V"])
     gate_parts = {name: torch.empty(shape, dtype=torch.float32, device=q.device) if gated else q
@@ -371,8 +366,7 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
             **meta(chunk_delta_bwd_dh_kernel), **sweep)
         chunk_bwd_dqk_kernel[(chunks, batch * heads, cdiv(d_k, block_k))](
             q, k, v_new, grad_o, cum, states, d_states, dq, dk_direct, gate_parts["qk"], dv_new, dw, seqlen, chunks,
-            d_k, d_v, scale, GATE=int(gated), DELTA=True, num_warps=meta(chunk_bwd_dqk_kernel)["num_warps"],
-            num_stages=DELTA_DQK_STAGES, **wide)
+            d_k, d_v, scale, GATE=int(gated), DELTA=True, **meta(chunk_bwd_dqk_kernel, "delta"), **wide)
         chunk_wy_bwd_kernel[(chunks, batch * heads)](k, v, beta, cum, inverse, dw, dv_new, dk_direct, dk, dv, d_beta,
                                                      gate_parts["wy"], seqlen, chunks, d_k, d_v, GATED=gated,
                                                      **meta(chunk_wy_bwd_kernel), **load, **wide)
