@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What ran on the GPU device machine to produce the files in benchmarks/ (and the gpu tests).
+# What ran on an H200 machine (no network, no Jupyter) to produce the files in benchmarks/ and the gpu tests.
 # Usage there, from the repository root:  bash benchmarks/run_device.sh STEP OUTDIR
 #   tune   - time candidate tile configurations of the Triton kernels at 8K (h200_triton_tuning.json),
 #            then the protocol with them; the winners go into fa_lab/kernels/portable/configs.py
@@ -21,11 +21,11 @@
 #   decode-tune - the decode kernel's candidate configs x split counts (h200_decode_tuning.json); the
 #            winners go into fa_lab/kernels/portable/decode.py
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
-#            H200 they take about 11 minutes, more than one device call: `tests tests/test_hopper.py`
-#            and the like run a part (the arguments after OUTDIR go to pytest)
+#            H200 they take about 11 minutes: `tests tests/test_hopper.py` and the like run a part (the
+#            arguments after OUTDIR go to pytest)
 # The machine has no `fa-lab` script installed: `python3 -m fa_lab.cli bench ...` is `fa-lab bench ...`.
 #   breakdown - every kernel's time per call, forward and backward: ours and fla's linear cases at 4K (after
-#            peers-warm in the same call, or fla autotunes first), our NSA selection and MoBA at 64K
+#            peers-warm on the same machine, or fla autotunes first), our NSA selection and MoBA at 64K
 #   linear-tune - our linear kernels at 2, 4 and 8 warps, every launch's time at 4K (h200_linear_tuning.json);
 #            the winners go into LAUNCH_WARPS in fa_lab/kernels/portable/linear_chunk.py
 #   gla-tiles - GLA's h pass and score kernel over tile widths, warps and stages (h200_gla_tile_sweep.json, by
@@ -33,12 +33,15 @@
 #            LAUNCH_WARPS and LAUNCH_STAGES
 #   linear-stages - the same at num_stages 1 to 4 and the committed warps (h200_linear_stages.json; arguments after
 #            OUTDIR go to the command, e.g. --cases delta_rule); the winners go into LAUNCH_STAGES
+#   linear-bwd-sweep - the tiles, warps and stages of the launches the linear backward spends its time in
+#            (benchmarks/linear_bwd_sweep.py; arguments after OUTDIR: a time budget in seconds, then sweep names):
+#            h200_linear_bwd_sweep.json; the winners go into linear_chunk's tables and tiles
 #   peers-warm - fla-core's linear kernels autotuned (one process per case, at once) at the benchmark's 4K shape,
 #            so that a later `linear` compiles one config per kernel instead of every candidate
 # Triton's cache is .device/triton-cache (git-ignored): fla-core's kernels autotune for minutes on their first
 # call (their choices do not depend on the sequence length) and store what they chose there, so each step
 # packs those choices (*.autotune.json) into OUTDIR/triton-autotune.tgz, on exit and every minute while it
-# runs; unpacked into .device/triton-cache and carried, a fresh machine reuses them.
+# runs; unpacked into a fresh machine's .device/triton-cache, they are reused there.
 set -uo pipefail
 step=$1; out=$2; shift 2
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.device/triton-cache}
@@ -68,6 +71,8 @@ case "$step" in
   breakdown) $bench linear --breakdown 2>&1 | tee "$out/linear_breakdown.log"
          $bench sparse --breakdown 2>&1 | tee "$out/sparse_breakdown.log" ;;
   gla-tiles) python3 benchmarks/gla_tile_sweep.py "$out/h200_gla_tile_sweep.json" 2>&1 | tee "$out/gla_tiles.log" ;;
+  linear-bwd-sweep) python3 benchmarks/linear_bwd_sweep.py "$out/h200_linear_bwd_sweep.json" "$@" 2>&1 \
+           | tee "$out/linear_bwd_sweep.log" ;;
   peers-warm) for case in simple_gla gla delta_rule; do
            $bench linear --cases $case --seqlens 4096 > "$out/peers_warm_$case.log" 2>&1 & done; wait ;;
   ring) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
@@ -83,5 +88,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|linear-tune|linear-stages|gla-tiles|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -284,68 +284,72 @@ def block_size(dim: int, cap: int = 64) -> int:
     return min(cap, max(16, triton.next_power_of_2(dim)))
 
 
-# num_warps of each launch at chunks of up to 64 tokens, by kernel name: the fastest of 2, 4 and 8 in
-# `fa-lab bench linear --tune` on the H200 (benchmarks/h200_linear_tuning.json), except the plain dh pass,
-# which would spill 152 bytes a thread at 2 warps for a 6% gain. Two winners spill a little when compiled for
-# sm_90 at d = 128 (tests/test_portable_sm90_builds.py bounds them): the WY backward (five (C, C) float32
-# tiles: 48 bytes at 4 warps, 1.5 times faster than 8 warps without spills) and the delta rule's dh pass
-# (all d_k rows of its state slice, h_{c+1}'s tile and its (C, d_k) operand tiles: 488 bytes gated at 2 warps;
-# the benchmark's ungated case runs 1.9 times faster than at 8 warps, which spill 24). GLA's score kernel takes
-# one warp, the winner of a wider sweep of its tiles (SCORE_BLOCK_K).
+# The launch settings of the linear kernels at chunks of up to 64 tokens, each the fastest measured on the H200
+# (the logs in benchmarks/ named below; docs/experiments/linear_and_ring.md has the figures). Entries are by
+# kernel name, or by "name/variant" where one kind of launch of a kernel differs (a gate kind, "delta", the dv
+# pass with its carried term, the WY factors recomputed from the forward's T); the
+# offline sm_90 build (tests/test_portable_sm90_builds.py) checks each for shared memory and bounds the two
+# spills that timed faster than the settings without them (the WY backward's (C, C) float32 tiles and the gated
+# delta rule's dh pass, which holds all d_k rows of its state slice and h_{c+1}'s tile).
+#
+# num_warps: `fa-lab bench linear --tune` (h200_linear_tuning.json) over 2, 4 and 8; GLA's score kernel one warp
+# per 16-row sub-chunk (gla_tile_sweep.py, h200_gla_tile_sweep.json); the state passes of simple GLA and of the
+# delta rule from benchmarks/linear_bwd_sweep.py (h200_linear_bwd_sweep.json) with their tiles.
 LAUNCH_WARPS = {
     "chunk_fwd_h_kernel": 4, "chunk_fwd_o_kernel": 4, "chunk_gla_fwd_a_kernel": 1, "chunk_gla_fwd_o_kernel": 4,
-    "chunk_bwd_dh_kernel": 4, "chunk_bwd_dv_kernel": 4, "chunk_bwd_dqk_kernel": 4, "chunk_bwd_da_kernel": 4,
-    "chunk_gla_bwd_dv_kernel": 4, "chunk_gla_bwd_dqk_kernel": 4, "chunk_wy_kernel": 4, "chunk_wy_bwd_kernel": 4,
-    "chunk_delta_fwd_h_kernel": 4, "chunk_delta_bwd_dh_kernel": 2,
+    "chunk_bwd_dh_kernel": 2, "chunk_bwd_dh_kernel/per_dim": 4, "chunk_bwd_dv_kernel": 4, "chunk_bwd_dqk_kernel": 4,
+    "chunk_bwd_dqk_kernel/delta": 8, "chunk_bwd_da_kernel": 4, "chunk_gla_bwd_dv_kernel": 4,
+    "chunk_gla_bwd_dqk_kernel": 4, "chunk_wy_kernel": 4, "chunk_wy_kernel/recompute": 2, "chunk_wy_bwd_kernel": 4,
+    "chunk_delta_fwd_h_kernel": 4, "chunk_delta_bwd_dh_kernel": 4,
 }
+
+# num_stages where Triton's default 3 is not the fastest: the same sweeps at 1 to 4 stages
+# (h200_linear_stages.json, h200_gla_tile_sweep.json, h200_linear_bwd_sweep.json). The delta rule's dh pass runs
+# unpipelined (deeper pipelines spill at d_k = 128), GLA's h pass too, whose programs hold 128-wide row blocks.
+LAUNCH_STAGES = {"chunk_delta_bwd_dh_kernel": 1, "chunk_gla_fwd_a_kernel": 2, "chunk_fwd_h_kernel": 2,
+                 "chunk_fwd_h_kernel/per_dim": 1, "chunk_bwd_dh_kernel": 2, "chunk_bwd_dh_kernel/per_dim": 3,
+                 "chunk_bwd_dqk_kernel/delta": 2, "chunk_bwd_dv_kernel/carried": 2}
 
 
 def h_pass_tiles(gate: int, d_k: int, d_v: int) -> dict:
-    """BLOCK_K, BLOCK_V of :func:`chunk_fwd_h_kernel` by gate. Under GLA's per-dim gate a program holds a
-    whole 128-wide row block of the state and runs its chunk loop unpipelined (``LAUNCH_STAGES``): 0.26 ms
-    at 4K (B = 8, H = 16, d = 128) against 0.52 with (64, 64) tiles and 3 stages, the fastest of 64 settings
-    timed on the H200 (benchmarks/h200_gla_tile_sweep.json)."""
+    """BLOCK_K, BLOCK_V of :func:`chunk_fwd_h_kernel` by gate: a program holds a 128-row block of the state and
+    64 of its columns, or, under GLA's per-dim gate, 64 rows and 128 columns (the fastest tiles of
+    benchmarks/linear_bwd_sweep.py and benchmarks/gla_tile_sweep.py)."""
     if gate == GATE_CODES["per_dim"]:
         return dict(BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v, 128))
-    return dict(BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v))
+    return dict(BLOCK_K=block_size(d_k, 128), BLOCK_V=block_size(d_v))
 
 
-# GLA's intra-chunk score kernel: 64-wide key blocks, with one warp per 16-row sub-chunk (LAUNCH_WARPS) and 2
-# stages (LAUNCH_STAGES): 0.75 ms at 4K against 0.84 with 32-wide blocks, 2 warps and 3 stages
-# (benchmarks/h200_gla_tile_sweep.json).
+# GLA's intra-chunk score kernel: 64-wide key blocks (gla_tile_sweep.py), one warp per 16-row sub-chunk.
 SCORE_BLOCK_K = 64
 
 
-# num_stages of the launches whose chunk loops run better with other than Triton's default 3, by kernel name or
-# by "name/variant" where one kind of launch of a kernel differs: the delta rule's dh pass unpipelined (with 3
-# stages it spills on sm_90 at d_k = 128, tests/test_portable_sm90_builds.py), GLA's score kernel at 2 and its
-# h pass under the per-dim gate at 1 (benchmarks/h200_gla_tile_sweep.json), and the delta rule's dq/dk/dw pass
-# at 2: 0.68 ms at 4K against 0.90 at 3 stages, whose buffers hold one program per SM
-# (benchmarks/h200_linear_stages.json; GLA's launches of that kernel keep the default).
-LAUNCH_STAGES = {"chunk_delta_bwd_dh_kernel": 1, "chunk_gla_fwd_a_kernel": 2, "chunk_fwd_h_kernel/per_dim": 1,
-                 "chunk_bwd_dqk_kernel/delta": 2}
+def _launch_entry(table: dict, kernel, variant: str | None):
+    """``table``'s entry for a launch of ``kernel`` (a jit function of these modules): that of its variant,
+    else of its name, else None."""
+    name = kernel.__name__
+    if variant is not None and f"{name}/{variant}" in table:
+        return table[f"{name}/{variant}"]
+    return table.get(name)
 
 
 def launch_stages(kernel, variant: str | None = None) -> int | None:
-    """num_stages of a launch of ``kernel`` (a jit function of these modules): the :data:`LAUNCH_STAGES` entry
-    of its variant (a gate kind, "delta"), else of its name, else None (Triton's default)."""
-    name = kernel.__name__
-    if variant is not None and f"{name}/{variant}" in LAUNCH_STAGES:
-        return LAUNCH_STAGES[f"{name}/{variant}"]
-    return LAUNCH_STAGES.get(name)
+    """num_stages of a launch of ``kernel``: its :data:`LAUNCH_STAGES` entry, else None (Triton's default)."""
+    return _launch_entry(LAUNCH_STAGES, kernel, variant)
 
 
 def launch_meta(kernel, chunk_size: int, variant: str | None = None) -> dict:
     """The launch options of ``kernel`` at ``chunk_size``: num_warps (:func:`launch_warps`) and, where
     :func:`launch_stages` has one, num_stages."""
     stages = launch_stages(kernel, variant)
-    return dict(num_warps=launch_warps(kernel, chunk_size), **({} if stages is None else {"num_stages": stages}))
+    return dict(num_warps=launch_warps(kernel, chunk_size, variant),
+                **({} if stages is None else {"num_stages": stages}))
 
 
-def launch_warps(kernel, chunk_size: int) -> int:
-    """num_warps of a launch of ``kernel`` (a jit function of these modules) at ``chunk_size``: its
-    :data:`LAUNCH_WARPS` entry, and at least 8 for chunks of 128 (the (C, C) tiles grow with the chunk)."""
-    warps = LAUNCH_WARPS[kernel.__name__]
+def launch_warps(kernel, chunk_size: int, variant: str | None = None) -> int:
+    """num_warps of a launch of ``kernel`` at ``chunk_size``: its :data:`LAUNCH_WARPS` entry, and at least 8 for
+    chunks of 128 (the (C, C) tiles grow with the chunk)."""
+    warps = _launch_entry(LAUNCH_WARPS, kernel, variant)
     return warps if chunk_size <= 64 else max(warps, 8)
 
 

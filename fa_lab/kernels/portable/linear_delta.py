@@ -26,28 +26,40 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_chunk import chunk_tile, load_rows, state_tile
+from .linear_chunk import block_size, chunk_tile, load_rows, state_tile
+
+# The d_v-wide slice of one head's state that a program of the delta rule's state passes (the h pass, forward
+# and backward, and the dh pass) holds, with all d_k rows (w h sums over the whole key dimension): the fastest
+# of 16, 32 and 64 in both passes (benchmarks/linear_bwd_sweep.py, log benchmarks/h200_linear_bwd_sweep.json).
+STATE_SLICE = 64
+
+
+def state_pass_tiles(d_k: int, d_v: int) -> dict:
+    """BLOCK_K (the whole padded d_k) and BLOCK_V (:data:`STATE_SLICE`) of the delta rule's state passes."""
+    return dict(BLOCK_K=block_size(d_k, 256), BLOCK_V=block_size(d_v, STATE_SLICE))
 
 
 @triton.jit
 def wy_inverse(k_ptr, beta_ptr, g_ptr, t_ptr, bh, c, seqlen, chunks, d_k, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-               GATED: tl.constexpr, PRECISION: tl.constexpr, INVERSE: tl.constexpr):
+               GATED: tl.constexpr, PRECISION: tl.constexpr, INVERSE: tl.constexpr, GRAM: tl.constexpr):
     """One chunk's ``T = (I + L)^{-1}``, ``L = strictly_lower(diag(beta) (K K^T o D))``, in registers.
 
     Returns (T, L, K K^T, beta, the key scale beta o 2^G (beta without a gate)), float32 (C, C) or (C,).
     T comes from block doubling (:func:`block_doubling_inverse`): log2(C) steps of two (C, C) matmuls, where
     forward substitution takes C serial steps of (C, C) vector work. INVERSE: 0 computes T, 1 computes it and
     stores it into t_ptr (B*H, chunks * CHUNK, CHUNK) float32 (the forward, for the backward), 2 loads it
-    from there (the backward).
+    from there (the backward). GRAM False (with INVERSE 2 only: T needs them otherwise) skips K K^T, and the
+    L and K K^T returned are zeros: the backward's recomputation of w and u needs neither.
     """
     rows = c * CHUNK + tl.arange(0, CHUNK)
     row_ok = rows < seqlen
     beta = tl.load(beta_ptr + bh * seqlen + rows, mask=row_ok, other=0.0).to(tl.float32)
     gram = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    for start_k in range(0, d_k, BLOCK_K):
-        cols_k = start_k + tl.arange(0, BLOCK_K)
-        k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
-        gram = tl.dot(k, tl.trans(k), gram, input_precision=PRECISION)
+    if GRAM or INVERSE != 2:
+        for start_k in range(0, d_k, BLOCK_K):
+            cols_k = start_k + tl.arange(0, BLOCK_K)
+            k = load_rows(k_ptr, bh, rows, seqlen, cols_k, d_k)
+            gram = tl.dot(k, tl.trans(k), gram, input_precision=PRECISION)
     below = tl.arange(0, CHUNK)[:, None] > tl.arange(0, CHUNK)[None, :]
     key_scale = beta
     if GATED:
@@ -76,9 +88,8 @@ def block_doubling_inverse(lower, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     half), ``T L_s T`` is exactly ``B^-1 X A^-1`` there and zero elsewhere: ``T <- T - T (L_s T)``. Every
     intermediate T is a set of diagonal blocks of the final inverse, so no entry grows past the inverse's
     own. (fla's ``solve_tril`` inverts 16 x 16 blocks by substitution and merges them the same way.)
-    The matmuls run at PRECISION, TF32 for 16-bit inputs: in a float64 simulation (unit keys, C = 64,
-    docs/experiments/linear_and_ring.md) that moves w's error after its rounding to bf16 from 1.68e-3 to
-    1.68e-3 relative on independent keys and from 2.41e-3 to 2.54e-3 on keys correlated at 0.95.
+    The matmuls run at PRECISION, TF32 for 16-bit inputs: a float64 simulation of that rounding
+    (docs/experiments/linear_and_ring.md) shows it adds less to w's error than w's own rounding to bf16.
     """
     row, col = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
     inverse = tl.where(row == col, 1.0, 0.0)
@@ -106,7 +117,7 @@ def chunk_wy_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, t_ptr, w_ptr, u_ptr, seqlen, 
     c, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = c * CHUNK + tl.arange(0, CHUNK)
     inverse, _, _, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, t_ptr, bh, c, seqlen, chunks, d_k, CHUNK,
-                                                BLOCK_K, GATED, PRECISION, INVERSE)
+                                                BLOCK_K, GATED, PRECISION, INVERSE, GRAM=False)
     _apply_to_rows(inverse, key_scale, k_ptr, w_ptr, bh, rows, seqlen, d_k, BLOCK_K, PRECISION)
     _apply_to_rows(inverse, beta, v_ptr, u_ptr, bh, rows, seqlen, d_v, BLOCK_V, PRECISION)
 
@@ -126,8 +137,8 @@ def _apply_to_rows(matrix, row_scale, src_ptr, dst_ptr, bh, rows, seqlen, width,
 @triton.jit
 def _add_outer(acc, grad_ptr, src_ptr, row_scale, bh, rows, seqlen, width, BLOCK: tl.constexpr,
                PRECISION: tl.constexpr):
-    """acc + grad (diag(row_scale) src)^T over one chunk's rows of (B*H, N, width) tensors (grad float32),
-    BLOCK columns at a time: a matmul's gradient with respect to its left factor. Operands rounded to src's
+    """acc + grad (diag(row_scale) src)^T over one chunk's rows of (B*H, N, width) tensors, BLOCK columns at a
+    time: a matmul's gradient with respect to its left factor. Operands rounded to src's
     dtype (a 16-bit matmul for 16-bit inputs), accumulated in float32."""
     dtype = src_ptr.dtype.element_ty
     for start in range(0, width, BLOCK):
@@ -143,8 +154,8 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, t_ptr, dw_ptr, du_ptr, dk
                         dbeta_ptr, dgate_ptr, seqlen, chunks, d_k, d_v, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_V: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr,
                         INVERSE: tl.constexpr = 0):
-    """The WY representation's backward for one chunk: given dW and dU (float32, (B*H, N, d_k) and
-    (B*H, N, d_v)), write dK (k's dtype, (B*H, N, d_k): its share plus the direct one, dk_direct_ptr, in k's
+    """The WY representation's backward for one chunk: given dW and dU ((B*H, N, d_k) and (B*H, N, d_v), in
+    the inputs' dtype), write dK (k's dtype, (B*H, N, d_k): its share plus the direct one, dk_direct_ptr, in k's
     dtype), dV (v's dtype), dbeta (float32, (B*H, N)) and, if GATED, its share of the cumulated gate's
     gradient (float32, (B*H, chunks * CHUNK)). T computed or loaded as INVERSE says (:func:`wy_inverse`).
     Grid (chunks, B*H). The (C, d)-wide matmuls take their operands in k's dtype (T^T, dW, dU and the
@@ -163,7 +174,7 @@ def chunk_wy_bwd_kernel(k_ptr, v_ptr, beta_ptr, g_ptr, t_ptr, dw_ptr, du_ptr, dk
     row_ok = rows < seqlen
     dtype = k_ptr.dtype.element_ty
     inverse, lower, gram, beta, key_scale = wy_inverse(k_ptr, beta_ptr, g_ptr, t_ptr, bh, c, seqlen, chunks, d_k,
-                                                       CHUNK, BLOCK_K, GATED, PRECISION, INVERSE)
+                                                       CHUNK, BLOCK_K, GATED, PRECISION, INVERSE, GRAM=True)
     inverse_t = tl.trans(inverse).to(dtype)  # T^T as the 16-bit operand of the (C, d)-wide matmuls
     d_inverse = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dT = dW Ks^T + dU Vb^T
     d_inverse = _add_outer(d_inverse, dw_ptr, k_ptr, key_scale, bh, rows, seqlen, d_k, BLOCK_K, PRECISION)
@@ -249,10 +260,10 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
 
     Walking the chunks backwards from the final state's gradient (dht_ptr, read if HAS_DHT): store
     dH_{c+1}; form the corrected values' gradient ``dV_new = dV_local + K dH_{c+1}`` (dv_local_ptr: the
-    intra-chunk term, float32) and store it (dv_new_ptr float32); then, since h_{c+1} = h_c + K^T V_new
-    and V_new = U - W h_c, ``dH_c = dH_{c+1} + scale Q^T dO - W^T dV_new``. Ends with the initial state's
-    gradient (dh0_ptr). q, k, w (B*H, N, d_k), do (B*H, N, d_v) contiguous; the stored states (h_ptr,
-    dh_ptr) in their own dtype, the inputs' as the h pass's.
+    intra-chunk term) and store it (dv_new_ptr; both in the inputs' dtype, as fla keeps them); then, since
+    h_{c+1} = h_c + K^T V_new and V_new = U - W h_c, ``dH_c = dH_{c+1} + scale Q^T dO - W^T dV_new``, with the
+    stored (rounded) dV_new. Ends with the initial state's gradient (dh0_ptr). q, k, w (B*H, N, d_k), do
+    (B*H, N, d_v) contiguous; the stored states (h_ptr, dh_ptr) in their own dtype, the inputs' as the h pass's.
 
     GATED (g_ptr as the h pass reads it): ``h_{c+1} = 2^G_last h_c + (K o 2^(G_last - G))^T V_new``, so
     ``dV_new = dV_local + (K o 2^(G_last - G)) dH_{c+1}``, ``dH_c = 2^G_last dH_{c+1} + scale (Q o 2^G)^T dO
@@ -286,8 +297,8 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
             key_scale = tl.math.exp2(g_last - g)
             query_scale = query_scale * tl.math.exp2(g)
         k = (tl.load(k_ptr + key_rows, mask=key_ok, other=0.0) * key_scale[:, None]).to(dtype)
-        dv_new = tl.dot(k, dh.to(dtype), tl.load(dv_local_ptr + value_rows, mask=value_ok, other=0.0),
-                        input_precision=PRECISION)
+        dv_local = tl.load(dv_local_ptr + value_rows, mask=value_ok, other=0.0).to(tl.float32)
+        dv_new = tl.dot(k, dh.to(dtype), dv_local, input_precision=PRECISION).to(dtype)
         tl.store(dv_new_ptr + value_rows, dv_new, mask=value_ok)
         if GATED:
             dh = dh * tl.math.exp2(g_last)
@@ -295,7 +306,7 @@ def chunk_delta_bwd_dh_kernel(q_ptr, k_ptr, w_ptr, do_ptr, dv_local_ptr, dht_ptr
         do = tl.load(do_ptr + value_rows, mask=value_ok, other=0.0)
         dh = tl.dot(tl.trans(q), do, dh, input_precision=PRECISION)
         w = tl.load(w_ptr + key_rows, mask=key_ok, other=0.0)
-        dh -= tl.dot(tl.trans(w), dv_new.to(dtype), input_precision=PRECISION)
+        dh -= tl.dot(tl.trans(w), dv_new, input_precision=PRECISION)
     tl.store(dh0_ptr + bh * d_k * d_v + tile, dh, mask=tile_ok)
 
 
@@ -314,7 +325,7 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     backwards within each chunk (g_t enters every cumulated G_s with s >= t of its chunk).
     """
     from ..common import cdiv, on_device
-    from .linear_chunk import block_size, launch_meta
+    from .linear_chunk import launch_meta
     from .linear_chunk_bwd import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel
     from .linear_gate import log2_cumulated_gate
 
@@ -332,10 +343,10 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     final_state = torch.empty(batch, heads, d_k, d_v, dtype=torch.float32, device=q.device)
     d_initial = torch.empty_like(final_state)
     v_new = torch.empty(batch, heads, seqlen, d_v, dtype=q.dtype, device=q.device)
-    dv_local = torch.empty(v_new.shape, dtype=torch.float32, device=q.device)
-    dv_new = torch.empty_like(dv_local)
-    dq, dk_direct = torch.empty_like(q), torch.empty_like(k)
-    dw = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    # The intra-chunk dV, dV_new and dW pass between kernels in the inputs' dtype, as fla's do: half the
+    # bytes of float32 in four of the six launches.
+    dv_local, dv_new = torch.empty_like(v_new), torch.empty_like(v_new)
+    dq, dk_direct, dw = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     load = dict(INVERSE=2) if inverse is not None else {}  # the forward's T, else recomputed
     inverse = inverse if inverse is not None else q
@@ -345,7 +356,7 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     wide = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision)
     def meta(kernel, variant=None) -> dict:
         return launch_meta(kernel, chunk_size, variant)
-    sweep = dict(CHUNK=chunk_size, BLOCK_K=block_size(d_k, 256), BLOCK_V=block_size(d_v, 32), PRECISION=precision)
+    sweep = dict(CHUNK=chunk_size, PRECISION=precision, **state_pass_tiles(d_k, d_v))
     slices = cdiv(d_v, sweep["BLOCK_V"])
     gate_parts = {name: torch.empty(shape, dtype=torch.float32, device=q.device) if gated else q
                   for name, shape in (("last", (slices, batch * heads, chunks)),
@@ -353,7 +364,8 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
                                       ("wy", (batch * heads, chunks * chunk_size)))}
     with on_device(q):
         chunk_wy_kernel[(chunks, batch * heads)](k, v, beta, cum, inverse, w, u, seqlen, chunks, d_k, d_v,
-                                                 GATED=gated, **meta(chunk_wy_kernel), **load, **wide)
+                                                 GATED=gated, **meta(chunk_wy_kernel, "recompute" if load else None),
+                                                 **load, **wide)
         chunk_delta_fwd_h_kernel[(slices, batch * heads)](
             k, w, u, cum, h0, states, v_new, final_state, seqlen, chunks, d_k, d_v, GATED=gated,
             HAS_H0=initial_state is not None, **meta(chunk_delta_fwd_h_kernel), **sweep)
@@ -406,7 +418,7 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
     beta (B, H, N), g None or (B, H, N). Returns (o in q.dtype, final state (B, H, d_k, d_v) float32, the WY
     inverse T (B*H, chunks * C, C) float32 if keep_inverse, for the backward, else None)."""
     from ..common import cdiv, on_device
-    from .linear_chunk import block_size, chunk_fwd_o_kernel, launch_meta
+    from .linear_chunk import chunk_fwd_o_kernel, launch_meta
     from .linear_gate import log2_cumulated_gate
 
     batch, heads, seqlen, d_k = q.shape
@@ -429,11 +441,11 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
                                                  BLOCK_K=block_size(d_k), BLOCK_V=block_size(d_v),
                                                  GATED=g is not None, PRECISION=precision,
                                                  **launch_meta(chunk_wy_kernel, chunk_size))
-        block_v = block_size(d_v, 32)
-        chunk_delta_fwd_h_kernel[(cdiv(d_v, block_v), batch * heads)](
+        tiles = state_pass_tiles(d_k, d_v)
+        chunk_delta_fwd_h_kernel[(cdiv(d_v, tiles["BLOCK_V"]), batch * heads)](
             k, w, u, cum2, h0, h, v_new, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size,
-            BLOCK_K=block_size(d_k, 256), BLOCK_V=block_v, GATED=g is not None, HAS_H0=initial_state is not None,
-            PRECISION=precision, **launch_meta(chunk_delta_fwd_h_kernel, chunk_size))
+            GATED=g is not None, HAS_H0=initial_state is not None, PRECISION=precision,
+            **launch_meta(chunk_delta_fwd_h_kernel, chunk_size), **tiles)
         block_v = block_size(d_v)
         chunk_fwd_o_kernel[(chunks, batch * heads, cdiv(d_v, block_v))](
             q, k, v_new, cum2, h, o, seqlen, chunks, d_k, d_v, scale, CHUNK=chunk_size, BLOCK_K=block_size(d_k),
