@@ -169,7 +169,7 @@ def test_the_linear_benchmarks_inputs_rows_ratios_and_crossover():
     soft = {4096: (0.5, 1.0), 8192: (2.0, 4.0), 16384: (8.0, 16.0)}   # quadratic in N
     rows = []
     for seqlen, (fwd, bwd) in times.items():
-        for impl, factor in (("triton", 1.0), ("fla", 0.8)):
+        for impl, factor in (("triton", 1.0), ("fla_chunk", 0.8)):
             row = bench.linear_row(impl, "gla", seqlen)
             row.update(fwd_ms=fwd * factor, bwd_ms=bwd * factor)
             rows.append(row)
@@ -184,7 +184,7 @@ def test_the_linear_benchmarks_inputs_rows_ratios_and_crossover():
     # backward: 4x softmax's time at 4K, equal at 16K -> the log gap reaches 0 only at the last length
     assert bench.crossover(rows, "triton", "gla", "bwd_ms") == pytest.approx(16384)
     # fla: 1.6x softmax's time at 4K, 0.8x at 8K -> log gap log 1.6 then log 0.8: a fraction log2(1.6) of the octave
-    assert bench.crossover(rows, "fla", "gla", "fwd_ms") == pytest.approx(4096 * 1.6)
+    assert bench.crossover(rows, "fla_chunk", "gla", "fwd_ms") == pytest.approx(4096 * 1.6)
     assert bench.crossover(rows, "triton", "simple_gla") is None  # no rows of that case
     assert bench.plot_linear({"device": "test", "torch": "x", "triton": None, "date": "2026-12-01", "rows": rows})
 

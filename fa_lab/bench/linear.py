@@ -40,7 +40,8 @@ from .schema import empty_row, environment, save_results, write_log
 BATCH, HEADS, HEAD_DIM, CHUNK = 8, 16, 128, 64
 SEQLENS = (4096, 8192, 16384, 32768, 65536)
 CASES = ("simple_gla", "gla", "delta_rule")
-IMPLS = ("triton", "fla")
+FLA = "fla_chunk"  # the impl name of fla's rows: its chunk kernels (fla_* as the sparse rows' fla_nsa)
+IMPLS = ("triton", FLA)
 GRADIENT_AGREEMENT = 0.05  # largest relative RMSE of fla's gradients against ours for its backward to count
 
 
@@ -108,7 +109,7 @@ def softmax(_case: str, tensors: dict):
     return (lambda: fa_lab.attention(q, k, v, causal=True, impl="triton_hopper")), [q, k, v]
 
 
-MAKERS = {"triton": ours, "fla": fla}
+MAKERS = {"triton": ours, FLA: fla}
 
 
 def linear_row(impl: str, case: str, seqlen: int) -> dict:
@@ -194,8 +195,8 @@ def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=
             if json_path:
                 save_results(results, json_path)
 
-    sweep([impl for impl in impls if impl != "fla"], with_softmax=True)
-    if "fla" in impls:
+    sweep([impl for impl in impls if impl != FLA], with_softmax=True)
+    if FLA in impls:
         if allow_fla_gated_backward():
             progress("fla refuses simple GLA's backward on this stack (Triton < 3.7.1 on Hopper): lifted, "
                      "its backward counts where its gradients agree with ours")
@@ -213,7 +214,7 @@ def run_linear(json_path=None, seqlens=SEQLENS, cases=CASES, impls=IMPLS, timer=
             else:
                 progress(f"fla's {case} gradients disagree with ours beyond {GRADIENT_AGREEMENT}: its backward is "
                          "not timed")
-        sweep(["fla"], with_softmax=False, backward_cases=agreeing)
+        sweep([FLA], with_softmax=False, backward_cases=agreeing)
     return results
 
 
@@ -222,8 +223,8 @@ def breakdowns(seqlen: int = SEQLENS[0], cases=CASES, impls=IMPLS, progress=prin
     after our run at the same inputs (its refusal lifted as in the sweep)."""
     from .breakdown import format_breakdown, kernel_times, passes
 
-    if "fla" in impls and allow_fla_gated_backward() is None:
-        impls = tuple(impl for impl in impls if impl != "fla")
+    if FLA in impls and allow_fla_gated_backward() is None:
+        impls = tuple(impl for impl in impls if impl != FLA)
     for case in cases:
         tensors = case_inputs(case, seqlen)
         for impl in impls:
@@ -305,7 +306,7 @@ def speed_ratios(rows: list[dict]) -> list[tuple[str, float]]:
     found = []
     for case in dict.fromkeys(r["case"] for r in rows if r["case"] != "softmax"):
         for seqlen in sorted({r["seqlen_q"] for r in rows}):
-            mine, theirs = find("triton", case, seqlen), find("fla", case, seqlen)
+            mine, theirs = find("triton", case, seqlen), find(FLA, case, seqlen)
             for metric in ("fwd_ms", "bwd_ms"):
                 if mine and theirs and mine[metric] and theirs[metric]:
                     found.append((f"{case} fla time / ours {metric[:3]}, {seqlen // 1024}K",
@@ -347,16 +348,16 @@ def plot_linear(results: dict, dpi=90):
 
     rows = results["rows"]
     fig = Figure(figsize=(10, 4), dpi=dpi)
-    styles = {"triton": "o-", "fla": "s--"}
+    styles = {"triton": ("o-", "ours"), FLA: ("s--", "fla")}
     cases = [c for c in dict.fromkeys(r["case"] for r in rows) if c != "softmax"]
     for ax, metric in zip(fig.subplots(1, 2), ("fwd_ms", "bwd_ms")):
         for index, case in enumerate(cases):
-            for impl, style in styles.items():
+            for impl, (style, who) in styles.items():
                 mine = sorted((r for r in rows if (r["impl"], r["case"]) == (impl, case) and r[metric]),
                               key=lambda r: r["seqlen_q"])
                 if mine:
                     ax.plot([r["seqlen_q"] for r in mine], [r[metric] for r in mine], style, color=f"C{index}",
-                            label=f"{'ours' if impl == 'triton' else impl} {case}")
+                            label=f"{who} {case}")
         soft = sorted((r for r in rows if r["case"] == "softmax" and r[metric]), key=lambda r: r["seqlen_q"])
         if soft:
             ax.plot([r["seqlen_q"] for r in soft], [r[metric] for r in soft], "k^-", label="softmax (triton_hopper)")

@@ -47,7 +47,9 @@ selection keeps.
 
 Rows of the linear-attention benchmark (:mod:`.linear`) carry ``case`` (``simple_gla``, ``gla``,
 ``delta_rule``, or ``softmax`` for softmax attention at the same shape) and ``chunk_size`` (tokens per
-chunk; null for softmax), and no other rows do; linear rows leave the TFLOP/s null (times only).
+chunk; null for softmax), and no other rows do; linear rows leave the TFLOP/s null (times only). Their
+peers are ``fla_chunk`` (flash-linear-attention's chunk kernels), as the sparse rows' are ``fla_nsa`` and
+``fla_moba``.
 
 Rows of the multi-GPU ring benchmark (:mod:`.ring_gpus`, ``benchmarks/h200x{N}_ring.json``) carry
 ``world_size``, ``layout``, ``seqlen`` (the whole sequence; ``seqlen_q``/``seqlen_k`` are the positions per
