@@ -35,6 +35,21 @@ def causal_visible(rows, cols, offset: int):
     return cols <= rows + offset
 
 
+def band_visible(rows, cols, offset: int, left: int | None, right: int | None) -> torch.Tensor:
+    """Bool (broadcast of rows, cols): True where query ``rows`` sees key ``cols`` under a window
+    ``rows + offset - left <= cols <= rows + offset + right``, a side of None unbounded.
+
+    rows, cols: broadcastable integer tensors. :meth:`BlockInfo.mask` passes its own offset and sides; the
+    graders pass others (a side shifted by one, offset 0) to build the masks of typical mistakes.
+    """
+    visible = torch.ones(torch.broadcast_shapes(rows.shape, cols.shape), dtype=torch.bool, device=rows.device)
+    if right is not None:
+        visible &= causal_visible(rows, cols, offset + right)
+    if left is not None:
+        visible &= cols >= rows + offset - left
+    return visible
+
+
 class KeyBlocks(NamedTuple):
     """The keys a query tile visits: ``[0, full_end)`` in whole tiles that need no mask,
     ``[full_end, end)`` with a mask (the causal diagonal, the ragged last tile); none from ``end`` on."""
@@ -192,14 +207,7 @@ class BlockInfo:
         k1 = self.seqlen_k if k1 is None else min(k1, self.seqlen_k)
         rows = torch.arange(q0, max(q1, q0), device=device)[:, None]
         cols = torch.arange(k0, max(k1, k0), device=device)[None, :]
-        if not self.masked:
-            return torch.ones((rows.shape[0], cols.shape[1]), dtype=torch.bool, device=device)
-        visible = torch.ones((rows.shape[0], cols.shape[1]), dtype=torch.bool, device=device)
-        if self.right is not None:
-            visible &= causal_visible(rows, cols, self.offset + self.right)
-        if self.left is not None:
-            visible &= cols >= rows + self.offset - self.left
-        return visible
+        return band_visible(rows, cols, self.offset, self.left, self.right)
 
     def key_range(self, q0: int, q1: int) -> tuple[int, int]:
         """(start, end): the keys that at least one query of rows [q0, q1) sees; (0, 0) for none."""

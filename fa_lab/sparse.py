@@ -277,6 +277,9 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
     if not isinstance(gates, torch.Tensor) or tuple(gates.shape) != (*q.shape[:3], 3):
         raise ValueError(f"gates must be a tensor of shape {(*q.shape[:3], 3)}, got "
                          f"{tuple(gates.shape) if isinstance(gates, torch.Tensor) else type(gates).__name__}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1 (the keys of the window branch, the query's own included), "
+                         f"got {window!r}")
     scale = resolve_scale(scale, q.shape[-1])
     batch, heads, seqlen, _ = q.shape
     rows, cols = torch.arange(seqlen, device=q.device)[:, None], torch.arange(seqlen, device=q.device)[None, :]
@@ -291,11 +294,12 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
         out_sel, _ = triton_block_select_attention(q, k, v, selected, block_sel, True, scale, block_q=1)
     else:
         chosen = ((cols // block_sel)[None, None, None] == selected.clamp(min=-1)[..., None]).any(dim=-2)
-        out_sel, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads),
-                                       expand_kv(chosen, heads) & (cols <= rows), scale)
+        causal = BlockInfo(seqlen, seqlen, causal=True).mask(device=q.device)
+        out_sel, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), expand_kv(chosen, heads) & causal,
+                                       scale)
     # Window branch: the last ``window`` keys, the query's own included.
-    out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads),
-                                   (cols <= rows) & (cols > rows - window), scale)
+    band = BlockInfo(seqlen, seqlen, causal=True, window=(window - 1, -1)).mask(device=q.device)
+    out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), band, scale)
     branches = (out_cmp, out_sel, out_win)
     g = gates.to(out_cmp.dtype)
     out = sum(g[..., i:i + 1] * branch for i, branch in enumerate(branches))

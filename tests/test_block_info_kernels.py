@@ -1,7 +1,8 @@
 """The kernels' jit copies of the block ranges against fa_lab.block_info.BlockInfo, tile by tile.
 
-Plain Triton (fa_lab.kernels.portable.block_range): a probe kernel calls key_range and query_range
-for every tile of many shapes, in the interpreter on a CPU and compiled on a GPU. Gluon
+Plain Triton (fa_lab.kernels.portable.block_range): probe kernels call key_range and query_range
+for every tile of many shapes, the windowed ranges, the selected-blocks kernels' row_key_end and the
+decode kernel's split_key_range, in the interpreter on a CPU and compiled on a GPU. Gluon
 (fa_lab.kernels.hopper.block_range): probe kernels call tile_plan and visible_key_end, and the
 window's window_tile_plan, visible_key_start and window_key_end; they are compiled for sm_90 here
 and run on the GPU by the `gpu` tests.
@@ -13,6 +14,7 @@ import torch
 
 from fa_lab.block_info import BlockInfo
 from fa_lab.kernels.common import cdiv
+from fa_lab.kvcache import split_ranges
 
 triton = pytest.importorskip("triton")  # (after fa_lab, which switches the interpreter on without a GPU)
 tl = triton.language
@@ -29,6 +31,8 @@ from fa_lab.kernels.hopper.block_range import (  # noqa: E402
 from fa_lab.kernels.portable.block_range import (  # noqa: E402
     key_range,
     query_range,
+    row_key_end,
+    split_key_range,
     window_key_range,
     window_query_range,
 )
@@ -147,6 +151,79 @@ def test_portable_window_ranges_are_block_info(block_m, block_n):
         for tile in range(cdiv(info.seqlen_k, block_n)):
             got = tuple(queries[case][i][tile] for i in range(4))
             assert got == info.query_tiles(tile * block_n, block_n, block_m), (cases[case], tile)
+
+
+@triton.jit
+def _row_key_end_probe(seqlen_q_ptr, seqlen_k_ptr, ends_ptr, MAX_ROWS: tl.constexpr, CAUSAL: tl.constexpr):
+    """For case program_id(0): row_key_end of row r at ends[case, r]; ends: (cases, MAX_ROWS) int32."""
+    case = tl.program_id(0)
+    seqlen_q, seqlen_k = tl.load(seqlen_q_ptr + case), tl.load(seqlen_k_ptr + case)
+    rows = tl.arange(0, MAX_ROWS)
+    tl.store(ends_ptr + case * MAX_ROWS + rows, row_key_end(rows, seqlen_q, seqlen_k, CAUSAL=CAUSAL) + rows * 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_key_end_is_block_info(causal):
+    """row_key_end (the selected-blocks kernels' key_limit) is BlockInfo.key_end on every row, except that a
+    causal row which sees no key may get a negative end (every range cut to it is then empty)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seqlen_q, seqlen_k = seqlen_tensors(device)
+    max_rows = 1024  # every row of the shapes above
+    ends = torch.empty(len(SHAPES), max_rows, dtype=torch.int32, device=device)
+    _row_key_end_probe[(len(SHAPES),)](seqlen_q, seqlen_k, ends, MAX_ROWS=max_rows, CAUSAL=causal)
+    ends = ends.cpu().long()
+    for case, (n_q, n_k) in enumerate(SHAPES):
+        rows = torch.arange(n_q)
+        want = BlockInfo(n_q, n_k, causal).key_end(rows)
+        got = ends[case, :n_q]
+        assert torch.equal(got.clamp(min=0), want), (n_q, n_k)
+
+
+SPLIT_CASES = [(n_q, n_k, causal, window) for n_q in (1, 4, 17) for n_k in (1, 100, 128, 300)
+               for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (40, -1)), (False, (0, 7)),
+                                      (True, (300, -1)))]
+MAX_SPLITS = 8
+
+
+@triton.jit
+def _split_key_range_probe(seqlen_q_ptr, lengths_ptr, left_ptr, ranges_ptr, MAX_SPLITS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """For case program_id(0) and splits = program_id(1) + 1: split_key_range of each split s < splits at
+    ranges[case, splits - 1, :, s]; ranges: (cases, MAX_SPLITS, 2, MAX_SPLITS) int32."""
+    case, splits = tl.program_id(0), tl.program_id(1) + 1
+    seqlen_q, length, left = tl.load(seqlen_q_ptr + case), tl.load(lengths_ptr + case), tl.load(left_ptr + case)
+    split = tl.arange(0, MAX_SPLITS)
+    begin, end = split_key_range(length, seqlen_q, left, split, splits, BLOCK_N=BLOCK_N, WINDOW=WINDOW)
+    out = ranges_ptr + (case * MAX_SPLITS + splits - 1) * 2 * MAX_SPLITS + split
+    tl.store(out, begin + split * 0, mask=split < splits)
+    tl.store(out + MAX_SPLITS, end + split * 0, mask=split < splits)
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_decode_split_key_range_is_split_ranges_cut_to_block_info(block_n):
+    """The decode kernel's key range of each split: kvcache.split_ranges's split of the sequence's keys into
+    whole tiles (a split past the last tile is empty), and under a window no tile before the one holding
+    BlockInfo.key_start(0), the first key any query row sees; the splits still cover every visible key."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    infos = [BlockInfo(n_q, n_k, causal, window) for n_q, n_k, causal, window in SPLIT_CASES]
+    for windowed in (False, True):
+        cases = [info for info in infos if info.banded == windowed]
+        columns = [[i.seqlen_q for i in cases], [i.seqlen_k for i in cases],
+                   [i.window_bounds()[0] if windowed else 0 for i in cases]]
+        seqlen_q, lengths, left = (torch.tensor(c, dtype=torch.int32, device=device) for c in columns)
+        ranges = torch.full((len(cases), MAX_SPLITS, 2, MAX_SPLITS), -1, dtype=torch.int32, device=device)
+        _split_key_range_probe[(len(cases), MAX_SPLITS)](seqlen_q, lengths, left, ranges, MAX_SPLITS=MAX_SPLITS,
+                                                         BLOCK_N=block_n, WINDOW=windowed)
+        ranges = ranges.cpu().tolist()
+        for case, info in enumerate(cases):
+            first = info.key_start(0) // block_n * block_n if windowed else 0
+            for splits in range(1, MAX_SPLITS + 1):
+                got = list(zip(*ranges[case][splits - 1]))[:splits]
+                want = [(max(start, first), end) for start, end in split_ranges(info.seqlen_k, splits, block_n)]
+                if splits <= cdiv(info.seqlen_k, block_n):
+                    assert got == want, (info, splits)
+                else:  # more splits than tiles: split_ranges makes fewer, the kernel leaves the others empty
+                    assert [r for r in got if r[1] > r[0]] == [r for r in want if r[1] > r[0]], (info, splits)
 
 
 # ---------------------------------------------------------------- Gluon

@@ -184,3 +184,12 @@ def test_nsa_gradients_reach_every_input(generator):
     out.sum().backward()
     for t in (q, k, v, gates):
         assert t.grad is not None and bool(torch.isfinite(t.grad).all()) and bool((t.grad != 0).any())
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.0, True])
+def test_nsa_window_must_hold_the_query_itself(window):
+    from fa_lab.sparse import nsa_attention
+
+    q, k, v = make_qkv(1, 2, 16, 16, 8)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        nsa_attention(q, k, v, torch.rand(1, 2, 16, 3), 4, 8, 2, window)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...block_info import BlockInfo
+from ...block_info import BlockInfo, band_visible, causal_visible
 from ...reference import expand_kv, naive_attention, reference_attention
 from ...score_mods import alibi_bias
 from ...testing import LSE_FLOOR
@@ -115,8 +115,8 @@ def varlen_reference(q, k, v, cu_q, cu_k, causal, scale, upcast=True, key_ranges
         if q1 == q0 or k1 == k0:
             continue
         dense = [t[a:e].transpose(0, 1)[None] for t, (a, e) in ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)))]
-        if top_left and causal:  # query i sees keys j <= i of its own sequence
-            mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril()
+        if top_left and causal:  # query i sees keys j <= i of its own sequence: the causal rule at offset 0
+            mask = causal_visible(torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None, :], 0)
             kh, vh = (expand_kv(t, q.shape[1]) for t in dense[1:])
             s = torch.matmul(dense[0].double(), kh.double().transpose(-2, -1)) * scale
             s = s.masked_fill(~mask, float("-inf"))
@@ -193,12 +193,8 @@ def _window_text(window) -> str:
 
 
 def _band(rows, cols, offset, left, right):
-    visible = torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool)
-    if left >= 0:
-        visible &= cols >= rows + offset - left
-    if right >= 0:
-        visible &= cols <= rows + offset + right
-    return visible
+    """The window (left, right) at this offset, -1 unbounded as in flash-attn (block_info's rule)."""
+    return band_visible(rows, cols, offset, left if left >= 0 else None, right if right >= 0 else None)
 
 
 def judge_window_mask(case, outcome) -> Verdict:
@@ -210,16 +206,14 @@ def judge_window_mask(case, outcome) -> Verdict:
     offset, rule = seqlen_k - seqlen_q, _window_text(window)
     mistakes = [(f"your mask is True where the key is hidden; it must be True where the query sees it ({rule}).",
                  ~expected)]
-    if left >= 0:
+    if left >= 0:  # (a left side of -1 taken literally hides the diagonal itself)
         mistakes.append((f"off by one at the left edge: the key at j = i + o - left is visible ({rule}).",
-                         _band(rows, cols, offset, left - 1, right) if left else _band(rows, cols, offset, 0, right)
-                         & (cols != rows + offset)))
+                         band_visible(rows, cols, offset, left - 1, right if right >= 0 else None)))
         mistakes.append((f"off by one at the left edge: your mask lets each query see one key too many on the "
                          f"left ({rule}).", _band(rows, cols, offset, left + 1, right)))
     if right >= 0:
         mistakes.append((f"off by one at the right edge: the key at j = i + o + right is visible ({rule}).",
-                         _band(rows, cols, offset, left, right - 1) if right else
-                         _band(rows, cols, offset, left, 0) & (cols != rows + offset)))
+                         band_visible(rows, cols, offset, left if left >= 0 else None, right - 1)))
         mistakes.append((f"off by one at the right edge: your mask lets each query see one key too many on the "
                          f"right ({rule}).", _band(rows, cols, offset, left, right + 1)))
     if offset:
@@ -229,7 +223,7 @@ def judge_window_mask(case, outcome) -> Verdict:
         mistakes.append((f"left and right are swapped: left bounds the keys before the diagonal ({rule}).",
                          _band(rows, cols, offset, right, left)))
     if -1 in window:  # -1 taken as a size
-        literal = (cols >= rows + offset - left) & (cols <= rows + offset + right)
+        literal = band_visible(rows, cols, offset, left, right)
         mistakes.append((f"-1 is not a window size: it means that side is unbounded ({rule}).", literal))
     mistakes.append((f"your mask compares positions inside the tile, not in the sequence: row a is query i0 + a and "
                      f"column b is key j0 + b ({rule}).",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...block_info import cdiv
+from ...block_info import BlockInfo, cdiv
 from ...inputs import resolve_scale
 from ...sparse import moba_mask
 from ..judge import PASS, exact_verdict, judge_outputs, outcome_problem, tensor_problem
@@ -223,12 +223,13 @@ def moba_passes(q, k, v, selected, block: int, scale: float, own_causal: bool = 
     (1: the past blocks; 0 puts the own block in again, causally with ``past_causal``)."""
     seqlen = q.shape[2]
     rows, cols = torch.arange(seqlen)[:, None], torch.arange(seqlen)[None, :]
+    causal = BlockInfo(seqlen, seqlen, causal=True).mask()
     own = (rows // block) == (cols // block)
     if own_causal:
-        own = own & (cols <= rows)
+        own = own & causal
     picked = (selected[..., past_from:, None] == (cols[0] // block)).any(dim=-2)  # (B, H, N, N)
     if past_causal:
-        picked = picked & (cols <= rows)
+        picked = picked & causal
     return masked_attention(q, k, v, own, scale), masked_attention(q, k, v, picked, scale)
 
 

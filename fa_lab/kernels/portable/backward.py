@@ -69,7 +69,7 @@ def _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, 
     kq = tl.dot(k, tl.trans(q))
     if SOFTCAP or ALIBI:
         p_t = tl.math.exp2(modified_scores(kq, offs_m[None, :], offs_n[:, None], qk_scale, softcap_scale,
-                                           softcap_log2, slope_log2, causal_offset, SOFTCAP, ALIBI)
+                                           softcap_log2, slope_log2, causal_offset, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
                            - lse2[None, :])
     else:
         p_t = tl.math.exp2(kq * qk_scale - lse2[None, :])
@@ -109,17 +109,20 @@ def _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, b
     mods = (left, right, softcap_scale, softcap_log2, slope_log2)
     for start_m in tl.range(begin, full_begin, BLOCK_M):
         dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0, row_base,
-                            row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M,
-                            HEAD_DIM, True, WINDOW, SOFTCAP, ALIBI)
+                            row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods,
+                            BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, MASKED=True, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                            ALIBI=ALIBI)
     for start_m in tl.range(full_begin, full_end, BLOCK_M):
         dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0, row_base,
-                            row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods, BLOCK_M,
-                            HEAD_DIM, False, WINDOW, SOFTCAP, ALIBI)
+                            row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods,
+                            BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, MASKED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                            ALIBI=ALIBI)
     if WINDOW:
         for start_m in tl.range(full_end, rows_end, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0,
                                 row_base, row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods,
-                                BLOCK_M, HEAD_DIM, True, WINDOW, SOFTCAP, ALIBI)
+                                BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, MASKED=True, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                                ALIBI=ALIBI)
     return dk, dv
 
 
@@ -184,9 +187,10 @@ def attention_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv,
     # Q tiles that see none of this K tile are skipped; those crossing a mask edge need the mask.
     if WINDOW:
         begin, full_begin, full_end, rows_end = window_query_range(start_n, seqlen_q, seqlen_k, left, right,
-                                                                   BLOCK_M, BLOCK_N)
+                                                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     else:
-        begin, full_begin, rows_end = query_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        begin, full_begin, rows_end = query_range(start_n, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                                  CAUSAL=CAUSAL)
         full_end = rows_end
     if GQA:  # the query heads of the group, one after another
         for member in tl.range(0, group):
@@ -194,16 +198,18 @@ def attention_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv,
             dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, head,
                                 heads, q_row0, slope_row + head, begin, full_begin, full_end, rows_end, offs_n,
                                 seqlen_q, causal_offset, qk_scale, left, right, softcap_scale, softcap_log2,
-                                BLOCK_M, HEAD_DIM, WINDOW, SOFTCAP, ALIBI, VARLEN)
+                                BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                                VARLEN=VARLEN)
     else:
         dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, kv_head,
                             heads, q_row0, slope_row + kv_head, begin, full_begin, full_end, rows_end, offs_n,
                             seqlen_q, causal_offset, qk_scale, left, right, softcap_scale, softcap_log2,
-                            BLOCK_M, HEAD_DIM, WINDOW, SOFTCAP, ALIBI, VARLEN)
+                            BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                            VARLEN=VARLEN)
     if VARLEN:  # the next sequence's rows follow this one's: store by rows, masked
         heads_kv = heads // group
-        _store_rows(dk_ptr, dk * scale, k_row0, offs_n, seqlen_k, kv_head, heads_kv, head_dim, HEAD_DIM)
-        _store_rows(dv_ptr, dv, k_row0, offs_n, seqlen_k, kv_head, heads_kv, head_dim, HEAD_DIM)
+        _store_rows(dk_ptr, dk * scale, k_row0, offs_n, seqlen_k, kv_head, heads_kv, head_dim, HEAD_DIM=HEAD_DIM)
+        _store_rows(dv_ptr, dv, k_row0, offs_n, seqlen_k, kv_head, heads_kv, head_dim, HEAD_DIM=HEAD_DIM)
     else:
         # Keys past seqlen_k were loaded as zeros and their rows are dropped by the descriptor store.
         desc_dk.store([batch, kv_head, start_n, 0], (dk * scale).to(desc_dk.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
@@ -223,7 +229,8 @@ def _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, k_row0, sta
     if SOFTCAP or ALIBI:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         p = tl.math.exp2(modified_scores(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap_scale,
-                                         softcap_log2, slope_log2, causal_offset, SOFTCAP, ALIBI) - lse2[:, None])
+                                         softcap_log2, slope_log2, causal_offset, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                         - lse2[:, None])
     else:
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
     if MASKED:
@@ -285,21 +292,23 @@ def attention_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, lse2_ptr, 
     # The same key ranges as the forward: unmasked tiles, then the diagonal / the band's edges / ragged end.
     if WINDOW:
         begin, full_begin, full_end, end = window_key_range(start_m, seqlen_q, seqlen_k, left, right,
-                                                            BLOCK_M, BLOCK_N)
+                                                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
         for start_n in tl.range(begin, full_begin, BLOCK_N):
             dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, k_row0, start_n, offs_m,
-                          seqlen_k, causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW,
-                          SOFTCAP, ALIBI)
+                          seqlen_k, causal_offset, qk_scale, mods, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=True,
+                          CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     else:
-        full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
         full_begin = 0
     for start_n in tl.range(full_begin, full_end, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, k_row0, start_n, offs_m, seqlen_k,
-                      causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, False, CAUSAL, WINDOW, SOFTCAP, ALIBI)
+                      causal_offset, qk_scale, mods, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=False, CAUSAL=CAUSAL,
+                      WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     for start_n in tl.range(full_end, end, BLOCK_N):
         dq = _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, k_row0, start_n, offs_m, seqlen_k,
-                      causal_offset, qk_scale, mods, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI)
+                      causal_offset, qk_scale, mods, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=True, CAUSAL=CAUSAL,
+                      WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     if VARLEN:
-        _store_rows(dq_ptr, dq * scale, q_row0, offs_m, seqlen_q, head, heads, head_dim, HEAD_DIM)
+        _store_rows(dq_ptr, dq * scale, q_row0, offs_m, seqlen_q, head, heads, head_dim, HEAD_DIM=HEAD_DIM)
     else:
         desc_dq.store([batch, head, start_m, 0], (dq * scale).to(desc_dq.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))

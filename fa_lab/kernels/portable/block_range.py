@@ -92,3 +92,28 @@ def window_query_range(start_n, seqlen_q, seqlen_k, left, right, BLOCK_M: tl.con
     full_end = tl.minimum(tl.maximum(tl.maximum(start_n - offset + left + 1, 0) // BLOCK_M * BLOCK_M, full_begin),
                           end)
     return begin, full_begin, full_end, end
+
+
+@triton.jit
+def row_key_end(row, seqlen_q, seqlen_k, CAUSAL: tl.constexpr):
+    """One past the last key that query ``row`` sees, and so every row before it: ``BlockInfo.key_end(row)``,
+    except that a causal row which sees no key may get a negative end (every range cut to it is empty
+    either way). The selected-blocks kernels cut each selected block to it."""
+    end = seqlen_k
+    if CAUSAL:
+        end = row + (seqlen_k - seqlen_q) + 1
+    return end
+
+
+@triton.jit
+def split_key_range(length, seqlen_q, left, split, splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """(begin, end) of split ``split`` of ``splits`` over a sequence's ``length`` keys (the decode kernel):
+    whole tiles of BLOCK_N keys by :func:`fa_lab.kvcache.split_ranges`' formula, cut to ``length`` (a split
+    past the last tile is empty). Under a window (``left`` as ``BlockInfo.window_bounds`` gives it) it starts
+    no earlier than the tile of ``BlockInfo.key_start(0)``: no query row sees a key before it."""
+    blocks = tl.cdiv(length, BLOCK_N)
+    begin = blocks * split // splits * BLOCK_N
+    end = tl.minimum(blocks * (split + 1) // splits * BLOCK_N, length)
+    if WINDOW:
+        begin = tl.maximum(begin, tl.maximum(length - seqlen_q - left, 0) // BLOCK_N * BLOCK_N)
+    return begin, end

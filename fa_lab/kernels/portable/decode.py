@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import common
+from .block_range import split_key_range
 from .score_mod import in_window, softcap_tanh
 
 LN2 = tl.constexpr(common.LN2)
@@ -79,11 +80,7 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
 
     length = tl.load(lengths_ptr + batch)
     offset = length - seqlen_q  # bottom-right alignment over the sequence's keys
-    blocks = tl.cdiv(length, BLOCK_N)
-    key_begin = blocks * split // splits * BLOCK_N
-    key_end = tl.minimum(blocks * (split + 1) // splits * BLOCK_N, length)
-    if WINDOW:  # no row of the tile sees keys before the band of its first query
-        key_begin = tl.maximum(key_begin, tl.maximum(offset - left, 0) // BLOCK_N * BLOCK_N)
+    key_begin, key_end = split_key_range(length, seqlen_q, left, split, splits, BLOCK_N=BLOCK_N, WINDOW=WINDOW)
 
     q = tl.load(q_ptr + batch * stride_qb + query[:, None] * stride_qs + head[:, None] * stride_qh + cols[None, :],
                 mask=valid_rows[:, None] & col_ok[None, :], other=0.0)
@@ -224,8 +221,7 @@ def prefills_by_query_tiles(layout, splits: int) -> bool:
     one split, a dense cache whose rows a tensor descriptor can read (head_dim a multiple of 8), and at
     least one whole query tile of the forward's per head. The decode kernel's packed tiles are sized
     for a few query rows per head; with hundreds, the forward's larger tiles (and its unmasked inner
-    loop) win: on the H200, 512 queries over a 16K cache ran at 217 TFLOP/s in the decode kernel and
-    485 through this route (docs/experiments/interfaces.md, "Decode: chunked prefill on the prefill forward")."""
+    loop) win (docs/experiments/interfaces.md, "Decode: chunked prefill on the prefill forward")."""
     from .. import interpreting
     from .configs import forward_config
 

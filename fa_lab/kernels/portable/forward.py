@@ -107,12 +107,14 @@ def _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, k_row0, star
     if SOFTCAP or ALIBI:  # the scores, modified and in log2 units: the softmax then scales by 1
         offs_n = start_n + tl.arange(0, BLOCK_N)
         qk = modified_scores(qk, offs_m[:, None], offs_n[None, :], qk_scale, softcap_scale, softcap_log2,
-                             slope_log2, causal_offset, SOFTCAP, ALIBI)
-        p, alpha, l_i, m_new = online_softmax_tile(qk, l_i, m_i, 1.0, offs_m, start_n, seqlen_k,
-                                                   causal_offset, BLOCK_N, MASKED, CAUSAL, left, right, WINDOW)
+                             slope_log2, causal_offset, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+        p, alpha, l_i, m_new = online_softmax_tile(qk, l_i, m_i, 1.0, offs_m, start_n, seqlen_k, causal_offset,
+                                                   BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL, left=left,
+                                                   right=right, WINDOW=WINDOW)
     else:
         p, alpha, l_i, m_new = online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k,
-                                                   causal_offset, BLOCK_N, MASKED, CAUSAL, left, right, WINDOW)
+                                                   causal_offset, BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL,
+                                                   left=left, right=right, WINDOW=WINDOW)
     v = desc_v.load([batch, kv_head, k_row0 + start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
     if SEQUSED and MASKED:
         v = tl.where((start_n + tl.arange(0, BLOCK_N) < seqlen_k)[:, None], v, 0.0)
@@ -188,26 +190,29 @@ def attention_fwd_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
 
     if WINDOW:
         begin, full_begin, full_end, end = window_key_range(start_m, seqlen_q, seqlen_k, left, right,
-                                                            BLOCK_M, BLOCK_N)
+                                                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
         for start_n in tl.range(begin, full_begin, BLOCK_N):  # the band's left edge
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, k_row0, start_n,
                                           qk_scale, offs_m, seqlen_k, causal_offset, mods,
-                                          BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, SEQUSED)
+                                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=True,
+                                          CAUSAL=CAUSAL, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, SEQUSED=SEQUSED)
     else:
-        full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
         full_begin = 0
     for start_n in tl.range(full_begin, full_end, BLOCK_N):
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, k_row0, start_n,
                                       qk_scale, offs_m, seqlen_k, causal_offset, mods,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, SEQUSED)
+                                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=False, CAUSAL=CAUSAL,
+                                      WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, SEQUSED=SEQUSED)
     for start_n in tl.range(full_end, end, BLOCK_N):
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, desc_k, desc_v, batch, kv_head, k_row0, start_n,
                                       qk_scale, offs_m, seqlen_k, causal_offset, mods,
-                                      BLOCK_M, BLOCK_N, HEAD_DIM, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, SEQUSED)
+                                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=True, CAUSAL=CAUSAL,
+                                      WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, SEQUSED=SEQUSED)
 
     if VARLEN:
         write_output_rows(acc, l_i, m_i, o_ptr, head_dim, lse_ptr, q_row0, head, heads, total_q, offs_m,
-                          seqlen_q, HEAD_DIM)
+                          seqlen_q, HEAD_DIM=HEAD_DIM)
     else:
         write_output(acc, l_i, m_i, desc_o, lse_ptr, batch, head, pid_bh, start_m, offs_m, seqlen_q,
-                     BLOCK_M, HEAD_DIM)
+                     BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM)

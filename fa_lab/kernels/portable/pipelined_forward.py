@@ -54,7 +54,7 @@ def _fold_tile(acc, l_i, m_i, s, desc_v, v_descale_ptr, kv_tile_base, batch, hea
                CAUSAL: tl.constexpr, FP8: tl.constexpr):
     """Online-softmax update with the score tile ``s`` of keys [start_n, start_n + BLOCK_N)."""
     p, alpha, l_i, m_new = online_softmax_tile(s, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k, causal_offset,
-                                               BLOCK_N, MASKED, CAUSAL)
+                                               BLOCK_N=BLOCK_N, MASKED=MASKED, CAUSAL=CAUSAL)
     if FP8:
         v_t = desc_v.load([batch, head, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
         pv = tl.dot((p * P_SCALE).to(v_t.dtype), tl.trans(v_t))
@@ -92,33 +92,36 @@ def attention_fwd_pipelined_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     q = desc_q.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-    full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    full_end, end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
 
     if PIPELINE:
         if full_end > 0:
-            s_next = _scores(q, desc_k, k_descale_ptr, kv_tile_base, batch, head, 0, BLOCK_N, HEAD_DIM, FP8)
+            s_next = _scores(q, desc_k, k_descale_ptr, kv_tile_base, batch, head, 0, BLOCK_N=BLOCK_N,
+                             HEAD_DIM=HEAD_DIM, FP8=FP8)
             for start_n in tl.range(0, full_end - BLOCK_N, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
                 s = s_next
                 # Issue tile j+1's QK^T first: the tensor cores run it while tile j's softmax runs.
                 s_next = _scores(q, desc_k, k_descale_ptr, kv_tile_base, batch, head, start_n + BLOCK_N,
-                                 BLOCK_N, HEAD_DIM, FP8)
+                                 BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, FP8=FP8)
                 acc, l_i, m_i = _fold_tile(acc, l_i, m_i, s, desc_v, v_descale_ptr, kv_tile_base, batch, head,
                                            start_n, qk_scale, offs_m, seqlen_k, causal_offset,
-                                           BLOCK_N, HEAD_DIM, False, CAUSAL, FP8)
+                                           BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=False, CAUSAL=CAUSAL, FP8=FP8)
             acc, l_i, m_i = _fold_tile(acc, l_i, m_i, s_next, desc_v, v_descale_ptr, kv_tile_base, batch, head,
                                        full_end - BLOCK_N, qk_scale, offs_m, seqlen_k, causal_offset,
-                                       BLOCK_N, HEAD_DIM, False, CAUSAL, FP8)
+                                       BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=False, CAUSAL=CAUSAL, FP8=FP8)
     else:
         for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            s = _scores(q, desc_k, k_descale_ptr, kv_tile_base, batch, head, start_n, BLOCK_N, HEAD_DIM, FP8)
+            s = _scores(q, desc_k, k_descale_ptr, kv_tile_base, batch, head, start_n, BLOCK_N=BLOCK_N,
+                        HEAD_DIM=HEAD_DIM, FP8=FP8)
             acc, l_i, m_i = _fold_tile(acc, l_i, m_i, s, desc_v, v_descale_ptr, kv_tile_base, batch, head,
                                        start_n, qk_scale, offs_m, seqlen_k, causal_offset,
-                                       BLOCK_N, HEAD_DIM, False, CAUSAL, FP8)
+                                       BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=False, CAUSAL=CAUSAL, FP8=FP8)
     for start_n in tl.range(full_end, end, BLOCK_N):
-        s = _scores(q, desc_k, k_descale_ptr, kv_tile_base, batch, head, start_n, BLOCK_N, HEAD_DIM, FP8)
+        s = _scores(q, desc_k, k_descale_ptr, kv_tile_base, batch, head, start_n, BLOCK_N=BLOCK_N,
+                    HEAD_DIM=HEAD_DIM, FP8=FP8)
         acc, l_i, m_i = _fold_tile(acc, l_i, m_i, s, desc_v, v_descale_ptr, kv_tile_base, batch, head,
                                    start_n, qk_scale, offs_m, seqlen_k, causal_offset,
-                                   BLOCK_N, HEAD_DIM, True, CAUSAL, FP8)
+                                   BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASKED=True, CAUSAL=CAUSAL, FP8=FP8)
 
     write_output(acc, l_i, m_i, desc_o, lse_ptr, batch, head, pid_bh, start_m, offs_m, seqlen_q,
-                 BLOCK_M, HEAD_DIM)
+                 BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM)

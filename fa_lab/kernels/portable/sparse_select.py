@@ -41,6 +41,7 @@ from ...sparse import check_key_tiles
 from .. import interpreting
 from ..common import LOG2E, cdiv, check_triton_inputs, head_dim_bucket, on_device
 from .backward import attention_bwd_preprocess_kernel
+from .block_range import row_key_end
 from .configs import TileConfig
 from .forward import online_softmax_tile, write_output_rows
 
@@ -93,7 +94,7 @@ def load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N: tl.c
     head (from row kv_row0 of the contiguous (B * Hkv * seqlen_k, head_dim) tensors; keys from ``stop`` on
     masked), and their (BLOCK_N, HEAD_DIM) K and V rows, zeros where masked."""
     keys = start_n + tl.arange(0, BLOCK_N)
-    offsets, mask = row_tile(kv_row0 + keys, keys < stop, head_dim, HEAD_DIM)
+    offsets, mask = row_tile(kv_row0 + keys, keys < stop, head_dim, HEAD_DIM=HEAD_DIM)
     k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
     return keys, offsets, mask, k, tl.load(v_ptr + offsets, mask=mask, other=0.0)
 
@@ -104,9 +105,10 @@ def attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start_n, stop, query, 
     """(acc, l_i, m_i) after the online-softmax update of the packed rows over keys [start_n, start_n +
     BLOCK_N) cut to ``stop``. Always the masked update: a chunk may end inside its block, and any block may
     hold the causal diagonal of some rows (``stop`` plays seqlen_k: keys from it on are hidden)."""
-    _, _, _, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N, HEAD_DIM)
+    _, _, _, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N=BLOCK_N,
+                                   HEAD_DIM=HEAD_DIM)
     p, alpha, l_i, m_new = online_softmax_tile(tl.dot(q, tl.trans(k)), l_i, m_i, qk_scale, query, start_n, stop,
-                                               causal_offset, BLOCK_N, True, CAUSAL)
+                                               causal_offset, BLOCK_N=BLOCK_N, MASKED=True, CAUSAL=CAUSAL)
     return tl.dot(p.to(v.dtype), v, acc * alpha[:, None]), l_i, m_new
 
 
@@ -124,10 +126,10 @@ def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
     while this one computes); an unused or causally hidden slot is then a fully masked chunk.
     """
     sel_row, pid_bkv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M)
+    rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M=BLOCK_M)
     causal_offset = seqlen_k - seqlen_q
-    key_limit = last_query + causal_offset + 1 if CAUSAL else seqlen_k  # no row of the tile sees a key past it
-    offsets, mask = row_tile(rows, valid, head_dim, HEAD_DIM)
+    key_limit = row_key_end(last_query, seqlen_q, seqlen_k, CAUSAL=CAUSAL)  # no row of the tile sees a key past it
+    offsets, mask = row_tile(rows, valid, head_dim, HEAD_DIM=HEAD_DIM)
     q = tl.load(q_ptr + offsets, mask=mask, other=0.0)
     selection = index_ptr + (pid_bkv * tl.num_programs(0) + sel_row) * slots
     kv_row0 = pid_bkv * seqlen_k
@@ -139,11 +141,12 @@ def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
         start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
         if ONE_CHUNK:
             acc, l_i, m_i = attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start, stop, query, causal_offset,
-                                         head_dim, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL)
+                                         head_dim, qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL)
         else:
             for start_n in tl.range(start, stop, BLOCK_N):
                 acc, l_i, m_i = attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start_n, stop, query,
-                                             causal_offset, head_dim, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL)
+                                             causal_offset, head_dim, qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                                             CAUSAL=CAUSAL)
 
     # The epilogue of a packed batch, over the group's rows of o as (group * seqlen_q, 1, head_dim) and
     # of lse as (1, group * seqlen_q) (offsets within one group fit in int32): padding rows are sent
@@ -151,7 +154,7 @@ def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
     group_row0 = pid_bkv * group * seqlen_q
     group_rows = group * seqlen_q
     write_output_rows(acc, l_i, m_i, o_ptr + group_row0.to(tl.int64) * head_dim, head_dim, lse_ptr + group_row0,
-                      0, 0, 1, 0, tl.where(valid, rows - group_row0, group_rows), group_rows, HEAD_DIM)
+                      0, 0, 1, 0, tl.where(valid, rows - group_row0, group_rows), group_rows, HEAD_DIM=HEAD_DIM)
 
 
 @triton.jit
@@ -160,16 +163,16 @@ def packed_tile(q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, gro
     """What the backward reads of one tile of packed rows: (rows' query positions, their q and dO tiles,
     lse2 (+inf on padding rows, so their P is exactly 0, as is that of rows that see no key), delta, the
     tile's offsets and mask, its selection row's last query)."""
-    rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M)
+    rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M=BLOCK_M)
     q, do, lse2, delta, offsets, mask = load_backward_rows(q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, valid, head_dim,
-                                                           HEAD_DIM)
+                                                           HEAD_DIM=HEAD_DIM)
     return query, q, do, lse2, delta, offsets, mask, last_query
 
 
 @triton.jit
 def load_backward_rows(q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, valid, head_dim, HEAD_DIM: tl.constexpr):
     """(q, dO, lse2, delta, offsets, mask) of the given rows (:func:`packed_tile` says what each holds)."""
-    offsets, mask = row_tile(rows, valid, head_dim, HEAD_DIM)
+    offsets, mask = row_tile(rows, valid, head_dim, HEAD_DIM=HEAD_DIM)
     q = tl.load(q_ptr + offsets, mask=mask, other=0.0)
     do = tl.load(do_ptr + offsets, mask=mask, other=0.0)
     lse2 = tl.load(lse2_ptr + rows, mask=valid, other=float("inf"))
@@ -192,8 +195,9 @@ def probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk
 def chunk_dq(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, start_n, stop, query, causal_offset, head_dim, qk_scale,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
     """dq plus the packed rows' dS K over keys [start_n, start_n + BLOCK_N) cut to ``stop`` (unscaled)."""
-    keys, _, _, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N, HEAD_DIM)
-    _, ds = probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL)
+    keys, _, _, k, v = load_key_chunk(k_ptr, v_ptr, kv_row0, start_n, stop, head_dim, BLOCK_N=BLOCK_N,
+                                      HEAD_DIM=HEAD_DIM)
+    _, ds = probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL=CAUSAL)
     return tl.dot(ds.to(k.dtype), k, dq)
 
 
@@ -209,10 +213,10 @@ def block_select_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr,
     """
     sel_row, pid_bkv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query, q, do, lse2, delta, offsets, mask, last_query = packed_tile(
-        q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, group, seqlen_q, head_dim, block_q, BLOCK_M,
-        HEAD_DIM)
+        q_ptr, do_ptr, lse2_ptr, delta_ptr, sel_row, pid_bkv, chunk, group, seqlen_q, head_dim, block_q,
+        BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM)
     causal_offset = seqlen_k - seqlen_q
-    key_limit = last_query + causal_offset + 1 if CAUSAL else seqlen_k
+    key_limit = row_key_end(last_query, seqlen_q, seqlen_k, CAUSAL=CAUSAL)
     selection = index_ptr + (pid_bkv * tl.num_programs(0) + sel_row) * slots
     kv_row0 = pid_bkv * seqlen_k
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -220,11 +224,11 @@ def block_select_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr,
         start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
         if ONE_CHUNK:
             dq = chunk_dq(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, start, stop, query, causal_offset, head_dim,
-                          qk_scale, BLOCK_N, HEAD_DIM, CAUSAL)
+                          qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL)
         else:
             for start_n in tl.range(start, stop, BLOCK_N):
                 dq = chunk_dq(dq, q, do, lse2, delta, k_ptr, v_ptr, kv_row0, start_n, stop, query, causal_offset,
-                              head_dim, qk_scale, BLOCK_N, HEAD_DIM, CAUSAL)
+                              head_dim, qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL)
     tl.store(dq_ptr + offsets, (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
 
 
@@ -246,8 +250,9 @@ def tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, rows
               causal_offset, qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
     """(dk, dv) plus the contributions of a tile of rows (:func:`rows_of_packed`) to a chunk of keys:
     dV += P^T dO, dK += dS^T Q (unscaled)."""
-    q, do, lse2, delta, _, _ = load_backward_rows(q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, valid, head_dim, HEAD_DIM)
-    p_t, ds_t = probabilities_t(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL)
+    q, do, lse2, delta, _, _ = load_backward_rows(q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, valid, head_dim,
+                                                  HEAD_DIM=HEAD_DIM)
+    p_t, ds_t = probabilities_t(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL=CAUSAL)
     return tl.dot(ds_t.to(q.dtype), q, dk), tl.dot(p_t.to(do.dtype), do, dv)
 
 
@@ -274,7 +279,7 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
     start_n = block * block_k + (pid % per_block) * BLOCK_N
     stop = tl.minimum(block * block_k + block_k, seqlen_k)
     keys, kv_offsets, kv_mask, k, v = load_key_chunk(k_ptr, v_ptr, pid_bkv * seqlen_k, start_n, stop, head_dim,
-                                                     BLOCK_N, HEAD_DIM)
+                                                     BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM)
     list_at = pid_bkv * tl.cdiv(seqlen_k, block_k) + block
     first, last = tl.load(offsets_ptr + list_at), tl.load(offsets_ptr + list_at + 1)
     causal_offset = seqlen_k - seqlen_q
@@ -289,15 +294,15 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
             sel_row = tl.load(selectors_ptr + entry, mask=live, other=0)
             rows, query, valid, _ = rows_of_packed(sel_row, tile_row % per_row, pid_bkv, group, seqlen_q, block_q)
             dk, dv = tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, query,
-                               valid & live, head_dim, causal_offset, qk_scale, HEAD_DIM, CAUSAL)
+                               valid & live, head_dim, causal_offset, qk_scale, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL)
     else:
         for entry in tl.range(first, last):
             sel_row = tl.load(selectors_ptr + entry)
             packed = group * tl.minimum(block_q, seqlen_q - sel_row * block_q)
             for chunk in tl.range(0, tl.cdiv(packed, BLOCK_M)):
-                rows, query, valid, _ = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M)
+                rows, query, valid, _ = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M=BLOCK_M)
                 dk, dv = tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, query, valid,
-                                   head_dim, causal_offset, qk_scale, HEAD_DIM, CAUSAL)
+                                   head_dim, causal_offset, qk_scale, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL)
     tl.store(dk_ptr + kv_offsets, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
