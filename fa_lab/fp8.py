@@ -289,11 +289,12 @@ def reproduce_error_table(seed: int = 0, batch: int = ERROR_TABLE_SHAPE["batch"]
     * ``flash_fp8_no_block_quant``, ``flash_fp8_no_incoherent``: the same without one of them.
 
     The error of a row grows with the number of keys it sees (more chances that
-    an outlier of q meets an outlier of k in the same coordinate): averaged over
-    seeds, rows come out 0.56-0.80x the paper's with 2048 keys and 0.91-1.01x with
-    8192. The rows of non-causal attention are independent, so the default shape
+    an outlier of q meets an outlier of k in the same coordinate), and the paper
+    does not give its shape, so the table's ratios to the paper's depend on
+    seqlen_k (docs/experiments/hopper_forward.md, "FP8 error table on a CPU").
+    The rows of non-causal attention are independent, so the default shape
     (ERROR_TABLE_SHAPE: 2048 queries, 8192 keys) estimates a square 8192 problem at
-    a quarter of the cost. About 5 s on an idle 2-core CPU.
+    a quarter of the cost.
     """
     generator = torch.Generator().manual_seed(seed)
     q64, k64, v64 = outlier_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, generator)

@@ -235,6 +235,30 @@ def test_hopper_runner_receives_every_option(fake_gpu, monkeypatch, tmp_path):
     assert calls["ablation"] == (False, True) and calls["protocol"] == (hopper.HOPPER_SEQLENS, (False, True), None)
 
 
+def test_hopper_plot_draws_the_fp8_kernel_alone_and_with_its_quantization(fake_gpu, monkeypatch, tmp_path):
+    """fa-lab bench hopper --plot labels the FP8 kernel's line "kernel only" and draws the FP8 quantization plus
+    kernel beside it: the attention's FLOPs over the two rows' summed medians."""
+    from fa_lab.bench import hopper, hopper_report
+
+    recorded = bench.load_results(BENCHMARKS / "h200_hopper.json")
+    rows = {(r["impl"], r["causal"], r["seqlen_q"]): r for r in recorded["rows"]}
+    kernel, quant = rows[("triton_hopper_fp8", True, 4096)], rows[("triton_hopper_fp8_quant", True, 4096)]
+    assert hopper_report.fp8_end_to_end(recorded["rows"])[(True, 4096)] == pytest.approx(
+        kernel["fwd_tflops"] * kernel["fwd_ms"] / (kernel["fwd_ms"] + quant["fwd_ms"]))
+    monkeypatch.setattr(hopper, "run_ablation", lambda causals: [])
+    monkeypatch.setattr(hopper, "save_ablation_log", lambda path, entries: None)
+    monkeypatch.setattr(hopper, "run_hopper_protocol", lambda seqlens, causals, json_path: recorded)
+    figures, plot_hopper = [], hopper_report.plot_hopper
+    monkeypatch.setattr(hopper_report, "plot_hopper",
+                        lambda results: figures.append(plot_hopper(results)) or figures[0])
+    png = tmp_path / "hopper.png"
+    assert bench.main(["hopper", "--log", str(tmp_path / "log.json"), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 0 and len(figures) == 1
+    labels = [text.get_text() for text in figures[0].legends[0].get_texts()]
+    assert labels[:3] == ["triton_hopper", "triton_hopper_fp8 (kernel only)", "triton_hopper_fp8 + quantization"]
+    assert "triton_hopper_fp8" not in labels and "triton_hopper_fp8_quant" not in labels
+
+
 def test_hopper_protocol_rows_follow_the_asked_shapes(fake_gpu, monkeypatch, tmp_path):
     from fa_lab.bench import hopper
 
@@ -270,6 +294,58 @@ def test_flags_a_benchmark_cannot_honour_are_refused(capsys, argv, message):
         bench.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["decode", "--tune", "t.json", "--json", "r.json"], "--tune writes only its tuning log: drop --json"),
+    (["decode", "--tune", "t.json", "--plot", "p.png", "--no-fa4"], "drop --plot and --no-fa4"),
+    (["decode", "--tune", "t.json", "--json", "r.json", "--plot", "p.png", "--no-fa4"],
+     "drop --json, --plot and --no-fa4"),
+    (["linear", "--tune", "t.json", "--json", "r.json", "--plot", "p.png"],
+     "--tune writes only its tuning log: drop --json and --plot"),
+    (["linear", "--breakdown", "--tune", "t.json"], "--breakdown and --tune are two different runs"),
+    (["linear", "--stages", "2", "3"], "--stages sets what a --tune run times: give --tune PATH"),
+    (["linear", "--breakdown", "--stages", "2"], "--stages sets what a --tune run times"),
+    (["linear", "--breakdown", "--plot", "p.png"], "--breakdown prints a profile and writes no results: drop --plot"),
+    (["sparse", "--breakdown", "--seqlens", "4096"], "at 64K and writes no results: drop --seqlens"),
+    (["sparse", "--breakdown", "--json", "r.json"], "drop --json"),
+])
+def test_modes_that_replace_a_benchmark_refuse_the_flags_they_would_ignore(capsys, argv, message):
+    """--tune and --breakdown replace the benchmark: the flags they would drop silently are refused (exit 2),
+    before anything needs a GPU, and so is --stages without the --tune it modifies."""
+    assert bench.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_modes_that_replace_a_benchmark_honour_the_flags_they_take(fake_gpu, monkeypatch, tmp_path):
+    """linear --breakdown keeps --cases and the first --seqlens, linear --tune --stages its candidates, decode
+    --tune its path, sparse --seqlens its lengths (sparse --breakdown its fixed 64K)."""
+    from fa_lab.bench import decode, linear, sparse
+
+    calls = []
+    monkeypatch.setattr(linear, "breakdowns", lambda seqlen, cases: calls.append(("linear breakdown", seqlen, cases)))
+    monkeypatch.setattr(linear, "tune_launches", lambda path, **kw: calls.append(("linear tune", path, kw)))
+    monkeypatch.setattr(decode, "tune_decode", lambda path: calls.append(("decode tune", path)))
+    monkeypatch.setattr(sparse, "breakdowns", lambda: calls.append(("sparse breakdown",)))
+    monkeypatch.setattr(sparse, "run_sparse", lambda json_path, seqlens: calls.append(("sparse", json_path, seqlens))
+                        or {**schema.environment("cuda"), "rows": []})
+    assert bench.main(["linear", "--breakdown", "--cases", "gla", "--seqlens", "2048", "8192"]) == 0
+    assert bench.main(["linear", "--tune", "t.json", "--stages", "1", "2", "--cases", "delta_rule",
+                       "--seqlens", "1024"]) == 0
+    assert bench.main(["linear", "--tune", "w.json"]) == 0
+    assert bench.main(["decode", "--tune", "d.json"]) == 0
+    assert bench.main(["sparse", "--breakdown"]) == 0
+    assert bench.main(["sparse", "--seqlens", "4096"]) == 0
+    assert bench.main(["sparse"]) == 0
+    assert calls == [
+        ("linear breakdown", 2048, ("gla",)),
+        ("linear tune", "t.json", dict(seqlen=1024, cases=("delta_rule",), candidates=[1, 2], knob="num_stages")),
+        ("linear tune", "w.json", dict(seqlen=linear.SEQLENS[0], cases=linear.CASES)),
+        ("decode tune", "d.json"),
+        ("sparse breakdown",),
+        ("sparse", None, (4096,)),
+        ("sparse", None, sparse.SEQLENS),
+    ]
 
 
 def test_median_ms_runs_warmup_then_repeats():

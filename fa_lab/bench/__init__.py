@@ -5,7 +5,8 @@
 - :mod:`.plots`: a metric against the sequence length;
 - :mod:`.cpu`: the CPU benchmark; :mod:`.gpu`: the FA3-paper protocol with every peer;
   :mod:`.tuning`: tile tuning of the Triton kernels; :mod:`.hopper`: the Hopper kernels' ablation
-  and protocol; :mod:`.interfaces`: chapter 05's options (GQA, varlen, window, softcap, ALiBi) with
+  and protocol, :mod:`.hopper_report` its FP8 rows kernel only and with their quantization, and its plot;
+  :mod:`.interfaces`: chapter 05's options (GQA, varlen, window, softcap, ALiBi) with
   the upstream FlashAttention kernels; :mod:`.decode`: decode over a (paged) KV cache against the
   copy bandwidth; :mod:`.sparse`: NSA's selected blocks with flash-linear-attention's kernel;
   :mod:`.linear`: chunkwise linear attention with fla's kernels and softmax attention; :mod:`.ring`:

@@ -4,6 +4,9 @@ print its table, write its files.
 Every flag a subcommand accepts changes what it measures or writes. The GPU protocols fix batch
 (16384 / seqlen), heads (2048 / head_dim) and bf16, so ``gpu`` and ``hopper`` reject ``--batch``,
 ``--heads`` and ``--dtype`` with that reason, and ``hopper`` (d=128 only) rejects ``--head-dim(s)``.
+A mode that replaces the benchmark (``--tune``, ``--breakdown``) refuses, with exit code 2 and a message
+naming them, the flags it would not honour, and a flag that only modifies such a mode (``--stages``)
+refuses to come without it.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import argparse
 import dataclasses
 import sys
 
-from . import cpu, decode, gpu, interfaces, linear, ring, sparse
+from . import cpu, decode, gpu, hopper_report, interfaces, linear, ring, sparse
 from .plots import plot_results
 from .report import describe, format_table
 from .schema import save_results
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "runs at 8K)")
     p.add_argument("--causal", choices=CAUSAL_CHOICES, default="both", help="causal masking of the ablation and "
                    "the protocol: no, yes or both (default)")
-    _add_outputs(p, "save a PNG of forward TFLOP/s vs seqlen")
+    _add_outputs(p, "save a PNG of forward TFLOP/s vs seqlen (FP8: the kernel alone and with its quantization)")
     _reject(p, ("--batch", "--heads", "--dtype"), PROTOCOL_FIXES)
     _reject(p, ("--head-dim", "--head-dims"), "the Hopper benchmark runs head_dim 128")
     p.set_defaults(handler=_run_hopper)
@@ -106,15 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Chapter 06's decode benchmark: the shapes of fa_lab.bench.decode.")
     p.add_argument("--no-fa4", action="store_true", help="leave out the upstream flash-attn-4 rows")
     p.add_argument("--tune", metavar="PATH", help="instead, time the decode kernel's candidate configs and split "
-                   "counts and write the log to PATH")
+                   "counts and write the log to PATH (alone: no --json, --plot or --no-fa4)")
     _add_outputs(p, "save a PNG of TB/s against the cache length")
     p.set_defaults(handler=_run_decode)
 
     p = commands.add_parser("sparse", help="NSA's selected-blocks attention and MoBA on a CUDA GPU, next to "
                             "fla-core's where installed and to dense attention",
                             description="Chapter 07's benchmark: the cases of fa_lab.bench.sparse.")
-    p.add_argument("--seqlens", type=int, nargs="+", default=list(sparse.SEQLENS),
-                   help="NSA selection lengths, default %(default)s")
+    p.add_argument("--seqlens", type=int, nargs="+", help=f"NSA selection lengths, default {list(sparse.SEQLENS)}")
     p.add_argument("--breakdown", action="store_true", help="instead, print our kernels and their times, forward "
                    "and backward, for the NSA selection and MoBA at 64K")
     _add_outputs(p, "save a PNG of the times, MoBA's and the speed-up against the pairs kept")
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--breakdown", action="store_true", help="instead, print each impl's kernels and their times, "
                    "forward and backward, per case at the first --seqlens")
     p.add_argument("--tune", metavar="PATH", help="instead, time our kernels at each candidate num_warps (at the "
-                   "first --seqlens) and write the log to PATH")
+                   "first --seqlens, for the --cases) and write the log to PATH (no --json or --plot)")
     p.add_argument("--stages", type=int, nargs="+", metavar="S", help="with --tune: time these num_stages "
                    "(at the committed num_warps) instead")
     _add_outputs(p, "save a PNG of forward and backward time against the sequence length")
@@ -216,7 +218,7 @@ def _run_hopper(args) -> int:
     hopper.save_ablation_log(args.log, hopper.run_ablation(causals))
     seqlens = tuple(args.seqlens) if args.seqlens else hopper.HOPPER_SEQLENS
     results = hopper.run_hopper_protocol(seqlens, causals, args.json)
-    return _finish(results, args, metrics=("fwd_tflops",))
+    return _finish(results, args, plot=hopper_report.plot_hopper)
 
 
 def _run_interfaces(args) -> int:
@@ -227,7 +229,20 @@ def _run_interfaces(args) -> int:
     return _finish(results, args, lines=lines, plot=interfaces.plot_interfaces)
 
 
+def _refused(mode: str, reason: str, flags: dict) -> bool:
+    """True, after saying why on stderr, when ``mode`` (a flag that replaces the benchmark) came with flags it
+    would not honour; ``flags`` maps each such flag to its value (given when truthy)."""
+    given = [flag for flag, value in flags.items() if value]
+    if given:
+        named = " and ".join([", ".join(given[:-1]), given[-1]] if len(given) > 1 else given)
+        print(f"{mode} {reason}: drop {named}", file=sys.stderr)
+    return bool(given)
+
+
 def _run_decode(args) -> int:
+    if args.tune and _refused("--tune", "writes only its tuning log",
+                              {"--json": args.json, "--plot": args.plot, "--no-fa4": args.no_fa4}):
+        return 2
     if _needs_cuda("decode"):
         return 2
     if args.tune:
@@ -239,21 +254,16 @@ def _run_decode(args) -> int:
     return _finish(results, args, lines=lines, plot=decode.plot_decode)
 
 
-def _breakdown_only(args, breakdowns) -> int:
-    """Run ``breakdowns()`` (it prints a profile) for a --breakdown that came without --json or --plot."""
-    if args.json or args.plot:
-        print("--breakdown prints a profile and writes no results: drop --json and --plot", file=sys.stderr)
-        return 2
-    breakdowns()
-    return 0
-
-
 def _run_sparse(args) -> int:
+    if args.breakdown and _refused("--breakdown", "prints a profile of the NSA selection and MoBA at 64K and writes "
+                                   "no results", {"--seqlens": args.seqlens, "--json": args.json, "--plot": args.plot}):
+        return 2
     if _needs_cuda("sparse"):
         return 2
     if args.breakdown:
-        return _breakdown_only(args, sparse.breakdowns)
-    results = sparse.run_sparse(args.json, seqlens=tuple(args.seqlens))
+        sparse.breakdowns()
+        return 0
+    results = sparse.run_sparse(args.json, seqlens=tuple(args.seqlens or sparse.SEQLENS))
     lines = [f"{what}: {value:.3f}" for what, value in sparse.speedups(results["rows"])]
     lines += [f"NSA selection at {sparse.SWEEP_SEQLEN // 1024}K keeping {100 * kept:.2f}% of the causal pairs: "
               f"{fwd:.1f}x dense forward, " + (f"{bwd:.1f}x backward" if bwd else "backward not measured")
@@ -262,14 +272,26 @@ def _run_sparse(args) -> int:
 
 
 def _run_linear(args) -> int:
+    if args.breakdown and args.tune:
+        print("--breakdown and --tune are two different runs (a profile, a tuning log): give one of them",
+              file=sys.stderr)
+        return 2
+    if args.stages and not args.tune:
+        print("--stages sets what a --tune run times: give --tune PATH with it, or drop it", file=sys.stderr)
+        return 2
+    outputs = {"--json": args.json, "--plot": args.plot}
+    if (args.breakdown and _refused("--breakdown", "prints a profile and writes no results", outputs)) or \
+            (args.tune and _refused("--tune", "writes only its tuning log", outputs)):
+        return 2
     if _needs_cuda("linear"):
         return 2
     if args.breakdown:
-        return _breakdown_only(args, lambda: linear.breakdowns(args.seqlens[0], cases=tuple(args.cases)))
+        linear.breakdowns(args.seqlens[0], cases=tuple(args.cases))
+        return 0
     if args.tune:
         if args.stages:
             linear.tune_launches(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases), candidates=args.stages,
-                              knob="num_stages")
+                                 knob="num_stages")
         else:
             linear.tune_launches(args.tune, seqlen=args.seqlens[0], cases=tuple(args.cases))
         return 0
