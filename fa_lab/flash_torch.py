@@ -24,9 +24,9 @@ from .block_info import BlockInfo
 from .online_softmax import SoftmaxState, online_softmax_update
 from .score_mods import alibi_bias, modify_scores, soft_cap_derivative
 
-# Measured on a 2-core CPU (B=1, H=8, N=8K, d=64, fp32): tiles of 512 x 256 keep S in
-# cache and ran at 1.3-1.45x of SDPA's time on an idle machine (benchmarks/cpu_2core.json);
-# larger tiles spill out of cache and get slower.
+# Chosen on a 2-core CPU (B=1, H=8, N=8K, d=64, fp32): tiles of 512 x 256 keep S in cache,
+# larger tiles spill out of it and get slower (this size's times against SDPA's:
+# benchmarks/cpu_2core.json).
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 256
 

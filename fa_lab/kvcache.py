@@ -237,17 +237,17 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
 
     A dense split keeps at least :data:`MIN_BLOCKS_PER_SPLIT` key blocks: each split pays a prologue
     (its Q tile, a pipeline that fills before the first product) and writes a float32 partial result,
-    and two or three blocks do not repay that. At batch 1 x 4K the waves alone give 14 splits of 2 to 3
-    blocks, which ran at 0.93 of 8 splits of 4 (the forced sweep of ``benchmarks/h200_decode.json``).
+    and two or three blocks do not repay that (at batch 1 x 4K the waves alone give 14 splits of 2 to 3
+    blocks, slower than 8 of 4).
 
     A paged cache (``page_size``) gets about two waves instead, never less than a page per split, rounded
     down to a power of two: a paged program gathers its keys page by page through the block table, a chain
-    of dependent loads, and twice the programs in flight hide its latency. On the H200, with pages of 256,
-    the forced sweep was fastest at 4 splits for batch 8 (the dense choice: 2) and at 16 to 32 for batch 1
-    (the dense choice: 8 to 15); with one wave the paged kernel ran at 0.67 to 0.91 of its best, and 33
-    splits (two waves exactly, at 16K and 64K) at 0.88 and 0.93 of 32 (uneven splits, and a merge whose
-    vector of splits is padded to 64). ``block`` only bounds the count: each impl cuts its splits on its
-    own key tile (:func:`split_ranges`).
+    of dependent loads, and twice the programs in flight hide its latency; the power of two avoids uneven
+    splits and a merge whose vector of splits is padded past the next power of two. The forced sweep of
+    ``benchmarks/h200_decode.json`` measured both rules (docs/experiments/interfaces.md, "Decode: paged
+    caches at batch 8 want more splits" and "Decode: two refinements of the split count, from the same
+    sweep"). ``block`` only bounds the count: each impl cuts its splits on its own key tile
+    (:func:`split_ranges`).
     """
     programs = batch * heads_kv * row_tiles
     if not page_size:

@@ -1,6 +1,6 @@
 """The GPU benchmark: the FA3-paper protocol, every peer measured in the same run.
 
-Protocol (DESIGN.md, Benchmarks): 16K tokens in total (batch = 16384 / seqlen),
+Protocol (docs/design.md, section 10, "Benchmarks"): 16K tokens in total (batch = 16384 / seqlen),
 hidden 2048 (heads = 2048 / head_dim), head_dim 64 and 128, seqlen 512 to 16K,
 causal and not, bf16; FLOPs by :func:`fa_lab.iomodel.attention_flops`; each time
 is the median of ``triton.testing.do_bench``. The peers: SDPA restricted to its

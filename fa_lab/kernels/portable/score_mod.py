@@ -6,8 +6,8 @@ as ``log2(e) * s``, where ``s`` is the natural-unit score of :func:`fa_lab.score
 
 ``tanh`` on a GPU is PTX's ``tanh.approx.f32``: one special-function instruction, like the exp2 of
 the softmax (flash-attn's soft cap uses the same instruction). ``2 sigmoid(2x) - 1`` costs an
-exponential and an IEEE division per score, and made softcap 30 cost 38% of the forward time at 8K
-on the H200 (docs/experiments/interfaces.md). The CPU interpreter runs no PTX, so there it is the
+exponential and an IEEE division per score on top of the softmax's (docs/experiments/interfaces.md,
+"Soft cap: the instruction that computes tanh"). The CPU interpreter runs no PTX, so there it is the
 sigmoid form.
 """
 from __future__ import annotations
