@@ -1,6 +1,6 @@
 """GLA's forward h pass and intra-chunk score kernel timed over tile widths, warps and pipeline stages on a
 CUDA GPU (bf16, B = 8, H = 16, N = 4096, d = 128, chunks of 64), each setting checked against the committed
-one (relative error of the final state / the scores). What chose linear_chunk.h_pass_tiles, SCORE_BLOCK_K
+one (relative error of the final state / the scores). What chose linear_launch.h_pass_tiles, SCORE_BLOCK_K
 and the score kernel's entries in LAUNCH_WARPS and LAUNCH_STAGES.
 Usage on the device, from the repository root: PYTHONPATH=. python3 benchmarks/gla_tile_sweep.py OUT.json
 """

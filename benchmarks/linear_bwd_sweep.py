@@ -3,8 +3,8 @@ pipeline stages on a CUDA GPU (bf16, B = 8, H = 16, N = 4096, d = 128, chunks of
 against the committed one (relative error of its output): simple GLA's h pass (as its backward recomputes it,
 float32 states), dh, dv and dq/dk passes, and the delta rule's h pass (forward and backward), dh pass, dq/dk/dw
 pass and recomputation of the WY factors from the forward's T, ungated as the benchmark's delta rule is. What
-chose their entries in linear_chunk's LAUNCH_WARPS and LAUNCH_STAGES and their tiles (linear_chunk.h_pass_tiles,
-linear_chunk_bwd.DV_BLOCK_V and DQK_BLOCK_V, linear_delta.STATE_SLICE); log: benchmarks/h200_linear_bwd_sweep.json.
+chose their entries in linear_launch's LAUNCH_WARPS and LAUNCH_STAGES and their tiles (linear_launch.h_pass_tiles,
+DV_BLOCK_V, DQK_BLOCK_V and STATE_SLICE); log: benchmarks/h200_linear_bwd_sweep.json.
 Usage on the device, from the repository root:
     PYTHONPATH=. python3 benchmarks/linear_bwd_sweep.py OUT.json [SECONDS [NAME ...]]
 (SECONDS: stop starting new settings after that long, default 240, the log says which sweeps were not reached;

@@ -29,7 +29,7 @@
 #   linear-tune - our linear kernels at 2, 4 and 8 warps, every launch's time at 4K (h200_linear_tuning.json);
 #            the winners go into LAUNCH_WARPS in fa_lab/kernels/portable/linear_chunk.py
 #   gla-tiles - GLA's h pass and score kernel over tile widths, warps and stages (h200_gla_tile_sweep.json, by
-#            benchmarks/gla_tile_sweep.py); the winners go into linear_chunk.h_pass_tiles, SCORE_BLOCK_K,
+#            benchmarks/gla_tile_sweep.py); the winners go into linear_launch.h_pass_tiles, SCORE_BLOCK_K,
 #            LAUNCH_WARPS and LAUNCH_STAGES
 #   linear-stages - the same at num_stages 1 to 4 and the committed warps (h200_linear_stages.json; arguments after
 #            OUTDIR go to the command, e.g. --cases delta_rule); the winners go into LAUNCH_STAGES

@@ -245,14 +245,14 @@ def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monk
     import json
 
     from fa_lab.bench import linear as bench
-    from fa_lab.kernels.portable import linear_chunk
+    from fa_lab.kernels.portable import linear_launch
 
-    committed = dict(linear_chunk.LAUNCH_WARPS)
+    committed = dict(linear_launch.LAUNCH_WARPS)
     best = {"chunk_fwd_o_kernel": 2, "chunk_wy_kernel": 8}  # the fake profile's fastest warps per kernel
 
     def fake_times(call):
-        warps = linear_chunk.LAUNCH_WARPS["chunk_fwd_o_kernel"]
-        assert set(linear_chunk.LAUNCH_WARPS.values()) == {warps}  # every launch at the candidate
+        warps = linear_launch.LAUNCH_WARPS["chunk_fwd_o_kernel"]
+        assert set(linear_launch.LAUNCH_WARPS.values()) == {warps}  # every launch at the candidate
         return [(name, 1000.0 * (1 + abs(warps - fastest)), 0.5) for name, fastest in best.items()] + \
             [("at::native::copy", 5.0, 0.0)]
 
@@ -263,22 +263,22 @@ def test_the_linear_warp_tuner_times_every_candidate_and_restores_the_table(monk
     assert json.loads(path.read_text()) == results
     entry = next(e for e in results["log"] if e["kernel"] == "chunk_wy_kernel" and e["num_warps"] == 4)
     assert entry["ms"] == pytest.approx(2 * 2 * 5.0)  # 2 cases x (forward + backward) x 5 ms at 4 warps
-    assert linear_chunk.LAUNCH_WARPS == committed
+    assert linear_launch.LAUNCH_WARPS == committed
 
 
 def test_the_linear_tuner_times_stages_at_the_committed_warps_and_restores_both_tables(monkeypatch, tmp_path):
     """tune_launches(knob="num_stages"): per candidate every kernel of the warp table gets that num_stages, the
     warps stay as committed, the fastest stages per kernel win, and both tables come back afterwards."""
     from fa_lab.bench import linear as bench
-    from fa_lab.kernels.portable import linear_chunk
+    from fa_lab.kernels.portable import linear_launch
 
-    warps, stages = dict(linear_chunk.LAUNCH_WARPS), dict(linear_chunk.LAUNCH_STAGES)
+    warps, stages = dict(linear_launch.LAUNCH_WARPS), dict(linear_launch.LAUNCH_STAGES)
     best = {"chunk_bwd_dqk_kernel": 2, "chunk_wy_bwd_kernel": 4}
 
     def fake_times(call):
-        assert linear_chunk.LAUNCH_WARPS == warps
-        now = linear_chunk.LAUNCH_STAGES["chunk_bwd_dqk_kernel"]
-        assert set(linear_chunk.LAUNCH_STAGES[name] for name in warps) == {now}
+        assert linear_launch.LAUNCH_WARPS == warps
+        now = linear_launch.LAUNCH_STAGES["chunk_bwd_dqk_kernel"]
+        assert set(linear_launch.LAUNCH_STAGES[name] for name in warps) == {now}
         return [(name, 1000.0 * (1 + abs(now - fastest)), 0.5) for name, fastest in best.items()]
 
     fake_profiled_runs(monkeypatch, fake_times)
@@ -286,6 +286,6 @@ def test_the_linear_tuner_times_stages_at_the_committed_warps_and_restores_both_
                                knob="num_stages", progress=lambda line: None)
     assert results["winners"] == best and results["knob"] == "num_stages"
     assert {e["num_stages"] for e in results["log"]} == {1, 2, 4}
-    assert linear_chunk.LAUNCH_WARPS == warps and linear_chunk.LAUNCH_STAGES == stages
+    assert linear_launch.LAUNCH_WARPS == warps and linear_launch.LAUNCH_STAGES == stages
     with pytest.raises(ValueError, match="knob"):
         bench.tune_launches(tmp_path / "x.json", knob="num_threads")

@@ -248,9 +248,9 @@ def test_wy_kernel_matches_prepare_wy_repr(gated, chunk_size, seqlen, generator)
     """The WY kernel (the block-doubling inverse in registers) against fa_lab.linear.delta's PyTorch WY with
     solve_tril, in float64, on float32 inputs: w and u of every chunk, a ragged last one included."""
     from fa_lab.kernels.common import cdiv
-    from fa_lab.kernels.portable.linear_chunk import block_size
     from fa_lab.kernels.portable.linear_delta import chunk_wy_kernel
     from fa_lab.kernels.portable.linear_gate import log2_cumulated_gate
+    from fa_lab.kernels.portable.linear_launch import block_size
     from fa_lab.linear.chunk import chunk_local_cumsum
     from fa_lab.linear.decay import from_chunks, to_chunks
     from fa_lab.linear.delta import prepare_wy_repr

@@ -26,10 +26,11 @@ def linear_jobs() -> list[tuple[str, dict]]:
     from fa_lab.kernels.portable import linear_chunk_bwd as bwd
     from fa_lab.kernels.portable import linear_delta as delta
     from fa_lab.kernels.portable import linear_gate as gate
+    from fa_lab.kernels.portable import linear_launch as launch
 
     def launch_warps(label, kernel) -> int:  # the gate kernels take Triton's default, 4
-        listed = kernel.__name__ in chunk.LAUNCH_WARPS
-        return chunk.launch_warps(kernel, 64, variants.get(label)) if listed else 4
+        listed = kernel.__name__ in launch.LAUNCH_WARPS
+        return launch.launch_warps(kernel, 64, variants.get(label)) if listed else 4
 
     tf32 = {"PRECISION": "tf32"}
     variants = {"h pass, per-dim gate": "per_dim", "h pass, scalar gate, float32 states": "scalar",
@@ -40,16 +41,16 @@ def linear_jobs() -> list[tuple[str, dict]]:
     jobs = [
         ("h pass, per-dim gate", chunk.chunk_fwd_h_kernel,
          {**_pointers("k_ptr v_ptr h_ptr"), **_pointers("g_ptr h0_ptr ht_ptr", F32), **sizes},
-         dict(CHUNK=64, GATE=2, HAS_H0=True, **chunk.h_pass_tiles(2, 128, 128), **tf32)),
+         dict(CHUNK=64, GATE=2, HAS_H0=True, **launch.h_pass_tiles("per_dim", 128, 128), **tf32)),
         ("h pass, scalar gate, float32 states", chunk.chunk_fwd_h_kernel,
          {**_pointers("k_ptr v_ptr"), **_pointers("h_ptr g_ptr h0_ptr ht_ptr", F32), **sizes},
-         dict(CHUNK=64, GATE=1, HAS_H0=True, **chunk.h_pass_tiles(1, 128, 128), **tf32)),
+         dict(CHUNK=64, GATE=1, HAS_H0=True, **launch.h_pass_tiles("scalar", 128, 128), **tf32)),
         ("o pass, scalar gate", chunk.chunk_fwd_o_kernel,
          {**_pointers("q_ptr k_ptr v_ptr h_ptr o_ptr"), "g_ptr": F32, **sizes, "scale": "fp32"},
          dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATE=1, **tf32)),
         ("GLA intra-chunk scores", chunk.chunk_gla_fwd_a_kernel,
          {**_pointers("q_ptr k_ptr a_ptr"), "g_ptr": F32, **_ints("seqlen chunks d_k")},
-         dict(CHUNK=64, SUB=16, BLOCK_K=chunk.SCORE_BLOCK_K, **tf32)),
+         dict(CHUNK=64, SUB=16, BLOCK_K=launch.SCORE_BLOCK_K, **tf32)),
         ("GLA o pass", chunk.chunk_gla_fwd_o_kernel,
          {**_pointers("q_ptr v_ptr h_ptr a_ptr o_ptr"), "g_ptr": F32, **sizes, "scale": "fp32"},
          dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, **tf32)),
@@ -61,14 +62,14 @@ def linear_jobs() -> list[tuple[str, dict]]:
          dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATE=1, HAS_DHT=True, **tf32)),
         ("dv pass, scalar gate", bwd.chunk_bwd_dv_kernel,
          {**_pointers("q_ptr k_ptr do_ptr dv_ptr"), **_pointers("g_ptr dh_ptr", F32), **sizes, "scale": "fp32"},
-         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=bwd.DV_BLOCK_V, GATE=1, CARRIED=True, **tf32)),
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=launch.DV_BLOCK_V, GATE=1, CARRIED=True, **tf32)),
         ("dv pass, delta rule's intra-chunk term", bwd.chunk_bwd_dv_kernel,
          {**_pointers("q_ptr k_ptr do_ptr dv_ptr dh_ptr"), "g_ptr": F32, **sizes, "scale": "fp32"},
          dict(CHUNK=64, BLOCK_K=64, BLOCK_V=64, GATE=1, CARRIED=False, **tf32)),
         ("dqk pass, scalar gate", bwd.chunk_bwd_dqk_kernel,
          {**_pointers("q_ptr k_ptr v_ptr do_ptr dq_ptr dk_ptr dv_new_ptr dw_ptr"),
           **_pointers("g_ptr h_ptr dh_ptr dgate_ptr", F32), **sizes, "scale": "fp32"},
-         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=bwd.DQK_BLOCK_V, GATE=1, **tf32)),
+         dict(CHUNK=64, BLOCK_K=64, BLOCK_V=launch.DQK_BLOCK_V, GATE=1, **tf32)),
         ("dqk pass, gated delta rule", bwd.chunk_bwd_dqk_kernel,
          {**_pointers("q_ptr k_ptr v_ptr do_ptr dq_ptr dk_ptr h_ptr dh_ptr dv_new_ptr dw_ptr"),
           **_pointers("g_ptr dgate_ptr", F32), **sizes, "scale": "fp32"},
@@ -99,15 +100,15 @@ def linear_jobs() -> list[tuple[str, dict]]:
          {**_pointers("x_ptr out_ptr", F32), **_ints("seqlen width")}, dict(ROWS=4096, BLOCK=1)),
         ("delta h pass, gated", delta.chunk_delta_fwd_h_kernel,
          {**_pointers("k_ptr w_ptr u_ptr h_ptr v_new_ptr"), **_pointers("g_ptr h0_ptr ht_ptr", F32), **sizes},
-         dict(CHUNK=64, GATED=True, HAS_H0=True, **delta.state_pass_tiles(128, 128), **tf32)),
+         dict(CHUNK=64, GATED=True, HAS_H0=True, **launch.state_pass_tiles(128, 128), **tf32)),
         ("delta dh pass, gated", delta.chunk_delta_bwd_dh_kernel,
          {**_pointers("q_ptr k_ptr w_ptr do_ptr dh_ptr h_ptr dv_local_ptr dv_new_ptr"),
           **_pointers("dht_ptr dh0_ptr g_ptr ht_ptr dlast_ptr", F32), **sizes,
           "scale": "fp32"},
-         dict(CHUNK=64, HAS_DHT=True, GATED=True, **delta.state_pass_tiles(128, 128), **tf32)),
+         dict(CHUNK=64, HAS_DHT=True, GATED=True, **launch.state_pass_tiles(128, 128), **tf32)),
     ]
     def stages(label, kernel) -> dict:  # what the launchers pass; else Triton's 3 stages
-        found = chunk.launch_stages(kernel, variants.get(label))
+        found = launch.launch_stages(kernel, variants.get(label))
         return {} if found is None else dict(num_stages=found)
     return [(label, {**_job(kernel, signature, constants, launch_warps(label, kernel)), **stages(label, kernel)})
             for label, kernel, signature, constants in jobs]

@@ -243,7 +243,7 @@ def tune_launches(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, ca
     """Time each of our kernels with every launch at each candidate num_warps (or, with knob "num_stages",
     num_stages at the committed warps), and write the log to ``path``.
 
-    Per candidate, every entry of :data:`fa_lab.kernels.portable.linear_chunk.LAUNCH_WARPS` takes it (or, for
+    Per candidate, every entry of :data:`fa_lab.kernels.portable.linear_launch.LAUNCH_WARPS` takes it (or, for
     stages, every kernel of that table and every variant entry of ``LAUNCH_STAGES`` gets it there; the
     committed tables are restored after), and each kernel's time per call (:mod:`.breakdown`) is summed over
     the forward and backward of every case at ``seqlen``; a kernel's time does not depend on the others'
@@ -252,20 +252,20 @@ def tune_launches(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, ca
     ``ms``) per kernel and candidate. The winners go into the tables by hand, where the offline sm_90 build
     accepts them (tests/test_portable_sm90_builds.py). A candidate that fails in a case is logged and skipped.
     """
-    from ..kernels.portable import linear_chunk
+    from ..kernels.portable import linear_launch
     from .breakdown import kernel_times, passes
 
     if knob not in ("num_warps", "num_stages"):
         raise ValueError(f"knob must be 'num_warps' or 'num_stages', got {knob!r}")
-    committed = dict(linear_chunk.LAUNCH_WARPS)
-    committed_stages = dict(linear_chunk.LAUNCH_STAGES)
+    committed = dict(linear_launch.LAUNCH_WARPS)
+    committed_stages = dict(linear_launch.LAUNCH_STAGES)
     log = []
     try:
         for value in candidates:
             if knob == "num_warps":
-                linear_chunk.LAUNCH_WARPS.update(dict.fromkeys(committed, value))
+                linear_launch.LAUNCH_WARPS.update(dict.fromkeys(committed, value))
             else:
-                linear_chunk.LAUNCH_STAGES.update(dict.fromkeys([*committed, *committed_stages], value))
+                linear_launch.LAUNCH_STAGES.update(dict.fromkeys([*committed, *committed_stages], value))
             totals: dict[str, float] = {}
             for case in cases:
                 tensors = case_inputs(case, seqlen)
@@ -282,10 +282,10 @@ def tune_launches(path, seqlen: int = SEQLENS[0], candidates=WARP_CANDIDATES, ca
             log += [{"kernel": name, knob: value, "ms": ms} for name, ms in sorted(totals.items())]
             progress(f"{knob}={value}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(totals.items())))
     finally:
-        linear_chunk.LAUNCH_WARPS.clear()
-        linear_chunk.LAUNCH_WARPS.update(committed)
-        linear_chunk.LAUNCH_STAGES.clear()
-        linear_chunk.LAUNCH_STAGES.update(committed_stages)
+        linear_launch.LAUNCH_WARPS.clear()
+        linear_launch.LAUNCH_WARPS.update(committed)
+        linear_launch.LAUNCH_STAGES.clear()
+        linear_launch.LAUNCH_STAGES.update(committed_stages)
     winners = {}
     for entry in log:
         best = winners.get(entry["kernel"])

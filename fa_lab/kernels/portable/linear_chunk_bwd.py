@@ -44,10 +44,7 @@ import triton
 import triton.language as tl
 
 from .linear_chunk import chunk_tile, load_rows, lower_triangle, state_tile
-
-# The value columns of simple GLA's (and plain linear attention's) dv pass per program, and the width of the d_v
-# loop of its dq/dk pass: the fastest tiles at d = 128 in benchmarks/linear_bwd_sweep.py.
-DV_BLOCK_V, DQK_BLOCK_V = 128, 32
+from .linear_launch import DQK_BLOCK_V, DV_BLOCK_V, block_size, h_pass_tiles, launch_meta
 
 
 @triton.jit
@@ -332,15 +329,7 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
     """
     from ...linear.inputs import gate_kind
     from ..common import cdiv, on_device
-    from .linear_chunk import (
-        GATE_CODES,
-        SUB_CHUNK,
-        block_size,
-        chunk_fwd_h_kernel,
-        gla_intra_scores,
-        h_pass_tiles,
-        launch_meta,
-    )
+    from .linear_chunk import GATE_CODES, SUB_CHUNK, chunk_fwd_h_kernel, gla_intra_scores
     from .linear_gate import log2_cumulated_gate, reverse_cumsum
 
     batch, heads, seqlen, d_k = q.shape
@@ -362,7 +351,7 @@ def chunk_backward(q, k, v, g, initial_state, grad_o, grad_state, scale: float, 
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     shapes = dict(CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision)
     with on_device(q):
-        tiles = h_pass_tiles(gate, d_k, d_v)
+        tiles = h_pass_tiles(kind, d_k, d_v)
         chunk_fwd_h_kernel[(cdiv(d_k, tiles["BLOCK_K"]), cdiv(d_v, tiles["BLOCK_V"]), batch * heads)](
             k, v, cum, h0, states, final_state, seqlen, chunks, d_k, d_v, CHUNK=chunk_size, GATE=gate,
             HAS_H0=initial_state is not None, PRECISION=precision,

@@ -26,17 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_chunk import block_size, chunk_tile, load_rows, state_tile
-
-# The d_v-wide slice of one head's state that a program of the delta rule's state passes (the h pass, forward
-# and backward, and the dh pass) holds, with all d_k rows (w h sums over the whole key dimension): the fastest
-# of 16, 32 and 64 in both passes (benchmarks/linear_bwd_sweep.py, log benchmarks/h200_linear_bwd_sweep.json).
-STATE_SLICE = 64
-
-
-def state_pass_tiles(d_k: int, d_v: int) -> dict:
-    """BLOCK_K (the whole padded d_k) and BLOCK_V (:data:`STATE_SLICE`) of the delta rule's state passes."""
-    return dict(BLOCK_K=block_size(d_k, 256), BLOCK_V=block_size(d_v, STATE_SLICE))
+from .linear_chunk import chunk_tile, load_rows, state_tile
+from .linear_launch import block_size, launch_meta, state_pass_tiles
 
 
 @triton.jit
@@ -325,7 +316,6 @@ def delta_chunk_backward(q, k, v, beta, g, initial_state, grad_o, grad_state, sc
     backwards within each chunk (g_t enters every cumulated G_s with s >= t of its chunk).
     """
     from ..common import cdiv, on_device
-    from .linear_chunk import launch_meta
     from .linear_chunk_bwd import chunk_bwd_dqk_kernel, chunk_bwd_dv_kernel
     from .linear_gate import log2_cumulated_gate
 
@@ -418,7 +408,7 @@ def delta_chunk_forward(q, k, v, beta, g, initial_state, scale: float, chunk_siz
     beta (B, H, N), g None or (B, H, N). Returns (o in q.dtype, final state (B, H, d_k, d_v) float32, the WY
     inverse T (B*H, chunks * C, C) float32 if keep_inverse, for the backward, else None)."""
     from ..common import cdiv, on_device
-    from .linear_chunk import chunk_fwd_o_kernel, launch_meta
+    from .linear_chunk import chunk_fwd_o_kernel
     from .linear_gate import log2_cumulated_gate
 
     batch, heads, seqlen, d_k = q.shape
