@@ -24,8 +24,10 @@ STAMP := $(VENV)/.fa-lab-installed
 UNAME := $(shell uname -s)
 # JupyterLab refuses to start as root (a container, a cloud VM) unless told --allow-root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
-# ruff covers all the Python that ships: the package, the tests, and any scripts under benchmarks/ and docs/.
-LINT_PATHS := fa_lab tests $(wildcard benchmarks docs)
+# ruff covers all the Python that ships: the package, the tests, any scripts under benchmarks/ and docs/, and
+# the code cells of the notebooks (lectures, solutions, and the labs generated from them; pyproject.toml says
+# what the labs' TODO stubs may leave unused or undefined).
+LINT_PATHS := fa_lab tests $(wildcard benchmarks docs) notebooks solutions labs
 
 .PHONY: lab test test-fast test-gpu setup sandbox-tool assign lint bench clean
 
