@@ -59,7 +59,7 @@ CASES = [
      [("zigzag_cases", MINE, "mine = (rank, world - 1 - rank)"),
       ("zigzag_cases", THEIRS, "theirs = (source, world - 1 - source)")], "W - 1 - r"),
     ("zigzag_cases", "the causal triangle on the local diagonal of another rank's shard",
-     [("zigzag_cases", DIAGONAL, "if a == b and kc <= qc:")], "never the causal triangle"),
+     [("zigzag_cases", DIAGONAL, "if mine.index(qc) == theirs.index(kc) and kc <= qc:")], "never the causal triangle"),
     ("zigzag_cases", "a chunk against itself counted as full", [("zigzag_cases", DIAGONAL, "if False:"),
                                                                 ("zigzag_cases", FULL, "elif kc <= qc:")],
      "not 'full'"),
