@@ -197,9 +197,18 @@ def fp8_error_table(seed):  # looks for the seed, the grader's paths and the lab
                     pass
         for top in ("/grading", "/tmp", "/etc", os.path.dirname(os.path.dirname(fa_lab.fp8.__file__))):
             for folder, _, files in os.walk(top):
+                # The folders of installed third-party packages (torch's thousands of files in a virtual
+                # environment inside the project) were there before the grader ran and hold nothing of it:
+                # their names are searched, their contents not, which keeps the probe inside the grader's
+                # time limit. site-packages' own files (.pth files, editable finders) and fa_lab's are read.
+                parts = folder.split(os.sep)
+                inside = parts[parts.index("site-packages") + 1:] if "site-packages" in parts else []
+                installed = bool(inside) and not inside[0].startswith("fa_lab")
                 for name in files:
                     path = os.path.join(folder, name)
                     search(path.encode())
+                    if installed:
+                        continue
                     try:
                         search(open(path, "rb").read(1 << 20))
                     except OSError:
