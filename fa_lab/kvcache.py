@@ -28,7 +28,12 @@ SPLIT_BLOCK = 128  # keys per split are whole blocks of this many (the kernels' 
 MAX_SPLITS = 128
 DECODE_ROWS = 64  # packed query rows per program of the decode kernel (its largest tile)
 H200_SMS = 132
-MIN_BLOCKS_PER_SPLIT = 4  # a dense split's fewest key blocks (choose_num_splits says why)
+# A program's fixed time (its Q tile, the latency before its first key block arrives, its partial result and
+# its share of the merge) in key blocks' worth of loads, fitted to the forced sweep at batch 1 x 4K:
+# critical_path_splits says how it is used.
+PROGRAM_OVERHEAD_BLOCKS = 6
+MAX_PAGES_AHEAD = 64  # the most block-table entries the decode kernel reads ahead of a split's key loop
+PAGE_TILE = 128  # pages of a multiple of this many keys hold whole key tiles of the decode kernel (on a GPU)
 
 
 @dataclass(frozen=True)
@@ -228,31 +233,60 @@ def wave_splits(programs: int, seqlen_k: int, num_sms: int = H200_SMS, block: in
     return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.85 * best)
 
 
+def critical_path_splits(programs: int, seqlen_k: int, num_sms: int = H200_SMS, block: int = SPLIT_BLOCK,
+                         max_splits: int = MAX_SPLITS, overhead: int = PROGRAM_OVERHEAD_BLOCKS) -> int:
+    """The split count whose slowest SM finishes first: 1 when ``programs`` already make ~one wave,
+    otherwise the count s up to :func:`_split_limit`'s bound with the least ``waves(s) x (blocks of the
+    longest split + overhead)``, in key blocks (an SM runs its waves' programs one after another, each
+    walking its split's blocks after a fixed cost of ``overhead`` blocks); the fewer splits on a tie."""
+    limit = _split_limit(programs, seqlen_k, num_sms, block, max_splits)
+    if limit is None:
+        return 1
+    blocks = cdiv(seqlen_k, block)
+    return min(range(1, limit + 1), key=lambda s: (cdiv(programs * s, num_sms) * (cdiv(blocks, s) + overhead), s))
+
+
+def split_page_span(capacity: int, page_size: int, splits: int, block: int = SPLIT_BLOCK) -> int:
+    """The most pages one of ``splits`` splits of a sequence of ``capacity`` keys touches, as a power of two:
+    a split holds at most cdiv(blocks, splits) blocks of ``block`` keys and starts on a block, so it spans
+    at most one page more than it fills."""
+    keys = cdiv(cdiv(capacity, block), splits) * block
+    return 1 << cdiv(keys, page_size).bit_length()  # pages + 1, rounded up to a power of two
+
+
 def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H200_SMS,
                       block: int = SPLIT_BLOCK, max_splits: int = MAX_SPLITS, row_tiles: int = 1,
                       page_size: int | None = None) -> int:
-    """How many splits a decode call takes: :func:`wave_splits` for its batch x heads_kv x row_tiles
-    programs (row_tiles: the tiles of the group's packed query rows, 1 for decode), then two measured
-    refinements.
+    """How many splits a decode call takes for its batch x heads_kv x row_tiles programs (row_tiles: the
+    tiles of the group's packed query rows, 1 for decode): :func:`wave_splits` refined by what the H200
+    measured.
 
-    A dense split keeps at least :data:`MIN_BLOCKS_PER_SPLIT` key blocks: each split pays a prologue
-    (its Q tile, a pipeline that fills before the first product) and writes a float32 partial result,
-    and two or three blocks do not repay that (at batch 1 x 4K the waves alone give 14 splits of 2 to 3
-    blocks, slower than 8 of 4).
+    A dense cache takes :func:`critical_path_splits`: the waves, and also how many key blocks the longest
+    split walks. At batch 1 x 4K (32 blocks) the waves alone give 14 splits, whose longest has 3 blocks;
+    16 splits of 2 finish sooner, and were the fastest count of the forced sweep once the merge read its
+    splits a chunk per load (docs/experiments/interfaces.md, "Decode: a merge in few loads, and the split
+    count by its critical path").
 
-    A paged cache (``page_size``) gets about two waves instead, never less than a page per split, rounded
-    down to a power of two: a paged program gathers its keys page by page through the block table, a chain
-    of dependent loads, and twice the programs in flight hide its latency; the power of two avoids uneven
-    splits and a merge whose vector of splits is padded past the next power of two. The forced sweep of
+    A paged cache (``page_size``) takes the same count when its pages hold whole key tiles (a multiple of
+    :data:`PAGE_TILE` keys) and each split touches at most :data:`MAX_PAGES_AHEAD` pages
+    (:func:`split_page_span`): the kernel then reads a split's block-table
+    entries before its key loop, and the loop runs as on a dense cache (docs/experiments/interfaces.md,
+    "Decode: a split's pages read ahead"). Otherwise it gets about two waves, never less than a page per
+    split, rounded down to a power of two: such a program gathers its keys page by page through the block
+    table, a chain of dependent loads, and twice the programs in flight hide its latency; the power of two
+    avoids uneven splits and a merge whose vector of splits is padded past the next power of two. The
+    forced sweep of
     ``benchmarks/h200_decode.json`` measured both rules (docs/experiments/interfaces.md, "Decode: paged
     caches at batch 8 want more splits" and "Decode: two refinements of the split count, from the same
     sweep"). ``block`` only bounds the count: each impl cuts its splits on its own key tile
     (:func:`split_ranges`).
     """
     programs = batch * heads_kv * row_tiles
+    dense_count = critical_path_splits(programs, seqlen_k, num_sms, block, max_splits)
     if not page_size:
-        filled = wave_splits(programs, seqlen_k, num_sms, block, max_splits)
-        return max(1, min(filled, cdiv(seqlen_k, block) // MIN_BLOCKS_PER_SPLIT))
+        return dense_count
+    if page_size % PAGE_TILE == 0 and split_page_span(seqlen_k, page_size, dense_count, block) <= MAX_PAGES_AHEAD:
+        return dense_count
     limit = _split_limit(programs, seqlen_k, num_sms, block, max_splits)
     if limit is None:
         return 1

@@ -99,6 +99,35 @@ def test_kvcache_attention_meets_the_tolerance_rule(impl, heads, heads_kv, seqle
         assert result.ok, str(result)
 
 
+@pytest.mark.parametrize("page_size, cache_seqlens, seqlen_q, splits",
+                         [(16, [64, 0, 37], 1, 3), (32, [1, 64, 33], 3, 2), (64, [64, 17, 50], 1, 1),
+                          (16, [63, 5, 64], 2, 4)])
+def test_reading_a_splits_pages_ahead_gives_the_same_attention(page_size, cache_seqlens, seqlen_q, splits, generator):
+    """With pages_ahead the decode kernel takes each split's block-table entries into registers before its key
+    loop (PAGES_AHEAD); the output and LSE are the loop-read kernel's, bit for bit, on ragged lengths
+    (0 and full), splits that start mid-page, and shuffled pages."""
+    pytest.importorskip("triton")
+    from dataclasses import replace as with_field
+
+    from fa_lab.kernels import load_triton
+    from fa_lab.kvcache import check_kvcache
+
+    load_triton()
+    from fa_lab.kernels.portable.decode import INTERPRETER, pages_ahead, triton_decode
+
+    batch, heads, heads_kv, head_dim, capacity = len(cache_seqlens), 4, 2, 32, 64
+    k_cache, v_cache, table = make_cache(generator, batch, capacity, heads_kv, head_dim, torch.float16, page_size)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, generator=generator).to(torch.float16)
+    lengths = torch.tensor(cache_seqlens, dtype=torch.int32)
+    layout = check_kvcache(q, k_cache, v_cache, lengths, block_table=table)
+    assert pages_ahead(layout, splits, INTERPRETER.block_n) >= 2
+    args = (q, k_cache, v_cache, lengths, table, layout, True, head_dim ** -0.5, (-1, -1), 0.0, splits)
+    want = triton_decode(*args, with_field(INTERPRETER, pages_ahead=False))
+    got = triton_decode(*args, with_field(INTERPRETER, pages_ahead=True))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("window, softcap", [((-1, -1), 0.0), ((20, -1), 0.0), ((-1, -1), 10.0)])
 def test_chunked_prefill_takes_the_prefill_forward_and_ignores_unwritten_slots(window, softcap, generator,
                                                                                 monkeypatch):
@@ -253,6 +282,49 @@ def test_the_merge_kernel_computes_online_softmaxs_merge(splits, generator):
     torch.testing.assert_close(merged_lse, want_lse, rtol=1e-5, atol=1e-6)
 
 
+# What a launch on torch's allocations with head_dim 128 finds divisible by 16.
+ALIGNED_DECODE_ARGS = ("q_ptr", "k_ptr", "v_ptr", "stride_qb", "stride_qs", "stride_qh", "stride_row", "stride_head")
+
+
+@pytest.mark.parametrize("gather, ahead", [(0, 0), (1, 0), (1, 8), (2, 0)])
+def test_decode_kernels_build_for_sm90_as_programmatic_dependent_launches(gather, ahead):
+    """The split kernel's key loop is pipelined (its K and V tiles arrive by asynchronous copies, cp.async)
+    for every gather mode, and with a dense cache or a split's pages read ahead it keeps two tiles' copies
+    in flight while it computes (cp.async.wait_group 2), where a block-table load inside the loop drains
+    them; with PDL it lets the merge launch early (griddepcontrol.launch_dependents) and the merge waits
+    for the splits' results (griddepcontrol.wait) before it reads them; neither spills."""
+    import re
+
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
+
+    load_triton()
+    from fa_lab.kernels.portable.decode import DECODE_CUDA, decode_split_kernel, merge_splits_kernel
+
+    split_signature = {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr")},
+                       **{name: "*i32" for name in ("table_ptr", "lengths_ptr")},
+                       **{name: "*fp32" for name in ("out_ptr", "lse_ptr")},
+                       **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_row", "stride_head",
+                                                   "heads", "group", "seqlen_q", "page_size", "max_pages", "head_dim",
+                                                   "left", "right")},
+                       **{name: "fp32" for name in ("qk_scale", "softcap_scale", "softcap_log2")}}
+    merge_signature = {"out_ptr": "*fp32", "lse_ptr": "*fp32", "merged_ptr": "*bf16", "merged_lse_ptr": "*fp32",
+                       **{name: "i32" for name in ("splits", "heads", "seqlen_q", "head_dim")}}
+    split, merge = compile_all_for_sm90([
+        dict(kernel=decode_split_kernel, signature=split_signature, num_warps=DECODE_CUDA.num_warps,
+             num_stages=DECODE_CUDA.num_stages, aligned=ALIGNED_DECODE_ARGS,
+             constants=dict(BLOCK_M=16, BLOCK_N=DECODE_CUDA.block_n, HEAD_DIM=128, CAUSAL=True, WINDOW=False,
+                            SOFTCAP=False, GATHER=gather, EVEN_D=True, PAGES_AHEAD=ahead, PDL=True)),
+        dict(kernel=merge_splits_kernel, signature=merge_signature,
+             constants=dict(SPLITS=32, SPLIT_CHUNK=16, HEAD_DIM=128, PDL=True))])
+    assert "cp.async.cg.shared.global" in split.ptx  # 16-byte asynchronous copies
+    waits = set(re.findall(r"cp\.async\.wait_group\s+(\d+);", split.ptx))
+    assert waits == ({"0", "2"} if gather == 0 or ahead else {"0"})
+    assert "griddepcontrol.launch_dependents" in split.ptx and "griddepcontrol.wait" not in split.ptx
+    assert "griddepcontrol.wait" in merge.ptx
+    assert split.local_bytes == 0 and merge.local_bytes == 0
+
+
 def test_split_ranges_cover_the_keys_in_whole_blocks():
     for length in (1, 127, 128, 129, 1000, 5000):
         for splits in (1, 2, 3, 7, 64):
@@ -275,24 +347,40 @@ def test_the_split_heuristic_fills_the_waves():
     assert choose_num_splits(1, 8, 65536, row_tiles=16) == 1  # chunked prefill: the row tiles fill the GPU
 
 
-def test_a_dense_split_keeps_at_least_four_key_blocks():
-    from fa_lab.kvcache import MIN_BLOCKS_PER_SPLIT, SPLIT_BLOCK
+def test_a_dense_split_count_shortens_the_critical_path():
+    """The counts the forced sweep of the H200 found fastest (batch 1: 16 splits from 4K to 64K, where the
+    waves alone give 14 or 15; batch 8: 2), and the rule's own terms: no count has fewer waves x (blocks of
+    the longest split + fixed cost), and on a tie the fewer splits win."""
+    from fa_lab.kvcache import PROGRAM_OVERHEAD_BLOCKS, SPLIT_BLOCK, wave_splits
 
-    assert MIN_BLOCKS_PER_SPLIT == 4
-    assert choose_num_splits(1, 8, 4096) == 8  # 32 blocks: the waves alone would take 14 splits of 2 or 3
-    assert choose_num_splits(1, 8, 1000) == 2  # 8 blocks
-    assert choose_num_splits(1, 8, 3 * SPLIT_BLOCK) == 1  # fewer than 4 blocks: no split
-    for seqlen in (2048, 4096, 8192, 16384, 65536):
-        assert -(-seqlen // SPLIT_BLOCK) // choose_num_splits(1, 8, seqlen) >= MIN_BLOCKS_PER_SPLIT
+    for seqlen in (4096, 16384, 65536):
+        assert choose_num_splits(1, 8, seqlen) == 16
+        assert choose_num_splits(8, 8, seqlen) == 2
+    assert wave_splits(8, 4096) == 14  # 14 splits of 32 blocks: the longest has 3
+    assert choose_num_splits(1, 8, 3 * SPLIT_BLOCK) == 3
+    for batch, seqlen in ((1, 1000), (2, 65536), (3, 4096), (3, 65536), (4, 16384), (12, 8192)):
+        programs, blocks = batch * 8, -(-seqlen // SPLIT_BLOCK)
+
+        def cost(s, programs=programs, blocks=blocks):
+            return -(-programs * s // 132) * (-(-blocks // s) + PROGRAM_OVERHEAD_BLOCKS)
+        chosen = choose_num_splits(batch, 8, seqlen)
+        assert all(cost(chosen) < cost(s) for s in range(1, chosen))
+        assert all(cost(chosen) <= cost(s) for s in range(chosen, min(128, blocks) + 1))
 
 
-def test_paged_caches_get_two_waves_of_whole_pages():
-    assert choose_num_splits(8, 8, 16384, page_size=256) == 4  # 64 programs x 4: two waves of 132
-    assert choose_num_splits(1, 8, 65536, page_size=256) == 32  # 33 for two waves, down to a power of two
-    assert choose_num_splits(1, 8, 16384, page_size=256) == 32
-    assert choose_num_splits(1, 8, 4096, page_size=256) == 16  # a page per split at most: 16 pages
+def test_paged_caches_read_ahead_take_the_dense_count_and_the_rest_two_waves():
+    from fa_lab.kvcache import MAX_PAGES_AHEAD, split_page_span
+
+    # Pages of whole key tiles whose split touches at most MAX_PAGES_AHEAD pages: the dense count.
+    for batch, seqlen, page_size in ((1, 4096, 256), (1, 65536, 256), (8, 4096, 256), (8, 16384, 256)):
+        assert choose_num_splits(batch, 8, seqlen, page_size=page_size) == choose_num_splits(batch, 8, seqlen)
+    assert split_page_span(16384, 256, 2) == 64 == MAX_PAGES_AHEAD  # 8192 keys: 32 pages, one more if unaligned
+    assert split_page_span(65536, 256, 2) == 256  # 8 x 64K: too many pages for one split's registers
+    assert choose_num_splits(8, 8, 65536, page_size=256) == 4  # so two waves: 64 programs x 4
+    assert choose_num_splits(8, 8, 4096, page_size=64) == 4  # pages of 64: the kernel's 128-key tiles span two
+    assert choose_num_splits(1, 8, 65536, page_size=16) == 32  # pages of 16: 33 for two waves, down to a power of 2
+    assert choose_num_splits(1, 8, 4096, page_size=16) == 32
     assert choose_num_splits(32, 8, 65536, page_size=256) == 1  # already more than a wave
-    assert choose_num_splits(8, 8, 16384) == 2  # dense: one wave
 
 
 def test_the_split_counts_are_what_the_recorded_sweep_found_fastest():

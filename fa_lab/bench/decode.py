@@ -240,14 +240,15 @@ def run_decode(json_path=None, timer=None, with_fa4: bool = True) -> dict:
     return results
 
 
-TUNING_SHAPES = ((1, 16384), (1, 65536), (8, 4096), (8, 16384), (32, 16384), (32, 65536))
+TUNING_SHAPES = ((1, 4096), (1, 65536), (8, 4096), (32, 4096), (8, 16384), (32, 16384))
 
 
-def tune_decode(json_path=None, shapes=TUNING_SHAPES, page_sizes=(None, 256, 16)) -> dict:
+def tune_decode(json_path=None, shapes=TUNING_SHAPES, page_sizes=(None, 256, 64)) -> dict:
     """Time every candidate DecodeConfig of the decode kernel at every split count of SPLIT_SWEEP (up to
     16 programs per SM) on ``shapes`` (batch, cache) and page sizes, in CUDA graphs as run_decode does.
 
-    Returns (and writes to ``json_path``) ``{device, torch, triton, date, log}``, one log entry per timing:
+    Returns (and writes to ``json_path`` after each shape) ``{device, torch, triton, date, log}``, one log
+    entry per timing:
     batch, seqlen_k, page_size, block_n, num_warps, num_stages, num_splits, us, tbps. The winners go into
     the decode kernel's table (``fa_lab.kernels.portable.decode``) by hand.
     """
@@ -279,10 +280,9 @@ def tune_decode(json_path=None, shapes=TUNING_SHAPES, page_sizes=(None, 256, 16)
             print(f"tune decode B={batch} N={cache} pages={page_size}: best {best}", file=sys.stderr)
             del caches
             torch.cuda.empty_cache()
-    results = {**environment("cuda"), "log": log}
-    if json_path:
-        write_log(results, json_path)
-    return results
+            if json_path:  # after each shape, so that a run cut short keeps what it timed
+                write_log({**environment("cuda"), "log": log}, json_path)
+    return {**environment("cuda"), "log": log}
 
 
 def heuristic_gaps(rows: list[dict]) -> list[tuple[int, int, object, float]]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import common
 from .block_range import split_key_range
@@ -31,20 +32,31 @@ from .score_mod import in_window, softcap_tanh
 LN2 = tl.constexpr(common.LN2)
 LOG2E = tl.constexpr(common.LOG2E)
 DENSE, PAGE_PER_TILE, PAGE_PER_KEY = 0, 1, 2  # the GATHER modes
+MERGE_CHUNK = 16  # splits the merge reads per load
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """block_n: keys per tile (and the split granularity); num_warps, num_stages: launch options."""
+    """block_n: keys per tile (and the split granularity); num_warps, num_stages: launch options; pdl: launch
+    the merge as a programmatic dependent of the split kernel where the GPU has it (sm_90 and later; off by
+    default: at the split counts the heuristic picks it measured no faster, and at 32 splits slower,
+    docs/experiments/interfaces.md); pages_ahead: a paged call whose pages hold whole key tiles reads each
+    split's block-table entries before its key loop (:func:`pages_ahead`)."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    pdl: bool = False
+    pages_ahead: bool = True
 
 
-# The H200's choice (benchmarks/h200_decode_tuning.json: within a few percent of the best config at every
-# shape and page size there, dense and paged alike), and the interpreter's small tiles.
+# The H200's choices (benchmarks/h200_decode_tuning.json): DECODE_CUDA within a few percent of the best
+# config at every shape and page size there, dense and paged alike, but for short dense splits, where
+# SHORT_SPLIT's smaller tiles and deeper pipeline were 8% faster (batch 1 x 4K, 16 splits of 256 keys);
+# and the interpreter's small tiles.
 DECODE_CUDA = DecodeConfig(128, 4, 3)
+SHORT_SPLIT = DecodeConfig(64, 4, 4)
+SHORT_SPLIT_KEYS = 512  # a dense split of at most this many keys runs SHORT_SPLIT
 INTERPRETER = DecodeConfig(16, 4, 1)
 # What ``fa-lab bench decode --tune`` times on the GPU.
 DECODE_CANDIDATES = (DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 4), DecodeConfig(128, 4, 2),
@@ -57,7 +69,8 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
                         heads, group, seqlen_q, page_size, max_pages, head_dim, qk_scale,
                         left, right, softcap_scale, softcap_log2,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, GATHER: tl.constexpr):
+                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, GATHER: tl.constexpr,
+                        EVEN_D: tl.constexpr, PAGES_AHEAD: tl.constexpr, PDL: tl.constexpr):
     """One split of one (sequence, KV head), rows ``row_tile * BLOCK_M ...`` of its packed group.
 
     q_ptr: (B, seqlen_q, H, head_dim) with the given strides; k_ptr, v_ptr: the cache's token rows
@@ -65,8 +78,18 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
     (B, max_pages) (unread when GATHER is DENSE, where page_size is the capacity); lengths_ptr: int32
     (B,) keys per sequence; out_ptr: float32 (splits, B, H,
     seqlen_q, head_dim) and lse_ptr (splits, B, H, seqlen_q), both contiguous. qk_scale = scale *
-    log2(e). WINDOW: (left, right) as ``BlockInfo.window_bounds`` gives them, causal folded in.
+    log2(e). WINDOW: (left, right) as ``BlockInfo.window_bounds`` gives them, causal folded in. EVEN_D:
+    head_dim == HEAD_DIM, so that K and V rows load unmasked along d: a mask that varies along a row's
+    contiguous elements keeps Triton from loading the tiles with asynchronous copies, and the loop from
+    being pipelined (docs/experiments/interfaces.md, "Decode: the pipelined key loop"). PAGES_AHEAD (> 0
+    with PAGE_PER_TILE only): the split's block-table entries are loaded into registers before the key
+    loop, PAGES_AHEAD of them (enough for any split of the call), so that a tile's address needs no load
+    in the loop. PDL: let
+    the merge launch now (a programmatic dependent launch, sm_90), so that its start-up overlaps this kernel;
+    it still waits for this grid's results.
     """
+    if PDL:
+        gdc_launch_dependents()
     split = tl.program_id(0)
     splits = tl.num_programs(0)
     batch = tl.program_id(1) // (heads // group)
@@ -87,20 +110,32 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if PAGES_AHEAD > 0:
+        first_page = key_begin // page_size
+        slots = tl.arange(0, PAGES_AHEAD)
+        split_pages = tl.load(table_ptr + batch * max_pages + first_page + slots,
+                              mask=first_page + slots < tl.cdiv(key_end, page_size), other=0)
     for start_n in tl.range(key_begin, key_end, BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         key_ok = keys < key_end
         if GATHER == 0:  # DENSE
             row = batch.to(tl.int64) * page_size + keys
         elif GATHER == 1:  # PAGE_PER_TILE: the tile lies in one page
-            page = tl.load(table_ptr + batch * max_pages + start_n // page_size)
+            if PAGES_AHEAD > 0:
+                page = tl.sum(tl.where(slots == start_n // page_size - first_page, split_pages, 0), 0)
+            else:
+                page = tl.load(table_ptr + batch * max_pages + start_n // page_size)
             row = page.to(tl.int64) * page_size + start_n % page_size + tl.arange(0, BLOCK_N)
         else:  # PAGE_PER_KEY
             page = tl.load(table_ptr + batch * max_pages + keys // page_size, mask=key_ok, other=0)
             row = page.to(tl.int64) * page_size + keys % page_size
         token = row * stride_row + kv_head * stride_head
-        k = tl.load(k_ptr + token[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + token[:, None] + cols[None, :], mask=key_ok[:, None] & col_ok[None, :], other=0.0)
+        if EVEN_D:  # a mask constant along the row: the loads stay vectorized and asynchronous
+            kv_ok = key_ok[:, None]
+        else:
+            kv_ok = key_ok[:, None] & col_ok[None, :]
+        k = tl.load(k_ptr + token[:, None] + cols[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + token[:, None] + cols[None, :], mask=kv_ok, other=0.0)
         qk = tl.dot(q, tl.trans(k))
         if SOFTCAP:
             s = softcap_tanh(qk, softcap_scale) * softcap_log2
@@ -131,28 +166,37 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
 
 @triton.jit
 def merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, splits, heads, seqlen_q, head_dim,
-                        SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                        SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        PDL: tl.constexpr):
     """One query row's merge of its splits: the jit copy of :func:`fa_lab.online_softmax.merge_splits`.
 
     out_ptr: float32 (splits, B, H, seqlen_q, head_dim), lse_ptr: (splits, B, H, seqlen_q), as
     :func:`decode_split_kernel` writes them; program r merges row r of (B, H, seqlen_q) into merged_ptr
     ((B, seqlen_q, H, head_dim), its dtype) and merged_lse_ptr ((B, H, seqlen_q) float32). SPLITS: splits
-    rounded up to a power of two. Splits that saw no key (lse = -inf) weigh 0; a row no split saw gets
-    zeros and lse = -inf.
+    rounded up to a power of two; the partial outputs are read SPLIT_CHUNK splits per load, so a row costs
+    a few memory round trips rather than one per split. Splits that saw no key (lse = -inf) weigh 0; a row
+    no split saw gets zeros and lse = -inf. PDL: launched as a programmatic dependent of the split kernel,
+    so it waits here, already resident, for the splits' results.
     """
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
     rows = tl.num_programs(0)
     split = tl.arange(0, SPLITS)
     lses = tl.load(lse_ptr + split * rows + row, mask=split < splits, other=float("-inf"))
     top = tl.max(lses, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    weights = tl.math.exp2((lses - top) * LOG2E)
-    total = tl.sum(weights, 0)
+    total = tl.sum(tl.math.exp2((lses - top) * LOG2E), 0)
     cols = tl.arange(0, HEAD_DIM)
+    chunk = tl.arange(0, SPLIT_CHUNK)
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for s in tl.range(0, splits):
-        weight = tl.sum(tl.where(split == s, weights, 0.0), 0)
-        acc += weight * tl.load(out_ptr + (s * rows + row) * head_dim + cols, mask=cols < head_dim, other=0.0)
+    for first in tl.range(0, splits, SPLIT_CHUNK):
+        part = first + chunk
+        part_ok = part < splits
+        part_lse = tl.load(lse_ptr + part * rows + row, mask=part_ok, other=float("-inf"))
+        outs = tl.load(out_ptr + (part[:, None] * rows + row) * head_dim + cols[None, :],
+                       mask=part_ok[:, None] & (cols < head_dim)[None, :], other=0.0)
+        acc += tl.sum(tl.math.exp2((part_lse - top) * LOG2E)[:, None] * outs, 0)
     empty = total == 0.0
     acc = acc / tl.where(empty, 1.0, total)
     tl.store(merged_lse_ptr + row, tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total))))
@@ -185,7 +229,8 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
         raise ValueError("impl='triton' reads the KV cache in place and needs it contiguous")
     batch, seqlen_q, heads, head_dim = q.shape
     group = heads // layout.heads_kv
-    config = config or (INTERPRETER if interpreting() else DECODE_CUDA)
+    config = config or (INTERPRETER if interpreting() else decode_config(layout, splits))
+    pdl = config.pdl and splits > 1 and not interpreting() and torch.cuda.get_device_capability(q.device)[0] >= 9
     rows = group * seqlen_q
     block_m = min(DECODE_ROWS, max(16, triton.next_power_of_2(rows)))
     if prefills_by_query_tiles(layout, splits):
@@ -199,6 +244,9 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     # capacity); the kernel aligns them per sequence.
     info = BlockInfo(seqlen_q, layout.capacity, causal, tuple(window))
     left, right = info.window_bounds() if info.banded else (0, 0)
+    ahead = 0
+    if config.pages_ahead and layout.paged and gather == PAGE_PER_TILE and not info.banded:
+        ahead = pages_ahead(layout, splits, config.block_n)
     k_rows, v_rows = (t.reshape(-1, layout.heads_kv, head_dim) for t in (k_cache, v_cache))
     out = torch.empty((splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits, batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -210,10 +258,30 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
             left, right, scale / softcap if softcap else 0.0, softcap * common.LOG2E,
             BLOCK_M=block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
             CAUSAL=causal and not info.banded, WINDOW=info.banded, SOFTCAP=bool(softcap), GATHER=gather,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            EVEN_D=head_dim == head_dim_bucket(head_dim), PAGES_AHEAD=ahead,
+            PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages)
     if splits == 1:
         return out[0].transpose(1, 2).to(q.dtype), lse[0]
-    return merge_split_results(out, lse, q.dtype)
+    return merge_split_results(out, lse, q.dtype, pdl)
+
+
+def pages_ahead(layout, splits: int, block_n: int) -> int:
+    """The kernel's PAGES_AHEAD for a paged call: the block-table entries one split can touch
+    (:func:`fa_lab.kvcache.split_page_span` on block_n-key tiles), or 0 (read them in the loop) past
+    ``kvcache.MAX_PAGES_AHEAD``. (A window's splits cut the band, not the cache: the caller leaves it at 0
+    there.)"""
+    from ...kvcache import MAX_PAGES_AHEAD, split_page_span
+
+    span = split_page_span(layout.capacity, layout.page_size, splits, block_n)
+    return span if span <= MAX_PAGES_AHEAD else 0
+
+
+def decode_config(layout, splits: int) -> DecodeConfig:
+    """The H200's config for a call on a CUDA GPU: SHORT_SPLIT when a dense cache's capacity cut in ``splits``
+    leaves at most SHORT_SPLIT_KEYS keys per split, else DECODE_CUDA (whose 128-key tiles lie in one page
+    of a multiple of kvcache.PAGE_TILE keys)."""
+    short = not layout.paged and -(-layout.capacity // splits) <= SHORT_SPLIT_KEYS
+    return SHORT_SPLIT if short else DECODE_CUDA
 
 
 def prefills_by_query_tiles(layout, splits: int) -> bool:
@@ -241,9 +309,11 @@ def cache_prefill(q, k_cache, v_cache, lengths, causal: bool, scale: float, wind
     return out.transpose(1, 2), lse
 
 
-def merge_split_results(out, lse, dtype):
+def merge_split_results(out, lse, dtype, pdl: bool = False):
     """Merge the splits with :func:`merge_splits_kernel`: out float32 (splits, B, H, seqlen_q, d), lse
-    (splits, B, H, seqlen_q), contiguous -> (merged (B, seqlen_q, H, d) in ``dtype``, lse (B, H, seqlen_q))."""
+    (splits, B, H, seqlen_q), contiguous -> (merged (B, seqlen_q, H, d) in ``dtype``, lse (B, H, seqlen_q)).
+    pdl: launch it as a programmatic dependent launch (sm_90; the kernel before it allows it, as
+    :func:`decode_split_kernel` does with PDL)."""
     import torch
 
     from ..common import head_dim_bucket, on_device
@@ -254,5 +324,6 @@ def merge_split_results(out, lse, dtype):
     with on_device(out):
         merge_splits_kernel[(batch * heads * seqlen_q,)](out, lse, merged, merged_lse, splits, heads, seqlen_q,
                                                          head_dim, SPLITS=triton.next_power_of_2(splits),
-                                                         HEAD_DIM=head_dim_bucket(head_dim))
+                                                         SPLIT_CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(splits)),
+                                                         HEAD_DIM=head_dim_bucket(head_dim), PDL=pdl, launch_pdl=pdl)
     return merged, merged_lse
