@@ -9,6 +9,7 @@
 #   TRITON_SPEC  Triton pinned to the GPU machine's minor version, so the code CI interprets is the
 #                code the GPU compiles (Linux only; macOS runs the CPU track without Triton).
 #   LAB_ARGS     extra JupyterLab arguments; run as root, make lab adds --allow-root itself.
+#   TEST_WORKERS pytest-xdist processes for make test (default: the CPUs, at most 4; 0 runs in one process).
 PYTHON ?= python3
 VENV ?= .venv
 VENV_ARGS ?=
@@ -17,6 +18,7 @@ TORCH_PIP_ARGS ?=
 TRITON_SPEC ?= triton==3.6.*
 LAB_ARGS ?=
 PYTEST_ARGS ?=
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))" 2>/dev/null || echo 1)
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -58,10 +60,13 @@ sandbox-tool:
 lab: setup
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" $(ALLOW_ROOT) $(LAB_ARGS) README.md
 
-# nbval runs with CUDA hidden so that notebooks take their recorded-results branch.
+# nbval runs with CUDA hidden so that notebooks take their recorded-results branch. Test files run in
+# TEST_WORKERS processes (one file, and so one notebook's cells, per process: --dist loadfile); the grading
+# runs with wall-clock limits (marked serial) run afterwards, alone.
 test: setup
-	CUDA_VISIBLE_DEVICES="" $(PY) -m pytest -q tests notebooks solutions --nbval \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+	CUDA_VISIBLE_DEVICES="" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" \
+		tests notebooks solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+	CUDA_VISIBLE_DEVICES="" $(PY) -m pytest -q -m serial tests $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not slow" $(PYTEST_ARGS)

@@ -270,6 +270,7 @@ def hostile_notebook(path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_hostile_submission_is_graded_without_hanging(tmp_path):
     path = tmp_path / "hostile.ipynb"
     hostile_notebook(path)

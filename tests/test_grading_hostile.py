@@ -34,7 +34,7 @@ pytest.importorskip("nbformat")  # the GPU machine has no Jupyter stack: nothing
 from hostile_notebooks import MARKER, ORPHAN, SEED, write_folder  # noqa: E402
 from labkit import ROOT, digest  # noqa: E402
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.serial,
               pytest.mark.skipif(sys.platform != "linux", reason="the grading sandbox runs on Linux only")]
 
 BUDGET, TIMEOUT, MEMORY_GIB = 45, 20, 4

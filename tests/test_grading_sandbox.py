@@ -26,6 +26,9 @@ from fa_lab.grading.registry import get_lab, lab_ids
 from fa_lab.grading.report import IN_KERNEL_CHECKS, ExerciseReport, GradeReport, cell_label, write_csv
 from fa_lab.grading.view import plan_view, write_view
 
+# Sandboxed runs with wall-clock budgets of a few seconds: make test runs them alone (pyproject: serial).
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fa_lab"
 
