@@ -33,7 +33,6 @@ H200_SMS = 132
 # critical_path_splits says how it is used.
 PROGRAM_OVERHEAD_BLOCKS = 6
 MAX_PAGES_AHEAD = 64  # the most block-table entries the decode kernel reads ahead of a split's key loop
-PAGE_TILE = 128  # pages of a multiple of this many keys hold whole key tiles of the decode kernel (on a GPU)
 
 
 @dataclass(frozen=True)
@@ -268,7 +267,7 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
     count by its critical path").
 
     A paged cache (``page_size``) takes the same count when its pages hold whole key tiles (a multiple of
-    :data:`PAGE_TILE` keys) and each split touches at most :data:`MAX_PAGES_AHEAD` pages
+    :data:`SPLIT_BLOCK` keys, the kernels' key tile) and each split touches at most :data:`MAX_PAGES_AHEAD` pages
     (:func:`split_page_span`): the kernel then reads a split's block-table
     entries before its key loop, and the loop runs as on a dense cache (docs/experiments/interfaces.md,
     "Decode: a split's pages read ahead"). Otherwise it gets about two waves, never less than a page per
@@ -285,7 +284,7 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
     dense_count = critical_path_splits(programs, seqlen_k, num_sms, block, max_splits)
     if not page_size:
         return dense_count
-    if page_size % PAGE_TILE == 0 and split_page_span(seqlen_k, page_size, dense_count, block) <= MAX_PAGES_AHEAD:
+    if page_size % block == 0 and split_page_span(seqlen_k, page_size, dense_count, block) <= MAX_PAGES_AHEAD:
         return dense_count
     limit = _split_limit(programs, seqlen_k, num_sms, block, max_splits)
     if limit is None:

@@ -84,9 +84,8 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
     being pipelined (docs/experiments/interfaces.md, "Decode: the pipelined key loop"). PAGES_AHEAD (> 0
     with PAGE_PER_TILE only): the split's block-table entries are loaded into registers before the key
     loop, PAGES_AHEAD of them (enough for any split of the call), so that a tile's address needs no load
-    in the loop. PDL: let
-    the merge launch now (a programmatic dependent launch, sm_90), so that its start-up overlaps this kernel;
-    it still waits for this grid's results.
+    in the loop. PDL: let the merge launch now (a programmatic dependent launch, sm_90), so that its
+    start-up overlaps this kernel; it still waits for this grid's results.
     """
     if PDL:
         gdc_launch_dependents()
@@ -279,8 +278,10 @@ def pages_ahead(layout, splits: int, block_n: int) -> int:
 def decode_config(layout, splits: int) -> DecodeConfig:
     """The H200's config for a call on a CUDA GPU: SHORT_SPLIT when a dense cache's capacity cut in ``splits``
     leaves at most SHORT_SPLIT_KEYS keys per split, else DECODE_CUDA (whose 128-key tiles lie in one page
-    of a multiple of kvcache.PAGE_TILE keys)."""
-    short = not layout.paged and -(-layout.capacity // splits) <= SHORT_SPLIT_KEYS
+    of a multiple of kvcache.SPLIT_BLOCK keys)."""
+    from ...block_info import cdiv
+
+    short = not layout.paged and cdiv(layout.capacity, splits) <= SHORT_SPLIT_KEYS
     return SHORT_SPLIT if short else DECODE_CUDA
 
 
