@@ -2,8 +2,8 @@
 
 Every impl takes grouped-query attention. The chapter-05 score options (a local window,
 the soft cap, ALiBi) are in ``"naive"``, ``"torch"`` and ``"triton"``, whose kernels also read
-grouped K/V natively. ``"triton_hopper"`` reads grouped K/V and takes the window in its Gluon kernel,
-and runs a call with softcap or ALiBi through ``"triton"`` (the Gluon kernel has neither); ``"triton_hopper_fp8"``
+grouped K/V natively. ``"triton_hopper"`` reads grouped K/V and takes every option in its Gluon kernel
+(elsewhere: the portable kernels, as ``"triton"``); ``"triton_hopper_fp8"``
 (inference only) receives grouped K/V expanded to one head per query head and refuses the options
 with a message that says so.
 """
@@ -35,10 +35,10 @@ def run(q, k, v, causal: bool, scale: float, impl: str, window=(-1, -1), softcap
         from .flash_torch import flash_attention
         return flash_attention(q, k, v, causal, scale, **options)
     scored = has_score_options(q.shape[2], k.shape[2], causal, window, softcap, alibi_slopes)
-    if impl == "triton_hopper" and not (softcap or alibi_slopes is not None):  # the Gluon kernel's options
+    if impl == "triton_hopper":
         from .kernels import triton_hopper_attention
-        return triton_hopper_attention(q, k, v, causal, scale, window=tuple(window))
-    if impl == "triton" or impl == "triton_hopper":
+        return triton_hopper_attention(q, k, v, causal, scale, **options)
+    if impl == "triton":
         from .kernels import triton_attention
         return triton_attention(q, k, v, causal, scale, **options)
     if scored:

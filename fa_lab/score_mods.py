@@ -25,7 +25,8 @@ def check_softcap(softcap) -> float:
 
 
 def check_alibi_slopes(slopes, batch: int, heads: int, device) -> torch.Tensor | None:
-    """ALiBi slopes as a float32 (batch, heads) tensor (a (heads,) one is shared by the batch), or None."""
+    """ALiBi slopes as a float32 (batch, heads) tensor (a (heads,) one is shared by the batch), or None.
+    Non-finite slopes are refused on the CPU; on a GPU their values are not read."""
     if slopes is None:
         return None
     if not isinstance(slopes, torch.Tensor):
@@ -37,7 +38,8 @@ def check_alibi_slopes(slopes, batch: int, heads: int, device) -> torch.Tensor |
                          f"and {heads} query heads, got {tuple(slopes.shape)}")
     if slopes.device != torch.device(device):
         raise ValueError(f"alibi_slopes is on {slopes.device} but q is on {device}")
-    if not torch.isfinite(slopes).all():
+    # (values are checked on the CPU only: reading a GPU tensor would make every call wait for the GPU)
+    if not slopes.is_cuda and not torch.isfinite(slopes).all():
         raise ValueError("alibi_slopes must be finite")
     return slopes.expand(batch, heads)
 

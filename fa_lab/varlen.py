@@ -8,9 +8,9 @@ and a sequence may be empty. The output is packed the same way; the LSE is
 
 :func:`attention_varlen` with ``impl="triton"`` launches each kernel once for the whole batch:
 every program takes one tile of one sequence from a schedule built over the sequences' tiles
-(:func:`fa_lab.kernels.portable.attention.varlen_schedule`). ``impl="triton_hopper"`` runs the same
-portable kernels (the Gluon forward takes no packed batch): one Gluon launch per sequence was half
-as fast (docs/experiments/interfaces.md). The other impls run each sequence through the dense impl
+(:func:`fa_lab.kernels.portable.attention.varlen_schedule`). ``impl="triton_hopper"`` walks the same
+schedule in one launch of its Gluon forward (on sm_90; the portable kernels elsewhere) and takes the
+portable backward. The other impls run each sequence through the dense impl
 on views of the packed tensors. Either way nothing is padded, and
 gradients flow to the packed inputs.
 """
@@ -23,9 +23,9 @@ from .inputs import check_head_dims, check_heads, check_options, check_tensors
 from .score_mods import check_alibi_slopes
 
 
-def check_cu_seqlens(cu_seqlens, name: str, total: int, device) -> list[int]:
-    """The boundaries of ``cu_seqlens`` (int32 (batch + 1,), from 0, non-decreasing, ending at
-    ``total``, on ``device``) as a list of ints."""
+def check_cu_seqlens(cu_seqlens, name: str, total: int, device) -> None:
+    """What can be checked of ``cu_seqlens`` without reading it: a torch.Tensor, int32, 1-D with at least one
+    offset, on ``device`` (:func:`check_bounds` checks its values)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -34,7 +34,10 @@ def check_cu_seqlens(cu_seqlens, name: str, total: int, device) -> list[int]:
         raise ValueError(f"{name} must be a 1-D tensor of batch + 1 offsets, got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != torch.device(device):
         raise ValueError(f"{name} is on {cu_seqlens.device} but q is on {device}; they must match")
-    bounds = cu_seqlens.tolist()
+
+
+def check_bounds(bounds: list[int], name: str, total: int) -> None:
+    """The values of ``cu_seqlens`` (as a list): from 0, non-decreasing, ending at ``total``."""
     if bounds[0] != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0]}")
     steps = [b - a for a, b in zip(bounds, bounds[1:])]
@@ -44,18 +47,59 @@ def check_cu_seqlens(cu_seqlens, name: str, total: int, device) -> list[int]:
                          f"{name}[{where}] = {bounds[where]}")
     if bounds[-1] != total:
         raise ValueError(f"{name} ends at {bounds[-1]} but the packed tensor holds {total} tokens")
-    return bounds
 
 
-def _check_max_seqlen(max_seqlen, name: str, lengths: list[int]) -> None:
-    longest = max(lengths, default=0)
-    if max_seqlen is None:
-        return
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+def _check_max_seqlen_type(max_seqlen, name: str) -> None:
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)):
         raise TypeError(f"{name} must be an int or None, got {type(max_seqlen).__name__}")
-    if max_seqlen < longest:
+
+
+def _check_max_seqlen(max_seqlen, name: str, bounds: list[int]) -> None:
+    longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+    if max_seqlen is not None and max_seqlen < longest:
         raise ValueError(f"{name} is {max_seqlen} but the longest sequence has {longest} tokens; "
                          "a smaller max_seqlen would silently drop tokens")
+
+
+class PackedBounds:
+    """cu_seqlens_q and cu_seqlens_k read back to the host, checked, as lists.
+
+    Reading a GPU tensor waits for the GPU to finish the work queued before it. So on a GPU the two
+    offsets leave in one asynchronous copy when the call starts, and :meth:`lists` waits for it only
+    where a kernel launch needs the values (the schedule of tiles), after the host work that needs none
+    (operands, outputs, descriptors): the GPU idles between calls for the copy and the launch only.
+    :meth:`lists` raises the ValueError of bad values before anything is computed.
+    """
+
+    def __init__(self, cu_q, cu_k, totals: tuple[int, int], max_seqlens: tuple):
+        self.totals, self.max_seqlens = totals, max_seqlens
+        self.sizes = (cu_q.numel(), cu_k.numel())
+        both = torch.cat([cu_q, cu_k])
+        if both.is_cuda:
+            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self._host.copy_(both, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = both, None
+        self._lists = None
+
+    def lists(self) -> tuple[list[int], list[int]]:
+        """(bounds_q, bounds_k): the offsets as lists, once checked."""
+        if self._lists is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            values = self._host.tolist()
+            bounds = values[:self.sizes[0]], values[self.sizes[0]:]
+            for name, values, total, longest in zip(("cu_seqlens_q", "cu_seqlens_k"), bounds, self.totals,
+                                                    self.max_seqlens):
+                check_bounds(values, name, total)
+                _check_max_seqlen(longest, name.replace("cu_seqlens", "max_seqlen"), values)
+            if self.sizes[0] != self.sizes[1]:
+                raise ValueError(f"cu_seqlens_q describes {self.sizes[0] - 1} sequences but cu_seqlens_k "
+                                 f"{self.sizes[1] - 1}; they must match")
+            self._lists = bounds
+        return self._lists
 
 
 def _check_packed(q, k, v) -> None:
@@ -79,23 +123,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     """
     _check_packed(q, k, v)
     causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
-    bounds_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
-    bounds_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device)
-    if len(bounds_q) != len(bounds_k):
-        raise ValueError(f"cu_seqlens_q describes {len(bounds_q) - 1} sequences but cu_seqlens_k "
-                         f"{len(bounds_k) - 1}; they must match")
-    batch, heads = len(bounds_q) - 1, q.shape[1]
-    lengths_q = [b - a for a, b in zip(bounds_q, bounds_q[1:])]
-    _check_max_seqlen(max_seqlen_q, "max_seqlen_q", lengths_q)
-    _check_max_seqlen(max_seqlen_k, "max_seqlen_k", [b - a for a, b in zip(bounds_k, bounds_k[1:])])
+    check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
+    check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device)
+    _check_max_seqlen_type(max_seqlen_q, "max_seqlen_q")
+    _check_max_seqlen_type(max_seqlen_k, "max_seqlen_k")
+    batch, heads = cu_seqlens_q.numel() - 1, q.shape[1]
     slopes = check_alibi_slopes(alibi_slopes, batch, heads, q.device)
     if impl not in impls.IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, impls.IMPLS))}; got {impl!r}")
+    bounds = PackedBounds(cu_seqlens_q, cu_seqlens_k, (q.shape[0], k.shape[0]), (max_seqlen_q, max_seqlen_k))
     if impl in ("triton", "triton_hopper"):  # one launch per kernel: the kernels walk each sequence's tiles
         from .kernels import triton_varlen_attention
-        out, lse = triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, (bounds_q, bounds_k), causal,
-                                           scale, window, softcap, slopes)
+        out, lse = triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, bounds, causal,
+                                           scale, window, softcap, slopes, hopper=impl == "triton_hopper")
         return (out, lse.detach()) if return_lse else out
+    bounds_q, bounds_k = bounds.lists()
     outs, lses = [], []
     for b in range(batch):
         (q0, q1), (k0, k1) = bounds_q[b:b + 2], bounds_k[b:b + 2]

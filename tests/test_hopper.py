@@ -76,20 +76,33 @@ def test_gluon_window_kernel_compiles_for_sm90_within_its_resources(head_dim, pe
     _check_sm90_build(head_dim, False, False, 2, False, persistent, window=True)
 
 
-def _check_sm90_build(head_dim, fp8, causal, stages, pingpong, persistent, window):
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("varlen, softcap, alibi, window", [(True, False, False, False), (False, True, False, False),
+                                                            (False, False, True, False), (True, True, True, True)])
+def test_gluon_option_kernels_compile_for_sm90_within_their_resources(head_dim, varlen, softcap, alibi, window):
+    """The packed-batch, soft-cap and ALiBi variants (and all of them with a window), bf16, causal; the soft
+    cap's tanh is the one special-function instruction."""
+    build = _check_sm90_build(head_dim, False, True, 2, False, False, window=window, varlen=varlen,
+                              softcap=softcap, alibi=alibi)
+    assert ("tanh.approx.f32" in build.ptx) == softcap
+
+
+def _check_sm90_build(head_dim, fp8, causal, stages, pingpong, persistent, window, **options):
     """Every Gluon variant builds for sm_90 on this machine: no register spills in the K/V loop, shared memory
     within 227 KiB, and the FA3 structure visible in the PTX (consumer warpgroups raised to 240 registers,
     async WGMMAs). ptxas may keep a few scalars on the stack (the persistent loop's per-tile values), loaded
     once per work tile: at most 4 words, none of them touched inside the K/V loop."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_fa3_for_sm90
 
-    build = compile_fa3_for_sm90(head_dim, causal, stages, pingpong, fp8, persistent=persistent, window=window)
+    build = compile_fa3_for_sm90(head_dim, causal, stages, pingpong, fp8, persistent=persistent, window=window,
+                                 **options)
     assert build.kv_loop_spills == 0, "ptxas spilled registers inside the K/V loop"
     assert build.stack_bytes <= 16 and build.local_bytes == 0, "ptxas spilled more than a few scalars"
     assert build.shared_bytes <= SM90_SHARED_LIMIT
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in build.ptx
     operand = "e4m3.e4m3" if fp8 else "bf16.bf16"
     assert f"wgmma.mma_async.sync.aligned.m64n128k{32 if fp8 else 16}.f32.{operand}" in build.ptx
+    return build
 
 
 def test_kv_loop_spills_counts_local_memory_in_the_innermost_wgmma_loop_only():
@@ -316,3 +329,27 @@ def test_gpu_gluon_window(window, seqlen_q, seqlen_k, head_dim, causal, persiste
     check_attention(lambda q, k, v, causal, scale, window: triton_hopper_attention(
         q, k, v, causal, scale, options=options, window=window), q, k, v, causal, None, generator=generator,
         window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap, alibi", [(30.0, False), (0.0, True), (5.0, True)])
+@pytest.mark.parametrize("window", [(-1, -1), (100, -1)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, head_dim", [(1000, 1100, 128), (1100, 1000, 64), (239, 1, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_gluon_softcap_and_alibi(softcap, alibi, window, seqlen_q, seqlen_k, head_dim, causal, persistent,
+                                     generator, monkeypatch):
+    """The soft cap and ALiBi in the Gluon kernel (not handed to the portable one), alone, together and with a
+    window, grouped K/V, per-(batch, head) slopes; forward and gradients against the float64 reference."""
+    import fa_lab.kernels.hopper.attention as hopper
+    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+
+    def not_portable(*_args, **_kwargs):
+        raise AssertionError("the options went to the portable kernel")
+    monkeypatch.setattr(hopper, "triton_forward", not_portable)
+    options = HopperOptions(persistent=persistent)
+    q, k, v = make_qkv(2, 4, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator, heads_kv=2)
+    slopes = (torch.rand(2, 4, generator=generator) * 0.1).cuda() if alibi else None
+    check_attention(lambda q, k, v, causal, scale, **given: triton_hopper_attention(
+        q, k, v, causal, scale, options=options, **given), q, k, v, causal, None, generator=generator,
+        window=window, softcap=softcap, alibi_slopes=slopes)

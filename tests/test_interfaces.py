@@ -142,7 +142,7 @@ def _varlen_run(impl, q, k, v, cu_q, cu_k, dout, **options):
     return (out, lse, *(t.grad for t in leaves))
 
 
-def _varlen_reference(q, k, v, cu_q, cu_k, dout, causal, window, alibi_slopes):
+def _varlen_reference(q, k, v, cu_q, cu_k, dout, causal, window, alibi_slopes, softcap=0.0):
     """(out, lse, dq, dk, dv) in float64, each sequence through reference_attention on its own slices."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -153,7 +153,8 @@ def _varlen_reference(q, k, v, cu_q, cu_k, dout, causal, window, alibi_slopes):
         if q1 == q0 or k1 == k0:
             continue
         dense = [t[a:e].transpose(0, 1)[None] for t, (a, e) in zip(leaves, ((q0, q1), (k0, k1), (k0, k1)))]
-        o, l = reference_attention(*dense, causal, None, window=window, alibi_slopes=alibi_slopes[b:b + 1])
+        o, l = reference_attention(*dense, causal, None, window=window, alibi_slopes=alibi_slopes[b:b + 1],
+                                   softcap=softcap)
         out[q0:q1], lse[:, q0:q1] = o[0].transpose(0, 1).detach(), l[0].detach()
         total = total + (o[0].transpose(0, 1) * dout[q0:q1].double()).sum()
     if torch.is_tensor(total):
@@ -262,18 +263,31 @@ def test_gpu_option_matrix(impl, heads, heads_kv, seqlen_q, seqlen_k, head_dim, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (True, (200, -1))])
-def test_gpu_varlen_in_one_launch(causal, window, generator):
-    lengths_q = [1, 700, 0, 129, 1500, 64]
-    lengths_k = [1, 900, 17, 0, 1500, 300]
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, 128, torch.bfloat16, generator)
+@pytest.mark.parametrize("impl", ["triton", "triton_hopper"])
+@pytest.mark.parametrize("causal, window, softcap", [(True, (-1, -1), 0.0), (False, (-1, -1), 0.0),
+                                                     (True, (200, -1), 0.0), (False, (-1, -1), 20.0)])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_varlen_in_one_launch(impl, causal, window, softcap, head_dim, generator, monkeypatch):
+    """A packed batch with empty sequences on both sides, rows that see no key, sequences shorter than a
+    tile and ragged last tiles, GQA and ALiBi per sequence, against float64 per sequence. triton_hopper's
+    forward must be the Gluon kernel (its partial tiles are stored row by row, next to the next sequence's
+    rows)."""
+    import fa_lab.kernels.hopper.attention as hopper
+
+    def not_portable(*_args, **_kwargs):
+        raise AssertionError("the packed batch went to the portable forward")
+    monkeypatch.setattr(hopper, "triton_varlen_forward", not_portable)
+    lengths_q = [1, 700, 0, 129, 1500, 64, 3]
+    lengths_k = [1, 900, 17, 0, 1500, 300, 3]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, head_dim, torch.bfloat16, generator)
     q, k, v, cu_q, cu_k = (t.cuda() for t in (q, k, v, cu_q, cu_k))
     slopes = (torch.rand(len(lengths_q), 8, generator=generator) * 0.1).cuda()
     dout = torch.randn(q.shape, generator=generator).to(q.device, q.dtype)
-    options = {"causal": causal, "window": window, "alibi_slopes": slopes}
-    actual = _varlen_run("triton", q, k, v, cu_q, cu_k, dout, **options)
+    options = {"causal": causal, "window": window, "alibi_slopes": slopes, "softcap": softcap}
+    actual = _varlen_run(impl, q, k, v, cu_q, cu_k, dout, **options)
     baseline = _varlen_run("naive", q, k, v, cu_q, cu_k, dout, **options)
-    reference = _varlen_reference(*(t.cpu() for t in (q, k, v, cu_q, cu_k, dout)), causal, window, slopes.cpu())
+    reference = _varlen_reference(*(t.cpu() for t in (q, k, v, cu_q, cu_k, dout)), causal, window, slopes.cpu(),
+                                  softcap)
     for name, got, want, base in zip(("out", "lse", "dq", "dk", "dv"), actual, reference, baseline):
         result = compare(name, got, want, base, torch.bfloat16, floor=LSE_FLOOR if name == "lse" else None)
         assert result.ok, str(result)

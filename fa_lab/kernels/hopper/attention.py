@@ -1,22 +1,33 @@
 """impl="triton_hopper": the FA3 forward (Gluon on sm_90, the portable pipelined kernel elsewhere).
 
-The Gluon kernel takes grouped-query K/V and a local window itself; softcap and ALiBi go through
-``impl="triton"`` (:mod:`fa_lab.impls`). Gradients come from the portable recomputation kernels
+The Gluon kernel takes grouped-query K/V, packed batches (``cu_seqlens``), a local window, the soft cap
+and ALiBi itself. Gradients come from the portable recomputation kernels
 (``impl="triton"``), fed with this forward's O and LSE: a backward tuned for Hopper did not pay for
 itself yet.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ...block_info import BlockInfo
+from ...impls import has_score_options
 from ...reference import expand_kv
 from .. import interpreting, load_triton
 from ..common import LOG2E, cdiv, check_triton_inputs, gluon_descriptor, head_dim_bucket
-from ..portable.attention import ScoreOptions, TritonAttentionFunction, pipelined_forward, triton_forward
+from ..portable.attention import (
+    NO_OPTIONS,
+    ScoreOptions,
+    TritonAttentionFunction,
+    heads_view,
+    host_bounds,
+    pipelined_forward,
+    triton_forward,
+    triton_varlen_forward,
+    varlen_schedule,
+)
 from ..portable.configs import TileConfig, forward_config
 from .tile_schedule import schedule_tensor
 
@@ -69,55 +80,99 @@ def _sm_count(device: torch.device) -> int:
 
 
 def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions(), fp8_scales=None,
-                  out_dtype=None, window=(-1, -1)):
+                  out_dtype=None, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
     """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse).
 
     window: flash-attn's (left, right), bottom-right aligned (:class:`fa_lab.block_info.BlockInfo`); the
-    kernel visits only the K/V tiles of each work tile's band.
+    kernel visits only the K/V tiles of each work tile's band. softcap (0: off) and alibi_slopes ((B, H)
+    float32 or None): as :func:`fa_lab.attention`, applied to each score tile in registers.
 
     fp8_scales: None for bf16/fp16 operands; for e4m3 operands (v given as V^T, (B, H, d, Nk))
     the tuple (q_descale, k_descale, v_exponent, v_descale_max) of
     :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` with ``gluon=True``, and
     ``out_dtype`` the output's dtype.
     """
-    from .fa3_config import CONSUMER_REGS, ROWS_PER_CONSUMER, descriptor_blocks, launch_maxnreg
-    from .fa3_kernel import attention_fwd_fa3_kernel
+    from .fa3_config import KV_BLOCK, ROWS_PER_CONSUMER
 
     batch, heads, seqlen_q, _ = q.shape
-    info = BlockInfo(seqlen_q, k.shape[2], causal, tuple(window))
-    left, right = info.window_bounds() if info.banded else (0, 0)
-    causal = causal and not info.banded  # a band already holds the causal bound
-    fp8 = fp8_scales is not None
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8)
-    descriptors = [gluon_descriptor(t, blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
     block_m = ROWS_PER_CONSUMER.value * options.consumers
     total_tiles = cdiv(seqlen_q, block_m) * batch * heads
     grid, schedule = (total_tiles,), lse  # (lse: a placeholder pointer, not read)
     if options.persistent:
         grid = (min(total_tiles, _sm_count(q.device)),)
-        schedule = schedule_tensor(batch * heads, seqlen_q, k.shape[2], block_m, blocks["k"][2], causal, grid[0],
-                                   q.device)
-    attention_fwd_fa3_kernel[grid](
-        *descriptors, lse,
-        *(fp8_scales or (lse,) * 4), heads, heads // k.shape[1], seqlen_q, k.shape[2], left, right, schedule,
-        scale * LOG2E, CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong,
-        FP8=fp8, PERSISTENT=options.persistent, CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded,
-        num_warps=4, maxnreg=launch_maxnreg(options.consumers))
+        schedule = schedule_tensor(batch * heads, seqlen_q, k.shape[2], block_m, KV_BLOCK.value,
+                                   causal and not BlockInfo(seqlen_q, k.shape[2], causal, tuple(window)).banded,
+                                   grid[0], q.device)
+    work = (heads, heads // k.shape[1], seqlen_q, k.shape[2], schedule, lse, lse)
+    _launch_fa3(_descriptors(q, k, v, out, fp8_scales is not None), out, lse, grid, work, causal, scale, options,
+                window, softcap, alibi_slopes, fp8_scales)
     return out, lse
 
 
+def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: ScoreOptions,
+                         hopper: HopperOptions = HopperOptions()):
+    """The Gluon FA3 forward of a packed batch on prepared operands q: (total_q, H, d8), k, v:
+    (total_k, Hkv, d8), cu_q, cu_k int32 offsets, bounds their values as :func:`host_bounds` takes them:
+    (out (total_q, H, d8), lse (H, total_q) float32). One work tile per (sequence, query tile) of
+    ``varlen_schedule`` (longest first) and head; nothing is padded to the longest sequence."""
+    from .fa3_config import ROWS_PER_CONSUMER
+
+    total_q, heads, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+    block_m = ROWS_PER_CONSUMER.value * hopper.consumers
+    descriptors = _descriptors(*(heads_view(t) for t in (q, k, v, out)), fp8=False)
+    tiles = varlen_schedule(*host_bounds(bounds), block_m, False, causal, options.window, q.device)
+    if not len(tiles):
+        return out, lse
+    work = (heads, heads // k.shape[1], total_q, k.shape[0], tiles, cu_q, cu_k)
+    _launch_fa3(descriptors, out, lse, (len(tiles) * heads,), work, causal, scale, replace(hopper, persistent=False),
+                options.window, options.softcap, options.alibi_slopes, None, varlen=True)
+    return out, lse
+
+
+def _descriptors(q, k, v, out, fp8: bool) -> list:
+    """The kernel's TMA descriptors over (B, H, N, d8) operands (packed ones seen as (1, H, total, d8))."""
+    from .fa3_config import descriptor_blocks
+
+    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8)
+    return [gluon_descriptor(t, blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
+
+
+def _launch_fa3(descriptors, out, lse, grid, work, causal, scale, options: HopperOptions, window, softcap,
+                alibi_slopes, fp8_scales, varlen: bool = False):
+    """Launch :func:`.fa3_kernel.attention_fwd_fa3_kernel`. work: (heads, group, seqlen_q, seqlen_k, schedule,
+    cu_seqlens_q, cu_seqlens_k), the kernel's arguments of those names."""
+    from .fa3_config import CONSUMER_REGS, launch_maxnreg
+    from .fa3_kernel import attention_fwd_fa3_kernel
+
+    heads, group, seqlen_q, seqlen_k, schedule, cu_q, cu_k = work
+    info = BlockInfo(seqlen_q, seqlen_k, causal, tuple(window))
+    left, right = info.window_bounds() if info.banded else (0, 0)
+    qk_scale = (softcap if softcap else scale) * LOG2E
+    slopes = lse if alibi_slopes is None else alibi_slopes.float().contiguous()
+    attention_fwd_fa3_kernel[grid](
+        *descriptors, out, lse, *(fp8_scales or (lse,) * 4), heads, group, seqlen_q, seqlen_k, left, right,
+        schedule, cu_q, cu_k, qk_scale, scale / softcap if softcap else 0.0, slopes,
+        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal and not info.banded,
+        PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=options.persistent,
+        CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
+        ALIBI=alibi_slopes is not None, num_warps=4, maxnreg=launch_maxnreg(options.consumers))
+
+
 def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),
-                   window=(-1, -1)):
+                   score_options: ScoreOptions = NO_OPTIONS):
     """bf16/fp16 forward on prepared operands (as :func:`fa_lab.kernels.portable.attention.triton_forward`,
-    k and v with heads_kv heads): (out, lse). The Gluon kernel reads grouped K/V in place and takes a
-    window; elsewhere a window goes to the portable kernel (:func:`triton_forward`), and the portable
-    pipelined kernel gets grouped K/V expanded to one head per query head."""
+    k and v with heads_kv heads): (out, lse). The Gluon kernel reads grouped K/V in place and takes every
+    score option; elsewhere a call with options goes to the portable kernel (:func:`triton_forward`), and
+    the portable pipelined kernel gets grouped K/V expanded to one head per query head."""
     if uses_gluon(q, options):
-        return gluon_forward(q, k, v, causal, scale, options, window=window)
-    if BlockInfo(q.shape[2], k.shape[2], causal, tuple(window)).banded:
-        return triton_forward(q, k, v, causal, scale, options=ScoreOptions(tuple(window)))
+        return gluon_forward(q, k, v, causal, scale, options, window=score_options.window,
+                             softcap=score_options.softcap, alibi_slopes=score_options.alibi_slopes)
+    if has_score_options(q.shape[2], k.shape[2], causal, **vars(score_options)):
+        return triton_forward(q, k, v, causal, scale, options=score_options)
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     config = config or forward_config(q.shape[-1], causal, interpreting())
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -128,13 +183,23 @@ def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, opt
     return out, lse
 
 
+def hopper_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: ScoreOptions,
+                          hopper: HopperOptions = HopperOptions()):
+    """A packed batch's forward (as :func:`triton_varlen_forward`): the Gluon kernel where it runs, else the
+    portable one-launch kernel."""
+    if uses_gluon(q, hopper):
+        return gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options, hopper)
+    return triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options)
+
+
 def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),
-                            window=(-1, -1)):
+                            window=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
     """impl="triton_hopper": (out, lse); gradients through the portable recomputation backward (which,
-    like the Gluon forward, reads grouped K/V once per group, sums dK, dV over it, and skips the tiles
-    outside a window)."""
+    like the Gluon forward, reads grouped K/V once per group, sums dK, dV over it, skips the tiles
+    outside a window and carries the soft cap's and ALiBi's terms)."""
     load_triton()
     check_triton_inputs(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    forward_fn = functools.partial(hopper_forward, config=config, options=options, window=tuple(window))
-    return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, None, ScoreOptions(tuple(window)))
+    score_options = ScoreOptions(tuple(window), float(softcap), alibi_slopes)
+    forward_fn = functools.partial(hopper_forward, config=config, options=options, score_options=score_options)
+    return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, None, score_options)

@@ -22,6 +22,7 @@ CONSUMER_REGS = {2: 240, 3: 160}  # per consumer thread: 2 x 240 + 24 (x 128 thr
 P_SCALE = gl.constexpr(common.P_SCALE)
 LOG2_P_SCALE = gl.constexpr(math.log2(common.P_SCALE))
 LN2 = gl.constexpr(common.LN2)
+LOG2E = gl.constexpr(common.LOG2E)
 
 
 def descriptor_blocks(head_dim: int, fp8: bool) -> dict[str, list[int]]:

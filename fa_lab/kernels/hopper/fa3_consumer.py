@@ -3,7 +3,8 @@
 In step j a consumer issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as asynchronous WGMMAs,
 then waits for S_j only and runs the softmax of tile j while the tensor cores still work on the
 P V product of tile j-1 (intra-warpgroup pipelining). Its epilogue writes O through shared memory
-with one TMA copy, which also drops the rows past seqlen_q.
+with one TMA copy, which also drops the rows past seqlen_q; in a packed batch a sequence's last,
+partial rows go out with a masked store instead (past them lies the next sequence).
 """
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .block_range import visible_key_end, visible_key_start, window_key_end
-from .fa3_config import LN2, P_SCALE, Q_QUANT_ROWS, ROWS_PER_CONSUMER
-from .fa3_softmax import carried_p, fp8_tile_scales, p_operand, softmax_tile, v_operand
+from .fa3_config import LN2, LOG2E, P_SCALE, Q_QUANT_ROWS, ROWS_PER_CONSUMER
+from .fa3_softmax import ScoreMods, carried_p, fp8_tile_scales, p_operand, softmax_tile, v_operand
 
 
 @gluon.jit
 def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
-             PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
+             PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr,
+             ALIBI: gl.constexpr):
     """Consumer warpgroup CONSUMER: its 64 rows of every work tile of this CTA (one tile, or its share of the
     schedule when persistent). state: the :class:`.fa3_state.KernelState`."""
     BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
@@ -34,28 +36,30 @@ def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.c
         first, last, tiles_ptr = state.work.cta_tiles()
         for k in range(first, last):
             tile = state.work.tile(gl.load(tiles_ptr + k), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
-                                   WINDOW=WINDOW)
+                                   WINDOW=WINDOW, VARLEN=VARLEN)
             _consumer_tile(state, tile, kv_count, k - first, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG,
-                           FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW)
+                           FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP,
+                           ALIBI=ALIBI)
             kv_count += tile.n_iter
     else:
         tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
-                                   WINDOW=WINDOW)
+                               WINDOW=WINDOW, VARLEN=VARLEN)
         _consumer_tile(state, tile, 0, 0, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG, FP8=FP8,
-                       PERSISTENT=PERSISTENT, WINDOW=WINDOW)
+                       PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     tma.store_wait(0)  # this consumer's last O store
 
 
 @gluon.jit
 def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
-                   PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
+                   PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr,
+                   VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """Rows [start_m + 64 * CONSUMER, +64) of one WorkTile through its K/V tiles, then the epilogue.
 
     kv_count: K/V tiles this CTA consumed before this work tile (step j takes ring tile kv_count + j);
     local: work tiles before it (the Q slot's count).
     """
-    seqlen_q = state.work.seqlen_q
-    seqlen_k = state.work.seqlen_k
+    seqlen_q = tile.seqlen_q
+    seqlen_k = tile.seqlen_k
     BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = state.k.bufs.type.shape[4]
     dtype: gl.constexpr = state.k.bufs.dtype
@@ -89,6 +93,10 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     o = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, o_layout)
     qk_scale = state.qk_scale
     tile_scale = qk_scale
+    slope_log2 = 0.0
+    if ALIBI:
+        slope_log2 = gl.load(state.slopes_ptr + tile.pid_bh) * LOG2E
+    mods = ScoreMods(state.softcap_scale, gl.to_tensor(slope_log2), (offs_m + (seqlen_k - seqlen_q)).to(gl.float32))
     log2_p_scale = 0.0
     if FP8:
         kv_tiles = gl.cdiv(seqlen_k, BLOCK_N)
@@ -113,7 +121,8 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     s = warpgroup_mma_wait(0, deps=(s,))
     k_first.release()
     p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, tile.first,
-                                      tile, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, s_layout=s_layout)
+                                      tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                                      ALIBI=ALIBI, s_layout=s_layout)
     p = carried_p(p, dtype, p_layout, FP8=FP8)
 
     for j in range(1, tile.n_iter):
@@ -139,8 +148,8 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         s = warpgroup_mma_wait(1, deps=(s,))
         k_tile.release()
         p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end,
-                                          tile.first + j, tile, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW,
-                                          s_layout=s_layout)
+                                          tile.first + j, tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW,
+                                          SOFTCAP=SOFTCAP, ALIBI=ALIBI, s_layout=s_layout)
         # The softmax above ran while the tensor cores computed P_{j-1} V_{j-1}.
         if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
             o = warpgroup_mma_wait(0, deps=(o,))
@@ -162,16 +171,44 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     # Epilogue (FA2's deferred normalization): O / l once; lse = ln 2 * (m + log2 l).
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(state.lse_ptr + tile.pid_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    gl.store(state.lse_ptr + tile.lse_offset + offs_m, lse, mask=offs_m < seqlen_q)
     if FP8:  # P was scaled by P_SCALE * v_descale_j / v_descale_max: undo the constant part
         l_safe = l_safe * (P_SCALE / v_descale_max)
     o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
     o_smem = state.o_bufs.index(CONSUMER)
     if PERSISTENT and FP8:  # the previous tile's O store from this buffer must have left it
         tma.store_wait(0)
-    o_smem.reshape([ROWS_PER_CONSUMER, HEAD_DIM]).store(o.to(out_dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(state.o_desc, [tile.batch, tile.head, row0, 0], o_smem)
+    if VARLEN:
+        if row0 + ROWS_PER_CONSUMER > seqlen_q:  # the TMA box would write into the next sequence
+            _store_rows(state, o.to(out_dtype), tile, offs_m, o_layout)
+        else:
+            _store_tile(state, o.to(out_dtype), o_smem, tile, row0)
+    else:
+        _store_tile(state, o.to(out_dtype), o_smem, tile, row0)
     if PERSISTENT and not FP8:  # O went out through the Q buffer: free it for the next tile's Q once stored
         tma.store_wait(0)
         state.q.release()
+
+
+@gluon.jit
+def _store_tile(state, o, o_smem, tile, row0):
+    """Store O (64, d) of rows [row0, +64) through shared memory with one TMA copy (rows past the tensor's
+    end are dropped)."""
+    o_smem.reshape([o.shape[0], o.shape[1]]).store(o)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(state.o_desc, [tile.batch, tile.head, tile.q_offset + row0, 0], o_smem)
+
+
+@gluon.jit
+def _store_rows(state, o, tile, offs_m, o_layout: gl.constexpr):
+    """Store a packed sequence's O rows offs_m (64,) below its seqlen_q, column by column from the registers
+    (o: (64, d) in o_layout): the last, partial tile of a sequence, whose TMA box would overwrite the
+    next sequence's first rows. o_desc gives the packed O's shape (1, H, total_q, d) and strides."""
+    HEAD_DIM: gl.constexpr = o.shape[1]
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    row_stride = state.o_desc.strides[2]
+    offs_m = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))  # (from the score tile's row layout)
+    rows = (tile.q_offset + offs_m).to(gl.int64)
+    ptrs = state.o_ptr + tile.head * state.o_desc.strides[1] + rows[:, None] * row_stride + cols[None, :]
+    mask = (offs_m < tile.seqlen_q)[:, None] & (cols < state.o_desc.shape[3])[None, :]
+    gl.store(ptrs, o, mask=mask)

@@ -60,11 +60,13 @@ from .fa3_state import KernelState, QSlot, Ring, Turns, WorkList
 
 
 @gluon.jit
-def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_ptr, k_descale_ptr, v_exponent_ptr,
-                             v_descale_max_ptr, heads, group, seqlen_q, seqlen_k, left, right, schedule_ptr,
-                             qk_scale, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_descale_ptr, k_descale_ptr,
+                             v_exponent_ptr, v_descale_max_ptr, heads, group, seqlen_q, seqlen_k, left, right,
+                             schedule_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale, softcap_scale, slopes_ptr,
+                             CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, WINDOW: gl.constexpr):
+                             CONSUMER_REGS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr = False,
+                             SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
     """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
 
     q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
@@ -79,9 +81,21 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_
     CONSUMER_REGS: registers per thread of a worker consumer warpgroup (setmaxnreg). WINDOW: a local
     window (left, right) (``BlockInfo.window_bounds``, causal folded in; CAUSAL off): each work tile
     visits only the K/V tiles of its band and masks the band's edge tiles.
+
+    VARLEN: a packed batch. q/k/v/o_desc see the packed (total, heads, d) tensors as (1, heads, total, d);
+    o_ptr: the packed O (total_q, H, d) (a sequence's partial last tile is stored through it); lse_ptr
+    (H, total_q); seqlen_q: total_q; cu_seqlens_q/k: int32 (batch + 1,); schedule_ptr: the (sequence,
+    first row) int32 pairs of ``varlen_schedule`` for BLOCK_M rows, one work tile per pair and head
+    (grid: pairs * H; not PERSISTENT, not FP8). Otherwise o_ptr, cu_seqlens_q/k are not read.
+    SOFTCAP: scores softcap * tanh(scale * q.k / softcap); qk_scale is then softcap * log2(e) and
+    softcap_scale = scale / softcap. ALIBI: scores get -slope * |i + seqlen_k - seqlen_q - j|, slopes_ptr
+    (B, H) float32 (a packed batch: one row per sequence).
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
-    m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+    if VARLEN:  # one work tile per (sequence, query tile) pair and head
+        m_tiles = gl.num_programs(0) // heads
+    else:
+        m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
 
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -110,22 +124,24 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, q_descale_
         mbarrier.arrive(turn.index(0))
     # (Triton passes an int argument equal to 1 as a constexpr: the work list takes tensors all the same.)
     work = WorkList(gl.to_tensor(m_tiles), gl.to_tensor(heads), gl.to_tensor(group), gl.to_tensor(seqlen_q),
-                    gl.to_tensor(seqlen_k), gl.to_tensor(left), gl.to_tensor(right), schedule_ptr)
-    state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, lse_ptr, qk_scale, q_descale_ptr, k_descale_ptr,
-                        v_exponent_ptr, v_descale_max_ptr, QSlot(q_bufs, q_ready, q_empty),
-                        Ring(k_bufs, k_ready, k_empty), Ring(v_bufs, v_ready, v_empty), Turns(turn), work)
+                    gl.to_tensor(seqlen_k), gl.to_tensor(left), gl.to_tensor(right), schedule_ptr, cu_seqlens_q,
+                    cu_seqlens_k)
+    state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
+                        q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr,
+                        QSlot(q_bufs, q_ready, q_empty), Ring(k_bufs, k_ready, k_empty), Ring(v_bufs, v_ready, v_empty),
+                        Turns(turn), work)
     # warp_specialize takes a literal list of partitions, so the two consumer counts are spelled out; the
     # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
-            (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
+            (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
-            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW)),
-            (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
+            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
+            (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW, VARLEN)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -6,17 +6,18 @@ and into P's exponent, and P's keys are taken in the order a thread holds them (
 that order: :func:`fa_lab.kernels.common.gluon_fp8_key_order`), so P becomes an e4m3 operand
 without moving data between threads.
 """
-from __future__ import annotations
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon aggregate
 
+from ..portable.score_mod import TANH_APPROX_PTX
 from .fa3_config import LOG2_P_SCALE
 
 
 @gluon.jit
-def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, tile, BLOCK_N: gl.constexpr,
-                 FP8: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr):
+def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, tile, mods, BLOCK_N: gl.constexpr,
+                 FP8: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                 s_layout: gl.constexpr):
     """Online-softmax update with raw scores s = Q K_j^T of K/V tile j of the sequence: (64, BLOCK_N) fp32.
 
     Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
@@ -27,7 +28,17 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     key_start (:func:`.block_range.visible_key_start`). In FP8, p comes out
     multiplied by 2**log2_p_scale (folded into the exponent, so it costs nothing per score) while l
     sums the true p.
+
+    mods: the :class:`ScoreMods` of this consumer's rows. SOFTCAP: s becomes tanh(s * softcap_scale)
+    (tile_scale is then softcap * log2 e); ALIBI: the scaled score gets -slope * log2 e * |row + offset - key|.
     """
+    if SOFTCAP:
+        s = gl.inline_asm_elementwise(TANH_APPROX_PTX, "=r,r", [s * mods.softcap_scale], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+    if ALIBI:  # the bias is in log2 units: scale first, then the rest of the update sees a scale of 1
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) + j * BLOCK_N
+        s = s * tile_scale - mods.slope_log2 * gl.abs(mods.alibi_rows[:, None] - cols.to(gl.float32)[None, :])
+        tile_scale = 1.0
     if WINDOW:
         if (j < tile.full_begin) | (j >= tile.first_masked):
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -49,6 +60,24 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
         p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
         l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
+
+
+@aggregate
+class ScoreMods:
+    """Chapter 05's score modifiers for one consumer's 64 rows (read only under SOFTCAP / ALIBI).
+
+    softcap_scale: scale / softcap; slope_log2: the head's ALiBi slope times log2 e; alibi_rows (64,)
+    float32: each row's position plus seqlen_k - seqlen_q, the key it is aligned with (ALiBi's distance
+    is |alibi_row - key|, formed in float32: exact below 2^24)."""
+    softcap_scale: gl.tensor
+    slope_log2: gl.tensor
+    alibi_rows: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, softcap_scale, slope_log2, alibi_rows):
+        self.softcap_scale = softcap_scale
+        self.slope_log2 = slope_log2
+        self.alibi_rows = alibi_rows
 
 
 @gluon.jit

@@ -161,27 +161,46 @@ class Turns:
 
 @aggregate
 class WorkTile:
-    """One work tile: BLOCK_M query rows from start_m of (batch, head) (pid_bh = batch * heads + head), which
-    reads K/V head kv_head (head // group), and its K/V loop: n_iter tiles from tile ``first``, masked
-    before tile full_begin and from tile first_masked on (:func:`.block_range.tile_plan`; with a window
-    :func:`.block_range.window_tile_plan`; without one, first = full_begin = 0)."""
+    """One work tile: BLOCK_M query rows from start_m of one sequence and head, which read K/V head kv_head
+    (head // group), and its K/V loop: n_iter tiles from tile ``first``, masked before tile full_begin and
+    from tile first_masked on (:func:`.block_range.tile_plan`; with a window
+    :func:`.block_range.window_tile_plan`; without one, first = full_begin = 0).
+
+    seq: the sequence (the batch index; in a packed batch, the index into cu_seqlens); batch: the
+    descriptors' batch coordinate (seq, or 0 in a packed batch, whose descriptors see (1, heads, total, d));
+    q_offset, k_offset: the sequence's first row in the descriptors' token dimension (0 unpacked);
+    seqlen_q, seqlen_k: its lengths; pid_bh = seq * heads + head; lse_offset: where its row 0's LSE goes.
+    """
+    seq: gl.tensor
     batch: gl.tensor
     head: gl.tensor
     kv_head: gl.tensor
     pid_bh: gl.tensor
     start_m: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    q_offset: gl.tensor
+    k_offset: gl.tensor
+    lse_offset: gl.tensor
     first: gl.tensor
     n_iter: gl.tensor
     full_begin: gl.tensor
     first_masked: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, batch, head, kv_head, pid_bh, start_m, first, n_iter, full_begin, first_masked):
+    def __init__(self, seq, batch, head, kv_head, pid_bh, start_m, seqlen_q, seqlen_k, q_offset, k_offset,
+                 lse_offset, first, n_iter, full_begin, first_masked):
+        self.seq = seq
         self.batch = batch
         self.head = head
         self.kv_head = kv_head
         self.pid_bh = pid_bh
         self.start_m = start_m
+        self.seqlen_q = seqlen_q
+        self.seqlen_k = seqlen_k
+        self.q_offset = q_offset
+        self.k_offset = k_offset
+        self.lse_offset = lse_offset
         self.first = first
         self.n_iter = n_iter
         self.full_begin = full_begin
@@ -193,7 +212,12 @@ class WorkList:
     """The work tiles of the launch: m_tiles query tiles per (batch, head), and in a persistent launch
     each CTA's share of them (schedule_ptr: int32, see tile_schedule.schedule_tensor; unused otherwise).
     group: query heads per K/V head (grouped-query attention; 1 for MHA); left, right: the window's
-    bounds (``BlockInfo.window_bounds``; read only with WINDOW)."""
+    bounds (``BlockInfo.window_bounds``; read only with WINDOW).
+
+    A packed batch (VARLEN): schedule_ptr holds m_tiles (sequence, first row) pairs
+    (``varlen_schedule``, longest first), each computed for every head; seqlen_q is the packed total of
+    query rows (the LSE's row length), seqlen_k unused; cu_seqlens_q/k: int32 (batch + 1,) offsets
+    (read only with VARLEN)."""
     m_tiles: gl.tensor
     heads: gl.tensor
     group: gl.tensor
@@ -202,9 +226,12 @@ class WorkList:
     left: gl.tensor
     right: gl.tensor
     schedule_ptr: gl.tensor
+    cu_seqlens_q: gl.tensor
+    cu_seqlens_k: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, m_tiles, heads, group, seqlen_q, seqlen_k, left, right, schedule_ptr):
+    def __init__(self, m_tiles, heads, group, seqlen_q, seqlen_k, left, right, schedule_ptr, cu_seqlens_q,
+                 cu_seqlens_k):
         self.m_tiles = m_tiles
         self.heads = heads
         self.group = group
@@ -213,6 +240,8 @@ class WorkList:
         self.left = left
         self.right = right
         self.schedule_ptr = schedule_ptr
+        self.cu_seqlens_q = cu_seqlens_q
+        self.cu_seqlens_k = cu_seqlens_k
 
     @gluon.jit
     def cta_tiles(self):
@@ -223,30 +252,51 @@ class WorkList:
 
     @gluon.jit
     def tile(self, tile_id, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-             WINDOW: gl.constexpr):
+             WINDOW: gl.constexpr, VARLEN: gl.constexpr = False):
         """The WorkTile numbered ``tile_id``.
 
         The m_tiles query tiles of one (batch, head) are consecutive (its K and V stay in L2 while they
         run); with causal masking the longest rows come first, so that the short ones fill the tail.
-        (tile_schedule.encode_tile is the inverse on the host.)
+        (tile_schedule.encode_tile is the inverse on the host.) In a packed batch tile_id is
+        head * m_tiles + entry: a head's tiles of every sequence, longest first, then the next head's
+        (a head's K and V of the whole batch stay in L2 while they run).
         """
-        pid_m = tile_id % self.m_tiles
-        if CAUSAL:
-            pid_m = self.m_tiles - 1 - pid_m
-        pid_bh = tile_id // self.m_tiles
-        start_m = pid_m * BLOCK_M
+        if VARLEN:
+            entry = tile_id % self.m_tiles
+            head = tile_id // self.m_tiles
+            seq = gl.load(self.schedule_ptr + 2 * entry)
+            start_m = gl.load(self.schedule_ptr + 2 * entry + 1)
+            q_offset = gl.load(self.cu_seqlens_q + seq)
+            k_offset = gl.load(self.cu_seqlens_k + seq)
+            seqlen_q = gl.load(self.cu_seqlens_q + seq + 1) - q_offset
+            seqlen_k = gl.load(self.cu_seqlens_k + seq + 1) - k_offset
+            batch = gl.to_tensor(0)
+            lse_offset = head * self.seqlen_q + q_offset
+        else:
+            pid_m = tile_id % self.m_tiles
+            if CAUSAL:
+                pid_m = self.m_tiles - 1 - pid_m
+            pid_bh = tile_id // self.m_tiles
+            start_m = pid_m * BLOCK_M
+            seq = pid_bh // self.heads
+            head = pid_bh % self.heads
+            seqlen_q = self.seqlen_q
+            seqlen_k = self.seqlen_k
+            q_offset = gl.to_tensor(0)
+            k_offset = gl.to_tensor(0)
+            batch = seq
+            lse_offset = pid_bh * seqlen_q
         if WINDOW:
-            first, n_iter, full_begin, first_masked = window_tile_plan(start_m, self.seqlen_q, self.seqlen_k,
-                                                                       self.left, self.right, BLOCK_M=BLOCK_M,
+            first, n_iter, full_begin, first_masked = window_tile_plan(start_m, seqlen_q, seqlen_k, self.left,
+                                                                       self.right, BLOCK_M=BLOCK_M,
                                                                        BLOCK_N=BLOCK_N)
         else:
-            n_iter, first_masked = tile_plan(start_m, self.seqlen_q, self.seqlen_k, BLOCK_M=BLOCK_M,
-                                             BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+            n_iter, first_masked = tile_plan(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                             CAUSAL=CAUSAL)
             first = gl.to_tensor(0)
             full_begin = gl.to_tensor(0)
-        head = pid_bh % self.heads
-        return WorkTile(pid_bh // self.heads, head, head // self.group, pid_bh, start_m, first, n_iter, full_begin,
-                        first_masked)
+        return WorkTile(seq, batch, head, head // self.group, seq * self.heads + head, start_m, seqlen_q, seqlen_k,
+                        q_offset, k_offset, lse_offset, first, n_iter, full_begin, first_masked)
 
 
 @aggregate
@@ -254,16 +304,23 @@ class KernelState:
     """What every partition of one CTA shares (built once by the kernel entry).
 
     q/k/v/o_desc: the kernel's TMA descriptors; o_bufs: (CONSUMERS, 1, 1, 64, d) where each consumer stages
-    its O tile; lse_ptr: (B, H, Nq) float32; qk_scale = scale * log2(e); q_descale_ptr, k_descale_ptr,
-    v_exponent_ptr, v_descale_max_ptr: the FP8 descales (see the kernel entry; unread in bf16).
+    its O tile; o_ptr: O itself (a packed batch stores a sequence's last, partial tile through it, row by
+    row: a TMA store would run into the next sequence); lse_ptr: (B, H, Nq), or (H, total_q) packed, float32;
+    qk_scale = scale * log2(e), or softcap * log2(e) with a soft cap; softcap_scale = scale / softcap
+    (read only with SOFTCAP); slopes_ptr: ALiBi's (B, H) float32 slopes (read only with ALIBI);
+    q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr: the FP8 descales (see the kernel
+    entry; unread in bf16).
     """
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
     v_desc: tma.tensor_descriptor
     o_desc: tma.tensor_descriptor
     o_bufs: gl.shared_memory_descriptor
+    o_ptr: gl.tensor
     lse_ptr: gl.tensor
     qk_scale: gl.tensor
+    softcap_scale: gl.tensor
+    slopes_ptr: gl.tensor
     q_descale_ptr: gl.tensor
     k_descale_ptr: gl.tensor
     v_exponent_ptr: gl.tensor
@@ -275,15 +332,18 @@ class KernelState:
     work: WorkList
 
     @gluon.constexpr_function
-    def __init__(self, q_desc, k_desc, v_desc, o_desc, o_bufs, lse_ptr, qk_scale, q_descale_ptr, k_descale_ptr,
-                 v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work):
+    def __init__(self, q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
+                 q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work):
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.v_desc = v_desc
         self.o_desc = o_desc
         self.o_bufs = o_bufs
+        self.o_ptr = o_ptr
         self.lse_ptr = lse_ptr
         self.qk_scale = qk_scale
+        self.softcap_scale = softcap_scale
+        self.slopes_ptr = slopes_ptr
         self.q_descale_ptr = q_descale_ptr
         self.k_descale_ptr = k_descale_ptr
         self.v_exponent_ptr = v_exponent_ptr

@@ -89,7 +89,8 @@ def compile_all_for_sm90(jobs: list[dict]) -> list[Sm90Build]:
 
 def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
                          fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2,
-                         persistent: bool = False, window: bool = False) -> Sm90Build:
+                         persistent: bool = False, window: bool = False, varlen: bool = False,
+                         softcap: bool = False, alibi: bool = False) -> Sm90Build:
     """Compile :func:`.fa3_kernel.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU."""
     from .fa3_config import CONSUMER_REGS, descriptor_blocks, launch_maxnreg
     from .fa3_kernel import attention_fwd_fa3_kernel
@@ -98,14 +99,16 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
     blocks = descriptor_blocks(head_dim, fp8)
     signature = {
         **{f"{name}_desc": descriptor_type(operand, blocks[name]) for name in "qkv"},
-        "o_desc": descriptor_type(out_dtype, blocks["o"]),
+        "o_desc": descriptor_type(out_dtype, blocks["o"]), "o_ptr": f"*{out_dtype}",
         **{name: "*fp32" for name in ("lse_ptr", "q_descale_ptr", "k_descale_ptr", "v_exponent_ptr",
-                                      "v_descale_max_ptr")},
+                                      "v_descale_max_ptr", "slopes_ptr")},
         "heads": "i32", "group": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "left": "i32", "right": "i32",
-        "schedule_ptr": "*i32", "qk_scale": "fp32",
+        "schedule_ptr": "*i32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
+        "softcap_scale": "fp32",
     }
     constants = {"CONSUMERS": consumers, "STAGES": stages, "CAUSAL": causal, "PINGPONG": pingpong, "FP8": fp8,
-                 "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers], "WINDOW": window}
+                 "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers], "WINDOW": window,
+                 "VARLEN": varlen, "SOFTCAP": softcap, "ALIBI": alibi}
     return compile_for_sm90(attention_fwd_fa3_kernel, signature, constants, num_warps=4,
                             maxnreg=launch_maxnreg(consumers))
 

@@ -224,7 +224,14 @@ def _cached_schedule(bounds_q: tuple, bounds_k: tuple, block: int, by_keys: bool
                         device=device).reshape(-1, 2)
 
 
-def _heads_view(t: torch.Tensor) -> torch.Tensor:
+def host_bounds(bounds) -> tuple[list[int], list[int]]:
+    """(cu_seqlens_q, cu_seqlens_k) as lists: ``bounds`` is that pair, or an object whose ``lists()`` gives it
+    (:class:`fa_lab.varlen.PackedBounds`, which waits there for its copy to the host: a launcher calls this
+    as late as it can)."""
+    return bounds.lists() if hasattr(bounds, "lists") else bounds
+
+
+def heads_view(t: torch.Tensor) -> torch.Tensor:
     """A packed (total, heads, d8) operand seen as (1, heads, total, d8), what the descriptors take."""
     return t.permute(1, 0, 2).unsqueeze(0)
 
@@ -233,7 +240,8 @@ def triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: floa
                           config: TileConfig | None = None):
     """Forward of a packed batch on prepared operands q: (total_q, H, d8), k, v: (total_k, Hkv, d8).
 
-    bounds: (cu_seqlens_q, cu_seqlens_k) as lists. Returns (out: (total_q, H, d8), lse: (H, total_q) float32).
+    bounds: (cu_seqlens_q, cu_seqlens_k) as lists, or as :func:`host_bounds` takes them. Returns
+    (out: (total_q, H, d8), lse: (H, total_q) float32).
     """
     from .forward import attention_fwd_kernel
 
@@ -241,14 +249,14 @@ def triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: floa
     config = config or forward_config(head_dim, causal, interpreting())
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
-    tiles = varlen_schedule(*bounds, config.block_m, False, causal, options.window, q.device)
+    tiles = varlen_schedule(*host_bounds(bounds), config.block_m, False, causal, options.window, q.device)
     if not len(tiles):
         return out, lse
-    qv, kv, vv = _heads_view(q), _heads_view(k), _heads_view(v)
+    qv, kv, vv = heads_view(q), heads_view(k), heads_view(v)
     option_args, constexprs = options.kernel_args(qv, kv, causal, scale)
     attention_fwd_kernel[(len(tiles), heads)](
         descriptor(qv, config.block_m), descriptor(kv, config.block_n), descriptor(vv, config.block_n),
-        descriptor(_heads_view(out), config.block_m), lse, heads, total_q, k.shape[0], scale * LOG2E,
+        descriptor(heads_view(out), config.block_m), lse, heads, total_q, k.shape[0], scale * LOG2E,
         *option_args, cu_q, cu_k, tiles, out, head_dim,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim), REVERSE_GRID=False,
         VARLEN=True, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
@@ -261,6 +269,7 @@ def triton_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, caus
     from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 
     total_q, heads, head_dim = q.shape
+    bounds = host_bounds(bounds)
     config = config or backward_config(head_dim, interpreting())
     grad_out = grad_out.contiguous()
     lse_rows = lse.t().contiguous()  # (total_q, H): the row order of out and grad_out
@@ -272,7 +281,7 @@ def triton_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, caus
     attention_bwd_preprocess_kernel[(cdiv(rows, pre_block),)](
         out, grad_out, lse_rows, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim),
         BLOCK=pre_block)
-    views = [_heads_view(t) for t in (q, k, v, grad_out)]
+    views = [heads_view(t) for t in (q, k, v, grad_out)]
     option_args, constexprs = options.kernel_args(views[0], views[1], causal, scale)
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim), VARLEN=True,
                 num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
@@ -295,11 +304,11 @@ class TritonVarlenFunction(torch.autograd.Function):
     """Autograd wrapper of a packed batch: saves the prepared q, k, v, O and the LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, bounds, causal, scale, options):
+    def forward(ctx, q, k, v, cu_q, cu_k, bounds, causal, scale, options, forward_fn=None):
         head_dim = q.shape[-1]
         qp, kp, vp = kernel_operand(q), kernel_operand(k), kernel_operand(v)
         with on_device(q):
-            out, lse = triton_varlen_forward(qp, kp, vp, cu_q, cu_k, bounds, causal, scale, options)
+            out, lse = (forward_fn or triton_varlen_forward)(qp, kp, vp, cu_q, cu_k, bounds, causal, scale, options)
         ctx.save_for_backward(qp, kp, vp, out, lse, cu_q, cu_k)
         ctx.args = (bounds, causal, scale, options, head_dim)
         ctx.mark_non_differentiable(lse)
@@ -313,15 +322,17 @@ class TritonVarlenFunction(torch.autograd.Function):
         with on_device(qp):
             dq, dk, dv = triton_varlen_backward(qp, kp, vp, out, lse, grad_out, cu_q, cu_k, bounds, causal,
                                                 scale, options)
-        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None, None, None
+        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None, None, None, None
 
 
 def triton_varlen_attention(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: float, window=(-1, -1),
-                            softcap: float = 0.0, alibi_slopes=None):
+                            softcap: float = 0.0, alibi_slopes=None, forward_fn=None):
     """Differentiable attention of a packed batch in one launch per kernel: q (total_q, H, d), k, v
     (total_k, Hkv, d) float16/bfloat16, cu_q, cu_k int32 offsets, bounds their values as lists;
-    alibi_slopes (batch, H) float32 or None. Returns (out (total_q, H, d), lse (H, total_q))."""
+    alibi_slopes (batch, H) float32 or None. Returns (out (total_q, H, d), lse (H, total_q)).
+    forward_fn: the forward on prepared operands (:func:`triton_varlen_forward`'s signature; the default),
+    which impl="triton_hopper" replaces with its Gluon kernel; the backward is always the portable one."""
     load_triton()
     check_triton_inputs(q)
     options = ScoreOptions(tuple(window), float(softcap), alibi_slopes)
-    return TritonVarlenFunction.apply(q, k, v, cu_q, cu_k, bounds, causal, scale, options)
+    return TritonVarlenFunction.apply(q, k, v, cu_q, cu_k, bounds, causal, scale, options, forward_fn)

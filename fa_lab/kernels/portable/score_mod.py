@@ -17,6 +17,9 @@ import triton.language as tl
 
 from .. import interpreting
 
+# PTX's tanh: one special-function instruction (the Gluon forward inlines the same string).
+TANH_APPROX_PTX = tl.constexpr("tanh.approx.f32 $0, $1;")
+
 if interpreting():
     @triton.jit
     def softcap_tanh(qk, softcap_scale):
@@ -26,7 +29,7 @@ else:
     @triton.jit
     def softcap_tanh(qk, softcap_scale):
         """tanh(qk * softcap_scale), with softcap_scale = scale / softcap (tanh.approx.f32)."""
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [qk * softcap_scale],
+        return tl.inline_asm_elementwise(TANH_APPROX_PTX, "=r,r", [qk * softcap_scale],
                                          dtype=tl.float32, is_pure=True, pack=1)
 
 
