@@ -93,10 +93,10 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     o = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, o_layout)
     qk_scale = state.qk_scale
     tile_scale = qk_scale
-    slope_log2 = 0.0
-    if ALIBI:
-        slope_log2 = gl.load(state.slopes_ptr + tile.pid_bh) * LOG2E
-    mods = ScoreMods(state.softcap_scale, gl.to_tensor(slope_log2), (offs_m + (seqlen_k - seqlen_q)).to(gl.float32))
+    slope = 0.0
+    if ALIBI:  # in the units of s (ScoreMods)
+        slope = gl.load(state.slopes_ptr + tile.pid_bh) * LOG2E / qk_scale
+    mods = ScoreMods(state.softcap_scale, gl.to_tensor(slope), (offs_m + (seqlen_k - seqlen_q)).to(gl.float32))
     log2_p_scale = 0.0
     if FP8:
         kv_tiles = gl.cdiv(seqlen_k, BLOCK_N)

@@ -30,15 +30,17 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     sums the true p.
 
     mods: the :class:`ScoreMods` of this consumer's rows. SOFTCAP: s becomes tanh(s * softcap_scale)
-    (tile_scale is then softcap * log2 e); ALIBI: the scaled score gets -slope * log2 e * |row + offset - key|.
+    (tile_scale is then softcap * log2 e); ALIBI: s gets -slope * |row + offset - key| in s's units (the
+    slope divided by the scale that tile_scale applies), so the bias costs one FADD (the distance) and one
+    FFMA (|distance| is a free operand modifier) per score, and the exponent keeps its single FFMA.
     """
     if SOFTCAP:
         s = gl.inline_asm_elementwise(TANH_APPROX_PTX, "=r,r", [s * mods.softcap_scale], dtype=gl.float32,
                                       is_pure=True, pack=1)
-    if ALIBI:  # the bias is in log2 units: scale first, then the rest of the update sees a scale of 1
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) + j * BLOCK_N
-        s = s * tile_scale - mods.slope_log2 * gl.abs(mods.alibi_rows[:, None] - cols.to(gl.float32)[None, :])
-        tile_scale = 1.0
+    if ALIBI:  # key positions: a constant float vector, and this tile's start folded into the rows
+        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
+        rows = mods.alibi_rows - (j * BLOCK_N).to(gl.float32)
+        s = s - mods.slope * gl.abs(rows[:, None] - keys[None, :])
     if WINDOW:
         if (j < tile.full_begin) | (j >= tile.first_masked):
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -66,17 +68,18 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
 class ScoreMods:
     """Chapter 05's score modifiers for one consumer's 64 rows (read only under SOFTCAP / ALIBI).
 
-    softcap_scale: scale / softcap; slope_log2: the head's ALiBi slope times log2 e; alibi_rows (64,)
-    float32: each row's position plus seqlen_k - seqlen_q, the key it is aligned with (ALiBi's distance
-    is |alibi_row - key|, formed in float32: exact below 2^24)."""
+    softcap_scale: scale / softcap; slope: the head's ALiBi slope in the units of the raw (or soft-capped)
+    score s, i.e. slope * log2 e / tile_scale (slope / scale, or slope / softcap); alibi_rows (64,) float32:
+    each row's position plus seqlen_k - seqlen_q, the key it is aligned with (ALiBi's distance is
+    |alibi_row - key|, formed in float32: exact below 2^24)."""
     softcap_scale: gl.tensor
-    slope_log2: gl.tensor
+    slope: gl.tensor
     alibi_rows: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, softcap_scale, slope_log2, alibi_rows):
+    def __init__(self, softcap_scale, slope, alibi_rows):
         self.softcap_scale = softcap_scale
-        self.slope_log2 = slope_log2
+        self.slope = slope
         self.alibi_rows = alibi_rows
 
 
