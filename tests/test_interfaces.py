@@ -216,6 +216,29 @@ def test_varlen_bad_input_names_the_argument(change, error, words):
         assert word in str(raised.value)
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"cu_seqlens_q": _cu(0, 3, 2, 6), "cu_seqlens_k": _cu(0, 2, 4, 6)}, ["cu_seqlens_q", "non-decreasing"]),
+    ({"cu_seqlens_k": _cu(0, 3, 7)}, ["cu_seqlens_k", "ends at 7"]),
+    ({"cu_seqlens_k": _cu(0, 6)}, ["2 sequences", "1"]),
+    ({"max_seqlen_k": 3}, ["max_seqlen_k", "longest", "4"]),
+])
+def test_varlen_kernels_check_the_offsets_before_any_launch(change, words, monkeypatch):
+    """The one-launch kernels read cu_seqlens where the schedule needs them (fa_lab.varlen.PackedBounds):
+    bad values still raise the API's ValueError, and no kernel is launched."""
+    pytest.importorskip("triton")
+    from fa_lab.kernels.portable import attention as portable
+
+    def no_schedule(*_args, **_kwargs):
+        raise AssertionError("a schedule was built from bad offsets")
+    monkeypatch.setattr(portable, "_cached_schedule", no_schedule)
+    args = {"q": torch.randn(6, 2, 16).half(), "k": torch.randn(6, 1, 16).half(), "v": torch.randn(6, 1, 16).half(),
+            "cu_seqlens_q": _cu(0, 3, 6), "cu_seqlens_k": _cu(0, 2, 6), **change}
+    with pytest.raises(ValueError) as raised:
+        fa_lab.attention_varlen(**args, impl="triton")
+    for word in words:
+        assert word in str(raised.value)
+
+
 def test_dense_bad_options_and_impls_that_do_not_take_them():
     q, k, v = make_qkv(1, 4, 8, 8, 16, requires_grad=False, heads_kv=2)
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
