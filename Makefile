@@ -10,6 +10,9 @@
 #                code the GPU compiles (Linux only; macOS runs the CPU track without Triton).
 #   LAB_ARGS     extra JupyterLab arguments; run as root, make lab adds --allow-root itself.
 #   TEST_WORKERS pytest-xdist processes for make test (default: the CPUs, at most 4; 0 runs in one process).
+#   TEST_THREADS torch's CPU threads in each test process (default 1: with a process per core, a thread pool
+#                per process oversubscribes the cores and its idle threads spin; on 2 cores make test took
+#                twice as long with torch's default pool).
 PYTHON ?= python3
 VENV ?= .venv
 VENV_ARGS ?=
@@ -19,6 +22,7 @@ TRITON_SPEC ?= triton==3.6.*
 LAB_ARGS ?=
 PYTEST_ARGS ?=
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))" 2>/dev/null || echo 1)
+TEST_THREADS ?= 1
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -64,9 +68,9 @@ lab: setup
 # TEST_WORKERS processes (one file, and so one notebook's cells, per process: --dist loadfile); the grading
 # runs with wall-clock limits (marked serial) run afterwards, alone.
 test: setup
-	CUDA_VISIBLE_DEVICES="" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" \
-		tests notebooks solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
-	CUDA_VISIBLE_DEVICES="" $(PY) -m pytest -q -m serial tests $(PYTEST_ARGS)
+	CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+		-m "not serial" tests notebooks solutions --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg $(PYTEST_ARGS)
+	CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -m serial tests $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not slow" $(PYTEST_ARGS)
