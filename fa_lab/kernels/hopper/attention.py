@@ -171,7 +171,8 @@ def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, opt
     if uses_gluon(q, options):
         return gluon_forward(q, k, v, causal, scale, options, window=score_options.window,
                              softcap=score_options.softcap, alibi_slopes=score_options.alibi_slopes)
-    if has_score_options(q.shape[2], k.shape[2], causal, **vars(score_options)):
+    if has_score_options(q.shape[2], k.shape[2], causal, score_options.window, score_options.softcap,
+                         score_options.alibi_slopes):
         return triton_forward(q, k, v, causal, scale, options=score_options)
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     config = config or forward_config(q.shape[-1], causal, interpreting())
