@@ -23,7 +23,7 @@ from .inputs import check_head_dims, check_heads, check_options, check_tensors
 from .score_mods import check_alibi_slopes
 
 
-def check_cu_seqlens(cu_seqlens, name: str, total: int, device) -> None:
+def check_cu_seqlens(cu_seqlens, name: str, device) -> None:
     """What can be checked of ``cu_seqlens`` without reading it: a torch.Tensor, int32, 1-D with at least one
     offset, on ``device`` (:func:`check_bounds` checks its values)."""
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -123,8 +123,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     """
     _check_packed(q, k, v)
     causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
-    check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
-    check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device)
+    check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.device)
+    check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q.device)
     _check_max_seqlen_type(max_seqlen_q, "max_seqlen_q")
     _check_max_seqlen_type(max_seqlen_k, "max_seqlen_k")
     batch, heads = cu_seqlens_q.numel() - 1, q.shape[1]
