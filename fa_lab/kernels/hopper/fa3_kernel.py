@@ -36,6 +36,12 @@ kernel below is organised the way the FA3 paper describes it:
 * **Epilogue through shared memory.** A consumer's Q tile is dead after its last
   ``Q K^T``, so O is written into that buffer and stored with one TMA copy,
   which also drops the rows past ``seqlen_q``.
+* **Packed batches** (``VARLEN``): one launch over a host-built list of (sequence,
+  query tile) pairs; each work tile reads its sequence's offsets from ``cu_seqlens``.
+  Past a sequence's end lie the next sequence's rows, not zeros: their keys are
+  masked like a ragged end, and a sequence's partial last tile stores O row by row.
+* **Score modifiers** (``SOFTCAP``, ``ALIBI``): applied to each score tile in
+  registers, before the masks (:func:`.fa3_softmax.softmax_tile`).
 
 Tiles are addressed with 4-D TMA descriptors over (batch, heads, seqlen,
 head_dim), block (1, 1, rows, head_dim): keys past ``seqlen_k`` arrive as zeros
