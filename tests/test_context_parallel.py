@@ -161,6 +161,10 @@ def _rank_main(rank, worker, world, port, backend, group_timeout_s, args):
                             timeout=datetime.timedelta(seconds=group_timeout_s))
     try:
         worker(rank, world, *args)
+        # Every rank done before any tears the group down: a rank that left first closed its sockets under a
+        # peer's last transfers, and gloo's thread in that peer aborted the process (SIGABRT, "terminate called
+        # without an active exception"), once in a few runs.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
