@@ -6,18 +6,16 @@ On the H200: ``PYTHONPATH=. python3 benchmarks/varlen_host.py``.
 import torch
 import triton
 
-import fa_lab
-from fa_lab.bench.interfaces import HEAD_DIM, HEADS, cu_seqlens, interface_cases
+from fa_lab.bench.interfaces import HEAD_DIM, cu_seqlens, fa_lab_impl, interface_cases
 from fa_lab.kernels.hopper.attention import gluon_varlen_forward
 from fa_lab.kernels.portable.attention import NO_OPTIONS
 
 case = next(c for c in interface_cases() if c.case == "varlen")
-q = torch.randn(sum(case.lengths), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-k, v = torch.randn_like(q), torch.randn_like(q)
+api_call, (q, k, v) = fa_lab_impl("triton_hopper")(case)  # the benchmark's own call
 cu = cu_seqlens(case.lengths).cuda()
 bounds = (cu.tolist(), cu.tolist())
 with torch.no_grad():
-    api = triton.testing.do_bench(lambda: fa_lab.attention_varlen(q, k, v, cu, cu, causal=True, impl="triton_hopper"))
+    api = triton.testing.do_bench(api_call)
     launcher = triton.testing.do_bench(lambda: gluon_varlen_forward(q, k, v, cu, cu, bounds, True, HEAD_DIM ** -0.5,
                                                                     NO_OPTIONS))
 print(f"varlen api {api:.3f} ms {case.flops() / api / 1e9:.1f} TFLOP/s; launcher on host lists {launcher:.3f} ms "
