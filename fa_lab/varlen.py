@@ -61,19 +61,47 @@ def _check_max_seqlen(max_seqlen, name: str, bounds: list[int]) -> None:
                          "a smaller max_seqlen would silently drop tokens")
 
 
+def _version(t: torch.Tensor):
+    """torch's count of in-place writes to t's storage, or None where it keeps none (inference-mode tensors)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 class PackedBounds:
     """cu_seqlens_q and cu_seqlens_k read back to the host, checked, as lists.
 
-    Reading a GPU tensor waits for the GPU to finish the work queued before it. So on a GPU the two
-    offsets leave in one asynchronous copy when the call starts, and :meth:`lists` waits for it only
-    where a kernel launch needs the values (the schedule of tiles), after the host work that needs none
-    (operands, outputs, descriptors): the GPU idles between calls for the copy and the launch only.
-    :meth:`lists` raises the ValueError of bad values before anything is computed.
+    Reading a GPU tensor waits for the GPU to finish the work queued before it, and the GPU then idles
+    until the host has launched the next kernel. Two things keep that off the critical path:
+
+    - a tensor is read once per version: its values stay with it (an attribute) together with torch's
+      count of in-place writes to it, and a call with the same, unwritten tensor reads nothing. A model
+      passes one ``cu_seqlens`` to every layer, so a batch is read once, not once per layer; a write by a
+      torch operation (``copy_``, ``cu[1] = 5``) makes the next call read again. A write that torch does not
+      count (a custom kernel writing through the pointer, a write through ``.data``) is not seen: give such
+      a buffer to the call as a new tensor (``cu.clone()``).
+    - otherwise the two offsets leave in one asynchronous copy when the call starts, and :meth:`lists`
+      waits for it only where a kernel launch needs the values (the schedule of tiles), after the host work
+      that needs none (operands, outputs, descriptors).
+
+    :meth:`lists` raises the ValueError of bad values before anything is computed; the checks run on every
+    call (a batch's values may be right for one call and wrong for the next: a total, a max_seqlen).
     """
+
+    _VALUES = "_fa_lab_offsets"  # the attribute a read tensor carries: (version, values as a list)
 
     def __init__(self, cu_q, cu_k, totals: tuple[int, int], max_seqlens: tuple):
         self.totals, self.max_seqlens = totals, max_seqlens
         self.sizes = (cu_q.numel(), cu_k.numel())
+        self._tensors = (cu_q, cu_k)
+        self._versions = (_version(cu_q), _version(cu_k))
+        known = [self._known_values(cu, version) for cu, version in zip(self._tensors, self._versions)]
+        self._host, self._ready, self._lists = None, None, None
+        if all(values is not None for values in known):
+            self._values = known
+            return
+        self._values = None
         both = torch.cat([cu_q, cu_k])
         if both.is_cuda:
             self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
@@ -81,16 +109,29 @@ class PackedBounds:
             self._ready = torch.cuda.Event()
             self._ready.record()
         else:
-            self._host, self._ready = both, None
-        self._lists = None
+            self._host = both
+
+    @classmethod
+    def _known_values(cls, cu: torch.Tensor, version):
+        """The values an earlier call read from ``cu`` if it has not been written since, else None."""
+        entry = getattr(cu, cls._VALUES, None)
+        return entry[1] if version is not None and entry is not None and entry[0] == version else None
+
+    def _read(self) -> list[list[int]]:
+        """Wait for the copy to the host and leave the values with their tensors for the next call."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        values = self._host.tolist()
+        values = [values[:self.sizes[0]], values[self.sizes[0]:]]
+        for cu, version, read in zip(self._tensors, self._versions, values):
+            if version is not None:
+                setattr(cu, self._VALUES, (version, read))
+        return values
 
     def lists(self) -> tuple[list[int], list[int]]:
         """(bounds_q, bounds_k): the offsets as lists, once checked."""
         if self._lists is None:
-            if self._ready is not None:
-                self._ready.synchronize()
-            values = self._host.tolist()
-            bounds = values[:self.sizes[0]], values[self.sizes[0]:]
+            bounds = tuple(self._values or self._read())
             for name, values, total, longest in zip(("cu_seqlens_q", "cu_seqlens_k"), bounds, self.totals,
                                                     self.max_seqlens):
                 check_bounds(values, name, total)

@@ -239,6 +239,37 @@ def test_varlen_kernels_check_the_offsets_before_any_launch(change, words, monke
         assert word in str(raised.value)
 
 
+def test_varlen_reads_a_cu_seqlens_tensor_once_per_version(monkeypatch, generator):
+    """A model passes one cu_seqlens to every layer: the offsets are read once and kept with the tensor
+    (fa_lab.varlen.PackedBounds). A write by a torch operation makes the next call read them again, so a
+    bad value written in place still raises, and a good one changes the result."""
+    from fa_lab.varlen import PackedBounds
+
+    reads = []
+    read = PackedBounds._read
+    monkeypatch.setattr(PackedBounds, "_read", lambda self: reads.append(1) or read(self))
+    q, k, v, cu_q, cu_k = _packed([5, 9, 3], [7, 4, 12], 2, 1, 16, torch.float32, generator)
+    first = fa_lab.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    again = fa_lab.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    assert len(reads) == 1 and torch.equal(first, again)
+    cu_q[1] = 20  # 0, 20, 14, 17: no longer non-decreasing
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        fa_lab.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    assert len(reads) == 2
+    cu_q[1] = 8  # lengths 8, 6, 3: a valid batch again, with different sequences
+    moved = fa_lab.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    assert len(reads) == 3
+    expected = fa_lab.attention_varlen(q, k, v, cu_q.clone(), cu_k.clone(), causal=True)
+    assert torch.equal(moved, expected) and not torch.equal(moved[:5], first[:5])
+    with pytest.raises(ValueError, match="max_seqlen_q is 7"):  # per-call checks run on values already read
+        fa_lab.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=7)
+    with torch.inference_mode():  # inference tensors count no writes: every call reads
+        cu = cu_q.clone()
+        fa_lab.attention_varlen(q, k, v, cu, cu_k, causal=True)
+        fa_lab.attention_varlen(q, k, v, cu, cu_k, causal=True)
+    assert len(reads) == 6  # the clone for `expected` and both inference-mode calls read; nothing else did
+
+
 def test_dense_bad_options_and_impls_that_do_not_take_them():
     q, k, v = make_qkv(1, 4, 8, 8, 16, requires_grad=False, heads_kv=2)
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
