@@ -347,6 +347,30 @@ def test_gpu_varlen_in_one_launch(impl, causal, window, softcap, head_dim, gener
         assert result.ok, str(result)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "triton_hopper"])
+def test_gpu_a_varlen_call_is_captured_by_a_cuda_graph_once_its_offsets_are_known(impl, generator):
+    """After a first call has read cu_seqlens (fa_lab.varlen.PackedBounds), the same call reads nothing back
+    from the GPU, so a CUDA graph can capture it; the replay equals the eager call."""
+    q, k, v, cu_q, cu_k = _packed([300, 0, 129, 1000], [300, 17, 200, 1000], 8, 2, 128, torch.bfloat16,
+                                  generator)
+    q, k, v, cu_q, cu_k = (t.cuda() for t in (q, k, v, cu_q, cu_k))
+    with torch.no_grad():
+        eager = fa_lab.attention_varlen(q, k, v, cu_q, cu_k, causal=True, impl=impl)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks
+            fa_lab.attention_varlen(q, k, v, cu_q, cu_k, causal=True, impl=impl)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fa_lab.attention_varlen(q, k, v, cu_q, cu_k, causal=True, impl=impl)
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
 def test_a_right_bound_of_zero_is_the_causal_mask(generator):
     from fa_lab.block_info import canonical_mask
 
