@@ -115,7 +115,9 @@ def quantize_e4m3(x: torch.Tensor, block: int | None = None, floor_ratio: float 
         padded = torch.nn.functional.pad(x, (0, 0, 0, num_blocks * block - seqlen))
         amax = padded.abs().reshape(batch, heads, num_blocks, block * head_dim).amax(dim=-1)
         amax = torch.maximum(amax, floor_ratio * amax.amax(dim=-1, keepdim=True))
-    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # (divided by a tensor, not a Python number: torch's CUDA kernels divide by a number as a multiplication
+    # by its float32 reciprocal, which can move the scale's last bit; this way it is the IEEE quotient everywhere)
+    scales = torch.where(amax > 0, amax / amax.new_tensor(E4M3_MAX), torch.ones_like(amax))
     data = (x / _expand_to_rows(scales, block, seqlen)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return Fp8Tensor(data, scales.contiguous(), block)
 

@@ -1,35 +1,36 @@
-"""The FP8 quantization of the Gluon FA3 kernel's operands in two Triton passes.
+"""The FP8 quantization of the Gluon FA3 kernel's operands in one Triton pass and a tiny finish.
 
 :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` prepares what ``impl="triton_hopper_fp8"``
 feeds the Gluon kernel: Q and K rotated by M = diag(signs) H / sqrt(d) and quantized to
 e4m3 with one scale per 128-row tile, and V quantized per 128-key tile and stored
 transposed, its keys renumbered (:func:`fa_lab.kernels.common.gluon_fp8_key_order`).
 Written as PyTorch operations that is a dozen passes over memory, several times the attention
-kernel's own time at long sequences. Here it is two passes:
+kernel's own time at long sequences. Here it is one pass over Q, K and V and a finish, two launches:
 
-1. :func:`_quantize_tile_kernel` on Q and K, one program per (tile, batch * head): load
-   the tile, rotate it with one ``tl.dot`` against Sylvester's +-1 matrix H (exact bf16/fp16
-   products, float32 sums: no rounding between the butterflies of a fast transform), take
-   its absolute maximum, store the descale and the e4m3 tile. For V the same kernel only
-   stores each tile's absolute maximum (``AMAX_ONLY``).
-2. :func:`_quantize_tile_kernel` on V again with the descales given (floored at
-   ``V_SCALE_FLOOR`` of the head's largest, computed in between on the tiny (B, H, tiles)
-   array), gathering the keys in the kernel's order and storing the tile transposed.
+1. :func:`_quantize_qkv_kernel`, one program per (tile, batch * head) of Q, K or V: load the tile,
+   for Q and K rotate it with one ``tl.dot`` against diag(signs) H, H Sylvester's +-1 matrix made in
+   registers (:func:`signed_hadamard`; exact bf16/fp16 products, float32 sums: no rounding between the
+   butterflies of a fast transform), take its
+   absolute maximum, store the descale and the e4m3 tile; a V tile's keys are gathered in the
+   kernel's order and the tile is stored transposed.
+2. :func:`_v_exponent_kernel`, one program per (batch, head) on the tiny (B * H, tiles) array of V's
+   descales: the head's largest, and each tile's exponent log2(descale / largest), which the Gluon
+   kernel adds to P's. The ratio is floored at ``V_SCALE_FLOOR``: a tile quieter than that
+   fraction of its head (an all-zero tile, say) then weighs at most that fraction of the head's largest
+   V too much, where the PyTorch path raises its scale to the floor instead.
 
-The result matches the PyTorch path up to the rotation's rounding (float32 here, the
-input's dtype there) and so to one e4m3 step at most, in a few values. The kernel is plain
-Triton, so the CPU tests run it in the interpreter. Like the other kernel modules it imports
+Q and K match the PyTorch path (:func:`fa_lab.fp8.quantize_e4m3`) up to the rotation's rounding (float32
+here, the input's dtype there), so to one e4m3 step at most, in a few values. V's bytes match it exactly
+(both take the IEEE quotient amax / 448 as a tile's scale), but in a tile below the floor. The kernels are
+plain Triton, so the CPU tests run them in the interpreter. Like the other kernel modules it imports
 triton: import it after :func:`fa_lab.kernels.load_triton` (``quantize_for_kernel`` does, on a GPU only).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ...fp8 import hadamard_transform
 from .. import common, interpreting, load_triton
 from ..common import cdiv
 
@@ -37,23 +38,31 @@ E4M3_MAX = tl.constexpr(common.E4M3_MAX)  # e4m3's largest finite value (a const
 
 
 @triton.jit
-def _quantize_tile_kernel(x_ptr, out_ptr, descale_ptr, hadamard_ptr, signs_ptr, seqlen, out_keys, stride_xbh,
-                          stride_xn, stride_obh, stride_orow, rsqrt_d,
-                          BLOCK: tl.constexpr = 128, HEAD_DIM: tl.constexpr = 128,
-                          ROTATE: tl.constexpr = False, AMAX_ONLY: tl.constexpr = False,
-                          V_TRANSPOSED: tl.constexpr = False, FLOAT32_DOT: tl.constexpr = False):
-    """One (BLOCK, HEAD_DIM) tile of x (B * H, N, d) -> e4m3, its descale stored per (bh, tile).
+def signed_hadamard(signs_ptr, HEAD_DIM: tl.constexpr):
+    """diag(signs) H (HEAD_DIM, HEAD_DIM) float32, H Sylvester's +-1 matrix, made in registers: H[i, j] is
+    (-1) to the number of bits i and j share (their AND's parity, folded by shifts; HEAD_DIM <= 256). Made
+    here, the matrix costs each program a few integer operations per entry instead of a 64 KB read."""
+    i = tl.arange(0, HEAD_DIM)[:, None]
+    shared = i & tl.arange(0, HEAD_DIM)[None, :]
+    shared = shared ^ (shared >> 4)
+    shared = shared ^ (shared >> 2)
+    shared = shared ^ (shared >> 1)
+    signs = tl.load(signs_ptr + tl.arange(0, HEAD_DIM))
+    return signs[:, None] * (1 - 2 * (shared & 1)).to(tl.float32)
 
-    AMAX_ONLY: store the tile's absolute maximum at descale_ptr instead, and nothing else.
+
+@triton.jit
+def _quantize_tile(x_ptr, out_ptr, descale_ptr, signs_ptr, tile, seqlen, out_keys, stride_xn,
+                   stride_orow, rsqrt_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
+                   V_TRANSPOSED: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+    """Tile ``tile`` (BLOCK, HEAD_DIM) of one (batch, head) of x (pointers already at that head) -> e4m3,
+    its descale stored at descale_ptr.
 
     V_TRANSPOSED: the tile's rows are the keys at positions [tile * BLOCK, +BLOCK) of the kernel's
     key order (common.gluon_fp8_key_order: position 16h + 4c + 2a + b of each 32 holds key
-    16h + 8a + 2c + b), the descale is read, not computed, and the tile is stored as
-    out[bh, column, position] for positions < out_keys.
+    16h + 8a + 2c + b), and the tile is stored as out[column, position] for positions < out_keys. Its
+    descale is 0 for an all-zero tile (:func:`_v_exponent_kernel` reads it), 1 for Q's and K's.
     """
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    n_tiles = tl.num_programs(0)
     position = tile * BLOCK + tl.arange(0, BLOCK)
     if V_TRANSPOSED:
         r = position % 32
@@ -62,37 +71,73 @@ def _quantize_tile_kernel(x_ptr, out_ptr, descale_ptr, hadamard_ptr, signs_ptr, 
         row = position
     col = tl.arange(0, HEAD_DIM)
     inside = row[:, None] < seqlen
-    x = tl.load(x_ptr + bh * stride_xbh + row[:, None] * stride_xn + col[None, :], mask=inside, other=0.0)
+    x = tl.load(x_ptr + row[:, None] * stride_xn + col[None, :], mask=inside, other=0.0)
     if ROTATE:  # x diag(signs) H / sqrt(d): the +-1 products are exact in x's dtype
         if FLOAT32_DOT:  # (the CPU interpreter: numpy has no bf16 matmul)
             x = x.to(tl.float32)
-        signs = tl.load(signs_ptr + col).to(x.dtype)
-        hadamard = tl.load(hadamard_ptr + col[:, None] * HEAD_DIM + col[None, :]).to(x.dtype)
-        x = tl.dot(x * signs[None, :], hadamard) * rsqrt_d
+        x = tl.dot(x, signed_hadamard(signs_ptr, HEAD_DIM).to(x.dtype)) * rsqrt_d
     else:
         x = x.to(tl.float32)
-    if V_TRANSPOSED:
-        descale = tl.load(descale_ptr + bh * n_tiles + tile)
-    else:
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        if AMAX_ONLY:
-            tl.store(descale_ptr + bh * n_tiles + tile, amax)
-            return
-        descale = tl.where(amax > 0, amax / E4M3_MAX, 1.0)
-        tl.store(descale_ptr + bh * n_tiles + tile, descale)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    descale = tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)  # (the IEEE quotient, as quantize_e4m3's)
     x8 = tl.clamp(x / descale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
     if V_TRANSPOSED:  # transposed in registers first, so that consecutive threads store consecutive keys
-        tl.store(out_ptr + bh * stride_obh + col[:, None] * stride_orow + position[None, :], tl.trans(x8),
+        tl.store(descale_ptr, tl.where(amax > 0, descale, 0.0))
+        tl.store(out_ptr + col[:, None] * stride_orow + position[None, :], tl.trans(x8),
                  mask=position[None, :] < out_keys)
     else:
-        tl.store(out_ptr + bh * stride_obh + row[:, None] * stride_orow + col[None, :], x8, mask=inside)
+        tl.store(descale_ptr, descale)
+        tl.store(out_ptr + row[:, None] * stride_orow + col[None, :], x8, mask=inside)
 
 
-@functools.lru_cache(maxsize=None)
-def _sylvester_hadamard(head_dim: int, device: torch.device) -> torch.Tensor:
-    """Sylvester's +-1 matrix (head_dim, head_dim): the fast transform of the identity, times sqrt(d).
-    Cached per device: a copy to the GPU on every call would cost more than the quantization."""
-    return (hadamard_transform(torch.eye(head_dim)) * head_dim ** 0.5).round().to(device)
+@triton.jit
+def _quantize_qkv_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale_ptr, k_descale_ptr, v_descale_ptr,
+                         signs_ptr, seqlen_q, seqlen_k, keys, stride_qbh, stride_qn, stride_kbh,
+                         stride_kn, stride_vbh, stride_vn, stride_q8bh, stride_k8bh, stride_vt8bh, rsqrt_d,
+                         BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
+                         FLOAT32_DOT: tl.constexpr):
+    """Program (t, bh): tile t of Q, then of K, then of V, of (batch, head) bh (grid: (q_tiles + 2 k_tiles,
+    B * H)). q, k, v: (B * H, N, d) rows; q8, k8 the same in e4m3, contiguous; vt8 (B * H, d, keys);
+    descales (B * H, tiles) float32."""
+    t = tl.program_id(0)
+    bh = tl.program_id(1)
+    q_tiles = tl.cdiv(seqlen_q, BLOCK)
+    k_tiles = tl.cdiv(seqlen_k, BLOCK)
+    if t < q_tiles:
+        _quantize_tile(q_ptr + bh * stride_qbh, q8_ptr + bh * stride_q8bh, q_descale_ptr + bh * q_tiles + t,
+                       signs_ptr, t, seqlen_q, 0, stride_qn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
+                       ROTATE, False, FLOAT32_DOT)
+    elif t < q_tiles + k_tiles:
+        t -= q_tiles
+        _quantize_tile(k_ptr + bh * stride_kbh, k8_ptr + bh * stride_k8bh, k_descale_ptr + bh * k_tiles + t,
+                       signs_ptr, t, seqlen_k, 0, stride_kn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
+                       ROTATE, False, FLOAT32_DOT)
+    else:
+        t -= q_tiles + k_tiles
+        _quantize_tile(v_ptr + bh * stride_vbh, vt8_ptr + bh * stride_vt8bh, v_descale_ptr + bh * k_tiles + t,
+                       signs_ptr, t, seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False,
+                       True, FLOAT32_DOT)
+
+
+@triton.jit
+def _v_exponent_kernel(v_descale_ptr, v_exponent_ptr, v_descale_max_ptr, tiles, floor,
+                       BLOCK_T: tl.constexpr):
+    """Program bh: v_descale_max[bh] = the largest of V's tile descales (1 for an all-zero head) and
+    v_exponent[bh, t] = log2(max(descale_t / largest, floor))."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_T)
+    largest = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for start in range(0, tiles, BLOCK_T):
+        largest = tl.maximum(largest, tl.load(v_descale_ptr + bh * tiles + start + offs,
+                                              mask=start + offs < tiles, other=0.0))
+    largest = tl.max(largest, axis=0)
+    largest = tl.where(largest > 0, largest, 1.0)
+    tl.store(v_descale_max_ptr + bh, largest)
+    for start in range(0, tiles, BLOCK_T):
+        inside = start + offs < tiles
+        descale = tl.load(v_descale_ptr + bh * tiles + start + offs, mask=inside, other=1.0)
+        exponent = tl.log2(tl.maximum(descale / largest, floor))  # (an all-zero tile's descale is 0)
+        tl.store(v_exponent_ptr + bh * tiles + start + offs, exponent, mask=inside)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -101,50 +146,37 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float):
+def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_warps: int = 8):
     """(q8, k8, vt8, (q_descale, k_descale, v_exponent, v_descale_max)) as quantize_for_kernel(gluon=True).
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon
-    kernel's key order; descales (B, H, tiles) float32, v_descale_max (B, H).
+    kernel's key order; descales (B, H, tiles) float32, v_descale_max (B, H). Two launches.
     """
     load_triton()
     batch, heads, _, head_dim = q.shape
     device = q.device
-    options = dict(BLOCK=block, HEAD_DIM=head_dim, num_warps=8)
     rotate = signs is not None
-    if rotate:
-        hadamard = _sylvester_hadamard(head_dim, device)
-        signs = signs.to(device=device, dtype=torch.float32)
-    else:
-        hadamard = signs = q  # not read without the rotation
-
-    def quantize_rows(x):
-        x = _as_rows(x)
-        tiles = cdiv(x.shape[1], block)
-        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
-        descale = torch.empty(x.shape[0], tiles, dtype=torch.float32, device=device)
-        _quantize_tile_kernel[(tiles, x.shape[0])](
-            x, out, descale, hadamard, signs, x.shape[1], 0, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            head_dim ** -0.5, ROTATE=rotate, FLOAT32_DOT=interpreting(), **options)
-        return out.view(batch, heads, *x.shape[1:]), descale.view(batch, heads, tiles)
-
-    q8, q_descale = quantize_rows(q)
-    k8, k_descale = quantize_rows(k)
-
-    v_rows = _as_rows(v)
-    seqlen_k = v_rows.shape[1]
-    grid = (cdiv(seqlen_k, block), v_rows.shape[0])
-    amax = torch.empty(grid[::-1], dtype=torch.float32, device=device)
-    _quantize_tile_kernel[grid](v_rows, amax, amax, hadamard, signs, seqlen_k, 0, v_rows.stride(0), v_rows.stride(1),
-                                0, 0, 1.0, AMAX_ONLY=True, **options)
-    amax = torch.maximum(amax, v_scale_floor * amax.amax(dim=-1, keepdim=True))
-    v_descale = torch.where(amax > 0, amax / common.E4M3_MAX, torch.ones_like(amax))
-    v_descale_max = v_descale.amax(dim=-1)
-    keys = cdiv(seqlen_k, 32) * 32
-    vt8 = torch.empty(v_rows.shape[0], head_dim, keys, dtype=torch.float8_e4m3fn, device=device)
-    _quantize_tile_kernel[grid](v_rows, vt8, v_descale, hadamard, signs, seqlen_k, keys, v_rows.stride(0),
-                                v_rows.stride(1), vt8.stride(0), vt8.stride(1), 1.0, V_TRANSPOSED=True, **options)
-    v_exponent = torch.log2(v_descale / v_descale_max[:, None])
-    descales = (q_descale, k_descale, v_exponent.view(batch, heads, -1), v_descale_max.view(batch, heads))
-    return q8, k8, vt8.view(batch, heads, head_dim, keys), descales
+    signs = signs.to(device=device, dtype=torch.float32) if rotate else q  # (q: not read without the rotation)
+    q_rows, k_rows, v_rows = _as_rows(q), _as_rows(k), _as_rows(v)
+    (bh, seqlen_q, _), seqlen_k = q_rows.shape, k_rows.shape[1]
+    q_tiles, k_tiles, keys = cdiv(seqlen_q, block), cdiv(seqlen_k, block), cdiv(seqlen_k, 32) * 32
+    q8 = torch.empty(q_rows.shape, dtype=torch.float8_e4m3fn, device=device)
+    k8 = torch.empty(k_rows.shape, dtype=torch.float8_e4m3fn, device=device)
+    vt8 = torch.empty(bh, head_dim, keys, dtype=torch.float8_e4m3fn, device=device)
+    # One float32 buffer holds the five small outputs: Q's, K's and V's descales, V's exponents, V's largest.
+    small = torch.empty(bh * (q_tiles + 3 * k_tiles + 1), dtype=torch.float32, device=device)
+    q_descale, k_descale, v_descale, v_exponent, v_descale_max = small.split(
+        [bh * q_tiles, bh * k_tiles, bh * k_tiles, bh * k_tiles, bh])
+    if bh and q_tiles + k_tiles:
+        _quantize_qkv_kernel[(q_tiles + 2 * k_tiles, bh)](
+            q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs, seqlen_q,
+            seqlen_k, keys, q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1),
+            v_rows.stride(0), v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5,
+            BLOCK=block, HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), num_warps=num_warps)
+        _v_exponent_kernel[(bh,)](v_descale, v_exponent, v_descale_max, k_tiles, v_scale_floor,
+                                  BLOCK_T=128)
+    descales = (q_descale.view(batch, heads, q_tiles), k_descale.view(batch, heads, k_tiles),
+                v_exponent.view(batch, heads, k_tiles), v_descale_max.view(batch, heads))
+    return (q8.view(batch, heads, seqlen_q, head_dim), k8.view(batch, heads, seqlen_k, head_dim),
+            vt8.view(batch, heads, head_dim, keys), descales)
