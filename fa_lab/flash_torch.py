@@ -118,35 +118,91 @@ def flash_backward(q, k, v, out, lse, grad_out, causal=False, scale=None,
     """Recomputation backward. Shapes and options as :func:`flash_forward`; grad_out like out.
 
     Returns (dq, dk, dv) in the dtypes of q, k, v; dk and dv sum over each group of query heads.
+    The loop runs over query tiles, each walking the key tiles it sees (FlashAttention-2's order in one
+    program; :func:`flash_backward_key_major` is FlashAttention-3's).
     """
+    tiles, k3, v3, delta, lse_safe = _backward_operands(q, k, v, out, lse, grad_out, causal, scale, window,
+                                                        softcap, alibi_slopes)
     batch, heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
-    tiles = _Tiles(q, k, causal, scale, window, softcap, alibi_slopes)
-    rows_kv = batch * tiles.heads_kv
-    k3, v3 = (t.reshape(rows_kv, seqlen_k, head_dim).float() for t in (k, v))
-    delta = (grad_out.float() * out.float()).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O): (B, H, Nq, 1)
-    # exp(S - (+inf)) = 0 gives P = 0 on rows that see no key (their lse is -inf).
-    lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)[..., None]
     dq = torch.zeros((batch, heads, seqlen_q, head_dim), device=q.device)
-    dk = torch.zeros((rows_kv, seqlen_k, head_dim), device=q.device)
-    dv = torch.zeros((rows_kv, seqlen_k, head_dim), device=q.device)
+    dk, dv = torch.zeros(k3.shape, device=q.device), torch.zeros(v3.shape, device=q.device)
     for i0 in range(0, seqlen_q, block_q):
         i1 = min(i0 + block_q, seqlen_q)
-        q_tile, do_tile = tiles.pack(q, i0, i1), tiles.pack(grad_out, i0, i1)
-        lse_tile, delta_tile = tiles.pack(lse_safe, i0, i1), tiles.pack(delta, i0, i1)
-        dq_tile = torch.zeros(q_tile.shape, device=q.device)
+        rows = tuple(tiles.pack(t, i0, i1) for t in (q, grad_out, lse_safe, delta))
+        dq_tile = torch.zeros(rows[0].shape, device=q.device)
         for j0, j1 in tiles.key_tiles(i0, i1, block_k):
-            k_tile, v_tile = k3[:, j0:j1], v3[:, j0:j1]
-            scores = tiles.scores(q_tile * tiles.scale, k_tile, i0, i1, j0, j1)
-            p = torch.exp(scores - lse_tile)  # P recomputed from the saved LSE, already normalized
-            dv[:, j0:j1] += torch.bmm(p.transpose(1, 2), do_tile)  # the group's rows sum into one dV
-            dp = torch.bmm(do_tile, v_tile.transpose(1, 2))
-            ds = p * (dp - delta_tile)  # dS = P * (dP - D): the softmax Jacobian applied row by row
-            if tiles.softcap:  # back through softcap * tanh(s / softcap); ALiBi adds a constant
-                ds *= soft_cap_derivative(_alibi_free(scores, tiles, i0, i1, j0, j1), tiles.softcap)
-            dq_tile += torch.bmm(ds, k_tile)
-            dk[:, j0:j1] += torch.bmm(ds.transpose(1, 2), q_tile)
+            dq_part, dk_part, dv_part = _pair_gradients(tiles, *rows, k3[:, j0:j1], v3[:, j0:j1], i0, i1, j0, j1)
+            dq_tile += dq_part
+            dk[:, j0:j1] += dk_part
+            dv[:, j0:j1] += dv_part  # the group's rows sum into one dV
         dq[:, :, i0:i1] = dq_tile.view(batch, heads, i1 - i0, head_dim)
+    return _scaled_gradients(tiles, q, k, v, dq, dk, dv)
+
+
+def flash_backward_key_major(q, k, v, out, lse, grad_out, causal=False, scale=None, block_q=DEFAULT_BLOCK_Q,
+                             block_k=DEFAULT_BLOCK_K, key_tile_order=None, window=(-1, -1), softcap=0.0,
+                             alibi_slopes=None):
+    """The same backward in FlashAttention-3's order: one program per key tile keeps its dK and dV (in
+    registers, on a GPU) while it walks every query tile that sees it, and adds its share of each dQ tile
+    into one float32 buffer shared by all programs (atomic adds, on a GPU).
+
+    key_tile_order: the order in which the key tiles' programs add into dQ (indices of the key tiles;
+    default: in order), which on a GPU is the order in which CTAs happen to get there. Float32 addition is
+    not associative, so dQ's last bits depend on it; a kernel that must be deterministic fixes the order.
+    Returns (dq, dk, dv) as :func:`flash_backward`.
+    """
+    tiles, k3, v3, delta, lse_safe = _backward_operands(q, k, v, out, lse, grad_out, causal, scale, window,
+                                                        softcap, alibi_slopes)
+    batch, heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    dq_accum = torch.zeros((batch, heads, seqlen_q, head_dim), device=q.device)  # FA3's float32 dQaccum
+    dk, dv = torch.zeros(k3.shape, device=q.device), torch.zeros(v3.shape, device=q.device)
+    starts = list(range(0, seqlen_k, block_k))
+    for index in (range(len(starts)) if key_tile_order is None else key_tile_order):
+        j0 = starts[index]
+        j1 = min(j0 + block_k, seqlen_k)
+        for i0 in range(0, seqlen_q, block_q):
+            i1 = min(i0 + block_q, seqlen_q)
+            first, end = tiles.info.key_range(i0, i1)
+            if end <= j0 or j1 <= first:  # no row of this query tile sees these keys
+                continue
+            rows = tuple(tiles.pack(t, i0, i1) for t in (q, grad_out, lse_safe, delta))
+            dq_part, dk_part, dv_part = _pair_gradients(tiles, *rows, k3[:, j0:j1], v3[:, j0:j1], i0, i1, j0, j1)
+            dk[:, j0:j1] += dk_part
+            dv[:, j0:j1] += dv_part
+            dq_accum[:, :, i0:i1] += dq_part.view(batch, heads, i1 - i0, head_dim)  # the contended write
+    return _scaled_gradients(tiles, q, k, v, dq_accum, dk, dv)
+
+
+def _backward_operands(q, k, v, out, lse, grad_out, causal, scale, window, softcap, alibi_slopes):
+    """(tiles, k3, v3, delta, lse_safe): what both loop orders read. k3, v3: float32 (B * Hkv, Nk, d);
+    delta = D = rowsum(dO * O) (B, H, Nq, 1); lse_safe (B, H, Nq, 1) with +inf where a row sees no key."""
+    tiles = _Tiles(q, k, causal, scale, window, softcap, alibi_slopes)
+    rows_kv = q.shape[0] * tiles.heads_kv
+    k3, v3 = (t.reshape(rows_kv, k.shape[2], k.shape[3]).float() for t in (k, v))
+    delta = (grad_out.float() * out.float()).sum(dim=-1, keepdim=True)
+    # exp(S - (+inf)) = 0 gives P = 0 on rows that see no key (their lse is -inf).
+    lse_safe = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)[..., None]
+    return tiles, k3, v3, delta, lse_safe
+
+
+def _pair_gradients(tiles, q_tile, do_tile, lse_tile, delta_tile, k_tile, v_tile, i0, i1, j0, j1):
+    """The backward's five GEMMs for query rows [i0, i1) (packed by ``tiles.pack``) against keys [j0, j1):
+    S = Q K^T again, P = exp(S - LSE), dV = P^T dO, dP = dO V^T, dS = P (dP - D), dQ = dS K, dK = dS^T Q.
+    Returns the partial (dq, dk, dv), before the softmax scale."""
+    scores = tiles.scores(q_tile * tiles.scale, k_tile, i0, i1, j0, j1)
+    p = torch.exp(scores - lse_tile)  # P recomputed from the saved LSE, already normalized
+    dv = torch.bmm(p.transpose(1, 2), do_tile)
+    dp = torch.bmm(do_tile, v_tile.transpose(1, 2))
+    ds = p * (dp - delta_tile)  # dS = P * (dP - D): the softmax Jacobian applied row by row
+    if tiles.softcap:  # back through softcap * tanh(s / softcap); ALiBi adds a constant
+        ds *= soft_cap_derivative(_alibi_free(scores, tiles, i0, i1, j0, j1), tiles.softcap)
+    return torch.bmm(ds, k_tile), torch.bmm(ds.transpose(1, 2), q_tile), dv
+
+
+def _scaled_gradients(tiles, q, k, v, dq, dk, dv):
+    """dq (B, H, Nq, d), dk, dv (B * Hkv, Nk, d) in float32 -> the inputs' shapes and dtypes, dq and dk
+    times the softmax scale."""
     dk, dv = dk.view(k.shape), dv.view(v.shape)
     return (dq * tiles.scale).to(q.dtype), (dk * tiles.scale).to(k.dtype), dv.to(v.dtype)
 

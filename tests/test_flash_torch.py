@@ -61,3 +61,37 @@ def test_cuda(dtype, causal, generator):
     q, k, v = make_qkv(2, 4, 300, 517, 64, dtype, "cuda", generator=generator)
     check_attention(lambda *a: flash_attention(*a, block_q=128, block_k=128), q, k, v, causal, None,
                     generator=generator)
+
+
+@pytest.mark.parametrize("causal, window, softcap, with_alibi, heads_kv", [
+    (False, (-1, -1), 0.0, False, 4), (True, (-1, -1), 0.0, False, 2), (True, (9, -1), 0.0, True, 1),
+    (False, (5, 7), 3.0, False, 4), (True, (-1, -1), 2.0, True, 2)])
+def test_key_major_backward_is_the_same_backward(causal, window, softcap, with_alibi, heads_kv, generator):
+    """FlashAttention-3's loop order (key tiles outer, dQ accumulated across them) against float64 autograd by
+    the tolerance rule, with the query-major backward as the baseline; any order of the key tiles' adds
+    into dQ gives the same dK and dV bit for bit and the same dQ to float32 rounding, and one order
+    repeated gives the same bits."""
+    from fa_lab.flash_torch import flash_backward, flash_backward_key_major, flash_forward
+    from fa_lab.reference import reference_attention
+    from fa_lab.testing import compare
+
+    q, k, v = make_qkv(2, 4, 45, 70, 16, torch.float32, generator=generator, heads_kv=heads_kv,
+                       requires_grad=False)
+    slopes = torch.rand(2, 4, generator=generator) * 0.2 if with_alibi else None
+    options = dict(window=window, softcap=softcap, alibi_slopes=slopes)
+    out, lse = flash_forward(q, k, v, causal, None, block_q=16, block_k=16, **options)
+    grad_out = torch.randn(out.shape, generator=generator)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    reference_out, _ = reference_attention(*leaves, causal, None, **options)
+    reference_out.backward(grad_out.double())
+    baseline = flash_backward(q, k, v, out, lse, grad_out, causal, None, 16, 16, **options)
+    key_major = flash_backward_key_major(q, k, v, out, lse, grad_out, causal, None, 16, 16, **options)
+    for name, got, base, leaf in zip(("dq", "dk", "dv"), key_major, baseline, leaves):
+        result = compare(name, got, leaf.grad, base, torch.float32)
+        assert result.ok, str(result)
+    shuffled = torch.randperm(5, generator=generator).tolist()  # 70 keys: 5 tiles of 16
+    again = [flash_backward_key_major(q, k, v, out, lse, grad_out, causal, None, 16, 16, key_tile_order=shuffled,
+                                      **options) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*again))
+    assert torch.equal(again[0][1], key_major[1]) and torch.equal(again[0][2], key_major[2])
+    torch.testing.assert_close(again[0][0], key_major[0], rtol=1e-5, atol=1e-6)
