@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from .impls import IMPLS
-from .inputs import check_options, check_qkv
+from .inputs import check_fp8_inputs, check_options, check_qkv
 from .kernels import use_interpreter_without_gpu
 from .score_mods import check_alibi_slopes
 
@@ -21,7 +21,8 @@ __all__ = ["IMPLS", "attention", "attention_varlen", "attention_with_kvcache", "
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: str = "torch",
-              return_lse: bool = False, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
+              return_lse: bool = False, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+              q_descale=None, k_descale=None, v_descale=None):
     """Exact softmax attention, in SDPA's layout.
 
     q: (batch, heads, seqlen_q, head_dim); k, v: (batch, heads_kv, seqlen_k, head_dim), where
@@ -41,11 +42,21 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
         forward for Hopper, with the "triton" backward), "triton_hopper_fp8" (FP8
         e4m3 forward with per-tile scales and a Hadamard rotation of q and k;
         forward only: a backward through it raises RuntimeError). window, softcap and
-        alibi_slopes are in every impl but "triton_hopper_fp8"; "triton_hopper" runs them
-        through the "triton" kernels (:mod:`fa_lab.impls`).
+        alibi_slopes are in every impl but "triton_hopper_fp8"; "triton_hopper" takes them in
+        its Gluon forward on sm_90 and in the "triton" kernels elsewhere (:mod:`fa_lab.impls`).
+    q_descale, k_descale, v_descale: for inputs already quantized (flash-attn's FP8 convention): q, k, v
+        in float8_e4m3fn, each descale float32 (batch, heads_kv), x = x8 * descale, impl
+        "triton_hopper_fp8" only, without score options; no rotation and no quantization pass run, and
+        out is bfloat16.
     Returns out (dtype of q) or, with return_lse, (out, lse) where lse: (batch,
     heads, seqlen_q) float32 is detached. Gradients flow to q, k, v for every impl.
     """
+    descales = (q_descale, k_descale, v_descale)
+    if check_fp8_inputs(q, k, v, descales, impl):
+        causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
+        from .impls import run_prequantized_fp8
+        out, lse = run_prequantized_fp8(q, k, v, descales, causal, scale, window, softcap, alibi_slopes)
+        return (out, lse.detach()) if return_lse else out
     check_qkv(q, k, v)
     causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
     slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1], q.device)

@@ -48,3 +48,18 @@ def run(q, k, v, causal: bool, scale: float, impl: str, window=(-1, -1), softcap
                                   f"{', '.join(map(repr, WITH_SCORE_OPTIONS))} do")
     from .kernels import triton_hopper_fp8_attention
     return triton_hopper_fp8_attention(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), causal, scale)
+
+
+def run_prequantized_fp8(q8, k8, v8, descales, causal: bool, scale: float, window, softcap, alibi_slopes):
+    """impl="triton_hopper_fp8" on float8_e4m3fn q8 (B, H, Nq, d), k8, v8 (B, Hkv, Nk, d) with flash-attn's
+    (batch, heads_kv) descales (checked by ``inputs.check_fp8_inputs``): K, V and their descales expanded to
+    one head per query head, as the FP8 kernels read them, and q_descale, per KV head like flash-attn's, to
+    each query head of the group. Returns (out bfloat16, lse)."""
+    if has_score_options(q8.shape[2], k8.shape[2], causal, window, softcap, alibi_slopes):
+        raise NotImplementedError("float8_e4m3fn inputs (impl='triton_hopper_fp8') take no window, softcap or "
+                                  "alibi_slopes")
+    from .kernels import triton_hopper_fp8_prequantized
+
+    heads = q8.shape[1]
+    per_head = tuple(d.repeat_interleave(heads // d.shape[1], dim=1) for d in descales)
+    return triton_hopper_fp8_prequantized(q8, expand_kv(k8, heads), expand_kv(v8, heads), per_head, causal, scale)

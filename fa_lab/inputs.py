@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_INPUT_DTYPE = torch.float8_e4m3fn  # already-quantized inputs, with flash-attn's descales
 MAX_HEAD_DIM = 256
 
 
@@ -97,3 +98,41 @@ def check_options(head_dim: int, causal, scale, window, softcap) -> tuple[bool, 
     causal, window = canonical_mask(causal, window)
     return causal, scale, window, check_softcap(softcap)
 
+
+
+def check_fp8_inputs(q, k, v, descales, impl: str) -> bool:
+    """Whether q, k, v come already quantized: float8_e4m3fn with descales = (q_descale, k_descale,
+    v_descale), each float32 (batch, heads_kv), flash-attn's convention (x = x8 * descale), for
+    ``impl="triton_hopper_fp8"``. False when none is e4m3 and no descale is given; anything in between is
+    an error. Descale values are checked (finite, > 0) on the CPU only: a read of a GPU tensor would make
+    every call wait for the GPU."""
+    names = ("q_descale", "k_descale", "v_descale")
+    given = [name for name, d in zip(names, descales) if d is not None]
+    in_fp8 = [name for name, t in (("q", q), ("k", k), ("v", v))
+              if isinstance(t, torch.Tensor) and t.dtype == FP8_INPUT_DTYPE]
+    if not given and not in_fp8:
+        return False
+    if len(in_fp8) < 3:
+        raise TypeError(f"{', '.join(given) if given else ', '.join(in_fp8) + ' in float8_e4m3fn'}: already "
+                        f"quantized inputs need q, k and v all in float8_e4m3fn with q_descale, k_descale and "
+                        f"v_descale (flash-attn's convention); got {', '.join(in_fp8) or 'none'} in float8_e4m3fn")
+    if len(given) < 3:
+        missing = [name for name in names if name not in given]
+        raise ValueError(f"float8_e4m3fn q, k, v need q_descale, k_descale and v_descale, float32 (batch, "
+                         f"heads_kv) each; {', '.join(missing)} missing")
+    if impl != "triton_hopper_fp8":
+        raise ValueError(f"float8_e4m3fn inputs run with impl='triton_hopper_fp8' only, got impl={impl!r}")
+    check_qkv(q, k, v, dtypes=(FP8_INPUT_DTYPE,))
+    shape = (q.shape[0], k.shape[1])
+    for name, d in zip(names, descales):
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(d).__name__}")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {d.dtype}")
+        if tuple(d.shape) != shape:
+            raise ValueError(f"{name} must have shape (batch, heads_kv) = {shape}, got {tuple(d.shape)}")
+        if d.device != q.device:
+            raise ValueError(f"{name} is on {d.device} but q is on {q.device}")
+        if not d.is_cuda and not (torch.isfinite(d) & (d > 0)).all():
+            raise ValueError(f"{name} must be finite and positive")
+    return True

@@ -52,6 +52,62 @@ def test_interpreter_fp8_matches_the_cpu_emulation(causal, generator):
     assert kernel_rmse < 0.05  # far from garbage: e4m3 keeps 3 mantissa bits
 
 
+def _prequantized(generator, device, heads=4, heads_kv=2):
+    """bf16-valued q, k, v quantized to e4m3 as flash-attn's FP8 interface takes them: one float32 descale per
+    (batch, KV head), q's shared by the query heads of a group. Returns ((q8, k8, v8), descales, dequantized)."""
+    q = torch.randn(2, heads, 96, 64, generator=generator) * 2
+    k, v = (torch.randn(2, heads_kv, 160, 64, generator=generator) for _ in range(2))
+    group = heads // heads_kv
+
+    def quantize(x, per):
+        descale = x.unflatten(1, (x.shape[1] // per, per)).abs().amax(dim=(2, 3, 4)) / 448.0  # (B, Hkv)
+        x8 = (x / descale.repeat_interleave(per, dim=1)[..., None, None]).to(torch.float8_e4m3fn)
+        return x8, descale, x8.float() * descale.repeat_interleave(per, dim=1)[..., None, None]
+
+    parts = [quantize(x, per) for x, per in ((q, group), (k, 1), (v, 1))]
+    return tuple(p[0].to(device) for p in parts), tuple(p[1].to(device) for p in parts), [p[2] for p in parts]
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_takes_already_quantized_inputs_with_descales(device, causal, generator):
+    """e4m3 q, k, v with flash-attn's (batch, heads_kv) descales, grouped heads: the output is attention of the
+    dequantized inputs to e4m3's P rounding (bf16 out), and a wrong descale is caught."""
+    from fa_lab.fp8 import rmse
+    from fa_lab.reference import reference_attention
+
+    pytest.importorskip("triton")
+    (q8, k8, v8), (qd, kd, vd), dequantized = _prequantized(generator, device)
+    reference = reference_attention(*(t.double() for t in dequantized), causal)[0]
+    out = fa_lab.attention(q8, k8, v8, causal, impl="triton_hopper_fp8", q_descale=qd, k_descale=kd, v_descale=vd)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 4, 96, 64)
+    assert rmse(out.cpu(), reference) < 0.015  # (about 0.004 on a CPU: P rounded to e4m3, out to bf16)
+    doubled = fa_lab.attention(q8, k8, v8, causal, impl="triton_hopper_fp8", q_descale=qd, k_descale=kd,
+                               v_descale=vd * 2)
+    assert rmse(doubled.cpu(), reference) > 10 * rmse(out.cpu(), reference)
+
+
+def test_already_quantized_inputs_bad_input_names_the_argument(generator):
+    (q8, k8, v8), (qd, kd, vd), dequantized = _prequantized(generator, "cpu")
+    fp8 = dict(impl="triton_hopper_fp8", q_descale=qd, k_descale=kd, v_descale=vd)
+    with pytest.raises(ValueError, match="v_descale missing"):
+        fa_lab.attention(q8, k8, v8, impl="triton_hopper_fp8", q_descale=qd, k_descale=kd)
+    with pytest.raises(TypeError, match="q, k and v all in float8_e4m3fn"):
+        fa_lab.attention(dequantized[0].bfloat16(), k8, v8, **fp8)
+    with pytest.raises(TypeError, match="q_descale"):
+        fa_lab.attention(*(t.bfloat16() for t in dequantized), q_descale=qd)
+    with pytest.raises(ValueError, match="impl='triton_hopper_fp8' only"):
+        fa_lab.attention(q8, k8, v8, impl="triton", q_descale=qd, k_descale=kd, v_descale=vd)
+    with pytest.raises(ValueError, match=r"k_descale must have shape \(batch, heads_kv\) = \(2, 2\)"):
+        fa_lab.attention(q8, k8, v8, **{**fp8, "k_descale": kd[:, :1]})
+    with pytest.raises(TypeError, match="v_descale must be float32"):
+        fa_lab.attention(q8, k8, v8, **{**fp8, "v_descale": vd.double()})
+    with pytest.raises(ValueError, match="q_descale must be finite and positive"):
+        fa_lab.attention(q8, k8, v8, **{**fp8, "q_descale": -qd})
+    with pytest.raises(NotImplementedError, match="take no window"):
+        fa_lab.attention(q8, k8, v8, window=(8, 0), **fp8)
+
+
 def test_fp8_is_forward_only(generator):
     q, k, v = make_qkv(1, 1, 32, 32, 32, torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu",
                        generator=generator)

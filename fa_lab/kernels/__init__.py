@@ -151,3 +151,11 @@ def triton_hopper_fp8_attention(q, k, v, causal, scale, **options):
     load_triton()
     from .hopper.fp8_attention import triton_hopper_fp8_attention as run
     return run(q, k, v, causal, scale, **options)
+
+
+def triton_hopper_fp8_prequantized(q8, k8, v8, descales, causal, scale, **options):
+    """The FP8 forward on inputs already in e4m3 with per-head descales. See
+    :func:`fa_lab.kernels.hopper.fp8_attention.triton_hopper_fp8_prequantized`."""
+    load_triton()
+    from .hopper.fp8_attention import triton_hopper_fp8_prequantized as run
+    return run(q8, k8, v8, descales, causal, scale, **options)

@@ -18,8 +18,9 @@ from .fp8_attention import (
     quantize_for_kernel,
     rotation_signs,
     triton_hopper_fp8_attention,
+    triton_hopper_fp8_prequantized,
 )
 
 __all__ = ["FP8_OPTIONS", "GLUON_TILES", "HopperOptions", "V_SCALE_FLOOR", "fp8_forward", "gluon_forward",
            "hopper_forward", "quantize_for_kernel", "rotation_signs", "triton_hopper_attention",
-           "triton_hopper_fp8_attention", "uses_gluon"]
+           "triton_hopper_fp8_attention", "triton_hopper_fp8_prequantized", "uses_gluon"]

@@ -58,16 +58,41 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon:
         q, k = incoherent_rotation(q, k, signs)
     q8, k8 = quantize_e4m3(q, config.block_m), quantize_e4m3(k, config.block_n)
     v8 = quantize_e4m3(v, config.block_n, floor_ratio=V_SCALE_FLOOR)
-    vt8 = v8.data.transpose(-2, -1)
-    if gluon:  # keys padded to 32 (masked by seqlen_k in the kernel) and reordered
-        order = gluon_fp8_key_order(vt8.shape[-1], vt8.device)
-        vt8 = torch.nn.functional.pad(vt8.view(torch.uint8), (0, len(order) - vt8.shape[-1]))
-        vt8 = vt8[..., order].view(torch.float8_e4m3fn)
-    vt8 = kernel_operand(vt8)  # keys padded to 16: masked by seqlen_k in the kernel
+    vt8 = v_transposed(v8.data, gluon)
     v_descale_max = v8.scales.amax(dim=-1).contiguous()
     v_descales = torch.log2(v8.scales / v_descale_max[..., None]) if gluon else v8.scales
     descales = (q8.scales, k8.scales, v_descales, v_descale_max)
     return kernel_operand(q8.data), kernel_operand(k8.data), vt8, descales
+
+
+def v_transposed(v8: torch.Tensor, gluon: bool) -> torch.Tensor:
+    """e4m3 V (B, H, Nk, d) -> V^T (B, H, d, keys) as the FP8 kernels read it (Hopper's FP8 WGMMA takes B
+    K-major): keys padded to 16, or for the Gluon kernel to 32 and renumbered
+    (:func:`fa_lab.kernels.common.gluon_fp8_key_order`); the padding is masked by seqlen_k in the kernels."""
+    vt8 = v8.transpose(-2, -1)
+    if gluon:
+        order = gluon_fp8_key_order(vt8.shape[-1], vt8.device)
+        vt8 = torch.nn.functional.pad(vt8.view(torch.uint8), (0, len(order) - vt8.shape[-1]))
+        vt8 = vt8[..., order].view(torch.float8_e4m3fn)
+    return kernel_operand(vt8)
+
+
+def prequantized_operands(q8, k8, v8, q_descale, k_descale, v_descale, config: TileConfig, gluon: bool):
+    """The FP8 kernel's operands from inputs already in e4m3 with flash-attn's descales: q8 (B, H, Nq, d),
+    k8, v8 (B, H, Nk, d) (K/V expanded to one head per query head), each descale (B, H) float32, one per
+    (batch, head), as a framework that quantizes in its own kernel (with RoPE, say) passes them. Returns
+    (q8, k8, vt8, descales) as :func:`quantize_for_kernel`: every tile of a head gets its head's descale,
+    and V's per-tile exponents are 0 (one descale per head is its own largest)."""
+    batch, heads, seqlen_q, _ = q8.shape
+    q_tiles, k_tiles = -(-seqlen_q // config.block_m), -(-k8.shape[2] // config.block_n)
+    per_tile = [d.float()[..., None].expand(batch, heads, tiles).contiguous()
+                for d, tiles in ((q_descale, q_tiles), (k_descale, k_tiles), (v_descale, k_tiles))]
+    if gluon:
+        v_exponent = torch.zeros_like(per_tile[2])
+        descales = (per_tile[0], per_tile[1], v_exponent, v_descale.float().contiguous())
+    else:
+        descales = (*per_tile, v_descale.float().contiguous())
+    return kernel_operand(q8), kernel_operand(k8), v_transposed(v8, gluon), descales
 
 
 def fp8_forward(q8, k8, vt8, descales, causal, scale, config: TileConfig, out_dtype, head_dim,
@@ -86,6 +111,23 @@ def fp8_forward(q8, k8, vt8, descales, causal, scale, config: TileConfig, out_dt
     pipelined_forward(q8, k8, vt8, out, lse, descales[:3], causal, scale, config, pipeline=options.pipeline,
                       warp_specialize=options.warp_specialize, fp8=True)
     return out[..., :head_dim], lse
+
+
+def triton_hopper_fp8_prequantized(q8, k8, v8, descales, causal, scale, out_dtype=torch.bfloat16,
+                                   options: HopperOptions = FP8_OPTIONS):
+    """impl="triton_hopper_fp8" on inputs already in e4m3: q8 (B, H, Nq, d), k8, v8 (B, H, Nk, d) (K/V
+    expanded to one head per query head), descales = (q_descale, k_descale, v_descale), each (B, H)
+    float32, flash-attn's convention (x = x8 * descale). No rotation and no quantization pass: V is only
+    laid out as V^T (a pass over its bytes). Returns (out (B, H, Nq, d) in out_dtype, lse)."""
+    load_triton()
+    head_dim = q8.shape[-1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    gluon = uses_gluon(q8, options)
+    config = GLUON_TILES if gluon else forward_config(head_dim, causal, interpreting())
+    with torch.no_grad():
+        operands = prequantized_operands(q8, k8, v8, *descales, config, gluon)
+        with on_device(q8):
+            return fp8_forward(*operands, causal, scale, config, out_dtype, head_dim, options)
 
 
 class _ForwardOnly(torch.autograd.Function):
