@@ -52,14 +52,15 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
     heads, seqlen_q) float32 is detached. Gradients flow to q, k, v for every impl.
     """
     descales = (q_descale, k_descale, v_descale)
-    if check_fp8_inputs(q, k, v, descales, impl):
-        causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
+    prequantized = check_fp8_inputs(q, k, v, descales, impl)  # (which checks q, k, v itself)
+    if not prequantized:
+        check_qkv(q, k, v)
+    causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
+    if prequantized:
         from .impls import run_prequantized_fp8
         out, lse = run_prequantized_fp8(q, k, v, descales, causal, scale, window, softcap, alibi_slopes)
-        return (out, lse.detach()) if return_lse else out
-    check_qkv(q, k, v)
-    causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
-    slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1], q.device)
-    from .impls import run
-    out, lse = run(q, k, v, causal, scale, impl, window, softcap, slopes)
+    else:
+        slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1], q.device)
+        from .impls import run
+        out, lse = run(q, k, v, causal, scale, impl, window, softcap, slopes)
     return (out, lse.detach()) if return_lse else out

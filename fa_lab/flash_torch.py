@@ -158,15 +158,15 @@ def flash_backward_key_major(q, k, v, out, lse, grad_out, causal=False, scale=No
     dq_accum = torch.zeros((batch, heads, seqlen_q, head_dim), device=q.device)  # FA3's float32 dQaccum
     dk, dv = torch.zeros(k3.shape, device=q.device), torch.zeros(v3.shape, device=q.device)
     starts = list(range(0, seqlen_k, block_k))
+    query_tiles = [(i0, min(i0 + block_q, seqlen_q)) for i0 in range(0, seqlen_q, block_q)]
+    packed = [tuple(tiles.pack(t, i0, i1) for t in (q, grad_out, lse_safe, delta)) for i0, i1 in query_tiles]
     for index in (range(len(starts)) if key_tile_order is None else key_tile_order):
         j0 = starts[index]
         j1 = min(j0 + block_k, seqlen_k)
-        for i0 in range(0, seqlen_q, block_q):
-            i1 = min(i0 + block_q, seqlen_q)
+        for (i0, i1), rows in zip(query_tiles, packed):
             first, end = tiles.info.key_range(i0, i1)
             if end <= j0 or j1 <= first:  # no row of this query tile sees these keys
                 continue
-            rows = tuple(tiles.pack(t, i0, i1) for t in (q, grad_out, lse_safe, delta))
             dq_part, dk_part, dv_part = _pair_gradients(tiles, *rows, k3[:, j0:j1], v3[:, j0:j1], i0, i1, j0, j1)
             dk[:, j0:j1] += dk_part
             dv[:, j0:j1] += dv_part

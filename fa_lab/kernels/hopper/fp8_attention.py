@@ -10,7 +10,7 @@ import functools
 import torch
 
 from .. import interpreting, load_triton
-from ..common import check_triton_inputs, gluon_fp8_key_order, kernel_operand, on_device
+from ..common import cdiv, check_triton_inputs, gluon_fp8_key_order, kernel_operand, on_device
 from ..portable.attention import pipelined_forward
 from ..portable.configs import TileConfig, forward_config
 from .attention import FP8_OPTIONS, HopperOptions, gluon_forward, uses_gluon
@@ -84,7 +84,7 @@ def prequantized_operands(q8, k8, v8, q_descale, k_descale, v_descale, config: T
     (q8, k8, vt8, descales) as :func:`quantize_for_kernel`: every tile of a head gets its head's descale,
     and V's per-tile exponents are 0 (one descale per head is its own largest)."""
     batch, heads, seqlen_q, _ = q8.shape
-    q_tiles, k_tiles = -(-seqlen_q // config.block_m), -(-k8.shape[2] // config.block_n)
+    q_tiles, k_tiles = cdiv(seqlen_q, config.block_m), cdiv(k8.shape[2], config.block_n)
     per_tile = [d.float()[..., None].expand(batch, heads, tiles).contiguous()
                 for d, tiles in ((q_descale, q_tiles), (k_descale, k_tiles), (v_descale, k_tiles))]
     if gluon:
@@ -122,12 +122,18 @@ def triton_hopper_fp8_prequantized(q8, k8, v8, descales, causal, scale, out_dtyp
     load_triton()
     head_dim = q8.shape[-1]
     scale = head_dim ** -0.5 if scale is None else scale
-    gluon = uses_gluon(q8, options)
-    config = GLUON_TILES if gluon else forward_config(head_dim, causal, interpreting())
+    gluon, config = _fp8_tiles(q8, causal, options)
     with torch.no_grad():
         operands = prequantized_operands(q8, k8, v8, *descales, config, gluon)
         with on_device(q8):
             return fp8_forward(*operands, causal, scale, config, out_dtype, head_dim, options)
+
+
+def _fp8_tiles(q, causal: bool, options: HopperOptions, config: TileConfig | None = None):
+    """(gluon, tiles): whether the Gluon kernel runs q, and the tiles (so the quantization blocks) of the
+    kernel that does: GLUON_TILES, else ``config`` or the portable kernel's own."""
+    gluon = uses_gluon(q, options)
+    return gluon, GLUON_TILES if gluon else config or forward_config(q.shape[-1], causal, interpreting())
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -156,8 +162,7 @@ def triton_hopper_fp8_attention(q, k, v, causal, scale, config: TileConfig | Non
     if rotate and head_dim & (head_dim - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
     scale = head_dim ** -0.5 if scale is None else scale
-    gluon = uses_gluon(q, options)
-    config = GLUON_TILES if gluon else config or forward_config(head_dim, causal, interpreting())
+    gluon, config = _fp8_tiles(q, causal, options, config)
     with torch.no_grad():
         q8, k8, vt8, descales = quantize_for_kernel(q, k, v, config, rotate, gluon=gluon)
         with on_device(q):
