@@ -21,7 +21,8 @@ kernel's own time at long sequences. Here it is one pass over Q, K and V and a f
 
 Q and K match the PyTorch path (:func:`fa_lab.fp8.quantize_e4m3`) up to the rotation's rounding (float32
 here, the input's dtype there), so to one e4m3 step at most, in a few values. V's bytes match it exactly
-(both take the IEEE quotient amax / 448 as a tile's scale), but in a tile below the floor. The kernels are
+(both take the IEEE quotient amax / 448 as a tile's scale and divide by it with IEEE division), but in a
+tile below the floor. The kernels are
 plain Triton, so the CPU tests run them in the interpreter. Like the other kernel modules it imports
 triton: import it after :func:`fa_lab.kernels.load_triton` (``quantize_for_kernel`` does, on a GPU only).
 """
@@ -80,7 +81,10 @@ def _quantize_tile(x_ptr, out_ptr, descale_ptr, signs_ptr, tile, seqlen, out_key
         x = x.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     descale = tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)  # (the IEEE quotient, as quantize_e4m3's)
-    x8 = tl.clamp(x / descale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    if V_TRANSPOSED:  # V's bytes are the PyTorch path's: IEEE quotients (a plain / is approximate on a GPU)
+        x8 = tl.clamp(tl.div_rn(x, descale), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    else:
+        x8 = tl.clamp(x / descale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
     if V_TRANSPOSED:  # transposed in registers first, so that consecutive threads store consecutive keys
         tl.store(descale_ptr, tl.where(amax > 0, descale, 0.0))
         tl.store(out_ptr + col[:, None] * stride_orow + position[None, :], tl.trans(x8),
