@@ -143,6 +143,47 @@ def test_gluon_option_kernels_compile_for_sm90_within_their_resources(head_dim, 
     assert ("tanh.approx.f32" in build.ptx) == softcap
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
+    """The Gluon FA3 backward builds for sm_90 on this machine, causal and not: shared memory within 227 KiB,
+    the consumer warpgroups raised to 240 registers, dQ added by a TMA reduce-add, the WGMMAs of the five
+    products (64-key tiles for S and dP, d-wide ones for dV, dK and dQ). At d = 64 nothing is spilled; at d = 128,
+    where dK and dV alone take 128 of a consumer's 240 registers, ptxas keeps a few scalars in local memory
+    and reloads them inside the loop (10 loads and stores without the mask, 36 with it, on Triton 3.6): the
+    bound below holds that gap where it is."""
+    from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
+
+    for causal, build in zip((False, True), compile_all_for_sm90([fa3_backward_job(head_dim, c)
+                                                                  for c in (False, True)])):
+        assert build.shared_bytes <= SM90_SHARED_LIMIT
+        assert "setmaxnreg.inc.sync.aligned.u32 \t240" in build.ptx
+        assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in build.ptx
+        assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in build.ptx
+        assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.bf16.bf16" in build.ptx
+        assert build.kv_loop_spills <= (0 if head_dim == 64 else 40), (causal, build.kv_loop_spills)
+
+
+def test_the_default_backward_follows_the_recorded_h200_run():
+    """HopperOptions.backward="auto" picks, at every shape of benchmarks/h200_backward.json, the backward that
+    was faster there: the Gluon one where gluon_backward_is_faster says so, and where it does not, the Gluon
+    one was slower or within 2% (at d = 64 it is 0.86-1.02x the portable one)."""
+    import json
+    from pathlib import Path
+
+    from fa_lab.kernels.hopper.attention import gluon_backward_is_faster
+
+    rows = json.loads((Path(__file__).parent.parent / "benchmarks" / "h200_backward.json").read_text())["rows"]
+    speed = {(r["impl"], r["head_dim"], r["causal"], r["seqlen_k"]): r["bwd_tflops"] for r in rows}
+    shapes = {key[1:] for key in speed}
+    assert len(shapes) == 20
+    for head_dim, causal, seqlen in sorted(shapes):
+        ratio = speed[("triton_hopper", head_dim, causal, seqlen)] / speed[("triton", head_dim, causal, seqlen)]
+        if gluon_backward_is_faster(head_dim, causal, seqlen):
+            assert ratio >= 1.0, (head_dim, causal, seqlen, ratio)
+        else:
+            assert ratio <= 1.02, (head_dim, causal, seqlen, ratio)
+
+
 def _check_sm90_build(head_dim, fp8, causal, stages, pingpong, persistent, window, **options):
     """Every Gluon variant builds for sm_90 on this machine: no register spills in the K/V loop, shared memory
     within 227 KiB, and the FA3 structure visible in the PTX (consumer warpgroups raised to 240 registers,
@@ -412,3 +453,53 @@ def test_gpu_gluon_softcap_and_alibi(softcap, alibi, window, seqlen_q, seqlen_k,
     check_attention(lambda q, k, v, causal, scale, **given: triton_hopper_attention(
         q, k, v, causal, scale, options=options, **given), q, k, v, causal, None, generator=generator,
         window=window, softcap=softcap, alibi_slopes=slopes)
+
+
+GLUON_BACKWARD_CASES = [  # (batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype)
+    (2, 4, 4, 1000, 1000, 128, True, torch.bfloat16),
+    (1, 8, 2, 777, 777, 128, False, torch.bfloat16),
+    (2, 8, 1, 333, 1025, 64, False, torch.bfloat16),
+    (1, 4, 2, 700, 513, 128, True, torch.float16),
+    (1, 4, 4, 513, 700, 64, True, torch.bfloat16),
+    (1, 2, 2, 64, 1000, 128, True, torch.float16),
+    (2, 2, 2, 130, 129, 128, False, torch.bfloat16),
+    (1, 4, 1, 2048, 2048, 128, True, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype", GLUON_BACKWARD_CASES)
+def test_gpu_gluon_backward_meets_the_tolerance_rule(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal,
+                                                     dtype, generator, monkeypatch):
+    """The Gluon FA3 backward (not the portable one): grouped K/V, causal with more or fewer queries than keys,
+    ragged tiles at both ends, bf16 and fp16; gradients against the float64 reference."""
+    import fa_lab.kernels.hopper.attention as hopper
+
+    def not_portable(*_args, **_kwargs):
+        raise AssertionError("the backward went to the portable kernels")
+    monkeypatch.setattr(hopper, "triton_backward", not_portable)
+    options = hopper.HopperOptions(backward="gluon")
+    q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator,
+                       heads_kv=heads_kv)
+    check_attention(lambda q, k, v, causal, scale: hopper.triton_hopper_attention(q, k, v, causal, scale,
+                                                                                  options=options),
+                    q, k, v, causal, None, generator=generator)
+
+
+@pytest.mark.gpu
+def test_gpu_the_default_backward_is_the_gluon_one_where_it_was_measured_faster(monkeypatch):
+    """impl="triton_hopper" takes the Gluon backward where gluon_backward_is_faster (d = 128, causal from 2K
+    keys), the portable one at d = 64, for short causal calls and wherever a score option is given."""
+    import fa_lab.kernels.hopper.attention as hopper
+
+    calls = []
+    original = hopper.gluon_backward
+    monkeypatch.setattr(hopper, "gluon_backward",
+                        lambda *args: calls.append((args[0].shape[-1], args[1].shape[2])) or original(*args))
+    for head_dim, seqlen, causal, window in ((128, 300, False, (-1, -1)), (128, 2048, True, (-1, -1)),
+                                             (128, 300, True, (-1, -1)), (64, 300, False, (-1, -1)),
+                                             (128, 2048, True, (100, 0))):
+        q, k, v = (torch.randn(1, 2, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        fa_lab.attention(q, k, v, causal=causal, impl="triton_hopper", window=window).sum().backward()
+    assert calls == [(128, 300), (128, 2048)]

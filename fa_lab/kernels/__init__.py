@@ -54,8 +54,10 @@ def load_triton():
                 "or set TRITON_INTERPRET=1 before importing triton."
             )
     if interpreting():
-        from .interpreter_fixes import patch_bfloat16
-        patch_bfloat16(importlib.import_module("triton.runtime.interpreter"))
+        from .interpreter_fixes import patch_bfloat16, patch_descriptor_reduce
+        interpreter_module = importlib.import_module("triton.runtime.interpreter")
+        patch_bfloat16(interpreter_module)
+        patch_descriptor_reduce(interpreter_module)
     return triton
 
 
@@ -140,7 +142,7 @@ def triton_fused_recurrent(q, k, v, g, beta, initial_state, scale):
 
 
 def triton_hopper_attention(q, k, v, causal, scale, **options):
-    """The FlashAttention-3-style forward (+ portable backward). See :mod:`fa_lab.kernels.hopper.attention`."""
+    """The FlashAttention-3-style forward and backward. See :mod:`fa_lab.kernels.hopper.attention`."""
     load_triton()
     from .hopper.attention import triton_hopper_attention as run
     return run(q, k, v, causal, scale, **options)

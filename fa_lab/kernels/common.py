@@ -90,7 +90,8 @@ def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     """The swizzled shared-memory layout of a Gluon TMA tile (cached: it would be rebuilt on every launch)."""
     from triton.experimental.gluon import language as gl
 
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+               torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 

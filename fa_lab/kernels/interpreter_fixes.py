@@ -12,6 +12,10 @@ Triton 3.6's interpreter stores bfloat16 tensors as their raw 16-bit patterns
   (and does the same for float32 -> float8 e4m3, through torch's own conversion;
   that cast also reaches ``create_fp_to_fp``, whose e4m3 rounding drops the carry
   into the exponent: 1.9868 became 1.0).
+
+It also lacks one operation: a tensor descriptor's ``atomic_add`` (a TMA reduce-add on sm_90), which the
+backward with atomic dQ uses. :func:`patch_descriptor_reduce` adds it as a load, an add and a store: the
+interpreter runs one program at a time, so nothing can interleave.
 """
 from __future__ import annotations
 
@@ -66,3 +70,23 @@ def patch_bfloat16(interpreter_module) -> None:
     builder.cast_impl = cast_impl
     builder.create_fp_to_fp = create_fp_to_fp
     builder._fa_lab_bf16_fix = True
+
+
+def patch_descriptor_reduce(interpreter_module) -> None:
+    """Give ``InterpreterBuilder`` the ``create_descriptor_reduce`` it lacks, for additions (idempotent)."""
+    builder = interpreter_module.InterpreterBuilder
+    if hasattr(builder, "create_descriptor_reduce"):
+        return
+    ir = interpreter_module._ir
+    handle_type = interpreter_module.TensorHandle
+
+    def create_descriptor_reduce(self, kind, desc, value, indices):
+        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"descriptor reduction {kind} in the interpreter")
+        ptrs, mask = desc.materialize_pointers(indices)
+        zeros = handle_type(np.zeros(ptrs.data.shape, dtype=value.data.dtype), value.dtype.scalar)
+        current = self.create_masked_load(ptrs, mask, zeros, None, None, False)
+        total = handle_type(current.data + value.data.reshape(current.data.shape), value.dtype.scalar)
+        return self.create_masked_store(ptrs, total, mask, None, None)
+
+    builder.create_descriptor_reduce = create_descriptor_reduce

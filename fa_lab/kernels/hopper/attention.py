@@ -1,9 +1,10 @@
 """impl="triton_hopper": the FA3 forward (Gluon on sm_90, the portable pipelined kernel elsewhere).
 
 The Gluon kernel takes grouped-query K/V, packed batches (``cu_seqlens``), a local window, the soft cap
-and ALiBi itself. Gradients come from the portable recomputation kernels
-(``impl="triton"``), fed with this forward's O and LSE: a backward tuned for Hopper did not pay for
-itself yet.
+and ALiBi itself. Gradients, from this forward's O and LSE: the Gluon FA3 backward
+(:mod:`.fa3_backward`) on sm_90 for dense batches without score options at head_dim 64 or 128 (grouped
+K/V and causal included), and the portable recomputation kernels (``impl="triton"``) for the rest
+(packed batches, windows, the soft cap, ALiBi, other head sizes, other GPUs).
 """
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from ..portable.attention import (
     NO_OPTIONS,
     ScoreOptions,
     TritonAttentionFunction,
+    backward_preprocess,
     heads_view,
     host_bounds,
     pipelined_forward,
+    triton_backward,
     triton_forward,
     triton_varlen_forward,
     varlen_schedule,
@@ -58,7 +61,20 @@ class HopperOptions:
     pingpong: bool = False
     consumers: int = 2
     persistent: bool = False  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule)
+    backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
 
+
+# Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): where the
+# H200 measured it faster than the portable backward (benchmarks/h200_backward.json): at d = 128, but for
+# causal calls of fewer than GLUON_BACKWARD_MIN_CAUSAL_KEYS keys (at 1K causal it ran at 0.91x); at d = 64 it is
+# not faster (0.86-1.02x).
+GLUON_BACKWARD_HEAD_DIMS = (128,)
+GLUON_BACKWARD_MIN_CAUSAL_KEYS = 2048
+
+
+def gluon_backward_is_faster(head_dim: int, causal: bool, seqlen_k: int) -> bool:
+    """The "auto" choice of :func:`hopper_backward` (GLUON_BACKWARD_HEAD_DIMS, GLUON_BACKWARD_MIN_CAUSAL_KEYS)."""
+    return head_dim in GLUON_BACKWARD_HEAD_DIMS and not (causal and seqlen_k < GLUON_BACKWARD_MIN_CAUSAL_KEYS)
 
 # The FP8 forward's default: persistent, free-running consumers. FP8's K/V steps are short enough for a
 # work tile's start and end to show, which the persistent kernel overlaps with the next tile's loads
@@ -193,14 +209,56 @@ def hopper_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: S
     return triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options)
 
 
+def uses_gluon_backward(q, k, causal, options: ScoreOptions) -> bool:
+    """True when the Gluon FA3 backward takes this call: sm_90, head_dim (padded to 8) exactly 64 or 128, and no
+    window, soft cap or ALiBi."""
+    return (uses_gluon(q, HopperOptions()) and q.shape[-1] in (64, 128)
+            and not has_score_options(q.shape[2], k.shape[2], causal, options.window, options.softcap,
+                                      options.alibi_slopes))
+
+
+def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float):
+    """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
+    d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group."""
+    from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
+    from .fa3_config import launch_maxnreg
+
+    batch, heads, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    grad_out = grad_out.contiguous()
+    delta, lse2 = backward_preprocess(out, grad_out, lse)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the reduce-adds' target
+    dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
+    attention_bwd_fa3_kernel[(cdiv(seqlen_k, BWD_BLOCK_N), batch * heads_kv)](
+        gluon_descriptor(q, rows), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
+        gluon_descriptor(grad_out, rows), gluon_descriptor(dq, rows),
+        dk, dv, lse2, delta, heads, heads // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, scale, CAUSAL=causal,
+        STAGES=2, num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
+    return dq.to(q.dtype), dk, dv
+
+
+def hopper_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, config: TileConfig | None = None,
+                    options: ScoreOptions = NO_OPTIONS, hopper: HopperOptions = HopperOptions()):
+    """impl="triton_hopper"'s backward (arguments as :func:`triton_backward`): the Gluon FA3 backward where
+    :func:`uses_gluon_backward` and ``hopper.backward`` asks for it ("auto": :func:`gluon_backward_is_faster`),
+    else the portable kernels."""
+    wanted = hopper.backward == "gluon" or (hopper.backward == "auto"
+                                            and gluon_backward_is_faster(q.shape[-1], causal, k.shape[2]))
+    if wanted and config is None and uses_gluon_backward(q, k, causal, options):
+        return gluon_backward(q, k, v, out, lse, grad_out, causal, scale)
+    return triton_backward(q, k, v, out, lse, grad_out, causal, scale, config, options)
+
+
 def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),
                             window=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
-    """impl="triton_hopper": (out, lse); gradients through the portable recomputation backward (which,
-    like the Gluon forward, reads grouped K/V once per group, sums dK, dV over it, skips the tiles
-    outside a window and carries the soft cap's and ALiBi's terms)."""
+    """impl="triton_hopper": (out, lse); gradients through :func:`hopper_backward` (both backwards, like the
+    Gluon forward, read grouped K/V once per group and sum dK, dV over it; the portable one also skips the
+    tiles outside a window and carries the soft cap's and ALiBi's terms)."""
     load_triton()
     check_triton_inputs(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     score_options = ScoreOptions(tuple(window), float(softcap), alibi_slopes)
     forward_fn = functools.partial(hopper_forward, config=config, options=options, score_options=score_options)
-    return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, None, score_options)
+    backward_fn = functools.partial(hopper_backward, hopper=options)
+    return TritonAttentionFunction.apply(q, k, v, causal, scale, forward_fn, None, score_options, backward_fn)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on an H100/H200 (227 KiB)
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn, "fp32": torch.float32}
 
 
 @dataclass
@@ -111,6 +111,23 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
                  "VARLEN": varlen, "SOFTCAP": softcap, "ALIBI": alibi}
     return compile_for_sm90(attention_fwd_fa3_kernel, signature, constants, num_warps=4,
                             maxnreg=launch_maxnreg(consumers))
+
+
+def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16") -> dict:
+    """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
+    :func:`.attention.gluon_backward` launches it."""
+    from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
+    from .fa3_config import launch_maxnreg
+
+    rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
+    signature = {"q_desc": descriptor_type(dtype, rows), "k_desc": descriptor_type(dtype, keys),
+                 "v_desc": descriptor_type(dtype, keys), "do_desc": descriptor_type(dtype, rows),
+                 "dq_desc": descriptor_type("fp32", rows), "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
+                 "lse2_ptr": "*fp32", "delta_ptr": "*fp32", "heads": "i32", "group": "i32", "seqlen_q": "i32",
+                 "seqlen_k": "i32", "qk_scale": "fp32", "scale": "fp32"}
+    return dict(kernel=attention_bwd_fa3_kernel, signature=signature, constants=dict(CAUSAL=causal, STAGES=2),
+                num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value),
+                aligned=("dk_ptr", "dv_ptr", "lse2_ptr", "delta_ptr"))
 
 
 def _compile(module, name, signature, constants, num_warps, maxnreg, aligned=(), num_stages=None) -> Sm90Build:

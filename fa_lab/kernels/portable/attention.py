@@ -101,36 +101,52 @@ def pipelined_forward(q, k, v, out, lse, descales, causal: bool, scale: float, c
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
+def backward_preprocess(out, grad_out, lse):
+    """(delta, lse2), each shaped like lse ((B, H, Nq), or (total_q, H) packed; float32): delta =
+    rowsum(dO * O) and lse2 = lse * log2(e) (+inf where lse = -inf). out, grad_out: contiguous, their rows
+    in lse's order ((B, H, Nq, d8), or (total_q, H, d8))."""
+    from .backward import attention_bwd_preprocess_kernel
+
+    rows, head_dim = lse.numel(), out.shape[-1]
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    pre_block = 64
+    attention_bwd_preprocess_kernel[(cdiv(rows, pre_block),)](
+        out, grad_out, lse, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim), BLOCK=pre_block)
+    return delta, lse2
+
+
 def triton_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, config: TileConfig | None = None,
-                    options: ScoreOptions = NO_OPTIONS):
+                    options: ScoreOptions = NO_OPTIONS, atomic_dq: bool = False):
     """Backward on prepared operands (as :func:`triton_forward`); grad_out like out.
 
+    atomic_dq: one kernel adds each tile pair's dQ share into a float32 buffer (5 tile products, not
+    deterministic) instead of a second kernel recomputing S and dP per Q tile (7, deterministic).
     Returns (dq, dk, dv) in q.dtype, shaped like q, k, v (dk, dv summed over each group of query heads).
     """
-    from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
+    from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     config = config or backward_config(head_dim, interpreting())
     grad_out = grad_out.contiguous()
-    rows = batch * heads * seqlen_q
-    delta = torch.empty_like(lse)
-    lse2 = torch.empty_like(lse)
-    pre_block = 64
-    attention_bwd_preprocess_kernel[(cdiv(rows, pre_block),)](
-        out, grad_out, lse, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim), BLOCK=pre_block)
+    delta, lse2 = backward_preprocess(out, grad_out, lse)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     option_args, constexprs = options.kernel_args(q, k, causal, scale)
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
                 VARLEN=False, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
+    desc_q, desc_k, desc_v, desc_do = (descriptor(t, block) for t, block in (
+        (q, config.block_m), (k, config.block_n), (v, config.block_n), (grad_out, config.block_m)))
+    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
     attention_bwd_dkdv_kernel[(cdiv(seqlen_k, config.block_n), batch * k.shape[1])](
-        descriptor(q, config.block_m), descriptor(k, config.block_n), descriptor(v, config.block_n),
-        descriptor(grad_out, config.block_m), descriptor(dk, config.block_n), descriptor(dv, config.block_n),
-        lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse, 2), **meta)
-    attention_bwd_dq_kernel[(cdiv(seqlen_q, config.block_m), batch * heads)](
-        descriptor(q, config.block_m), descriptor(k, config.block_n), descriptor(v, config.block_n),
-        descriptor(grad_out, config.block_m), descriptor(dq, config.block_m),
-        lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse, 1), **meta)
+        desc_q, desc_k, desc_v, desc_do, descriptor(dk, config.block_n), descriptor(dv, config.block_n),
+        descriptor(dq32, config.block_m), lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale,
+        *option_args, *_no_varlen(lse, 2), ATOMIC_DQ=atomic_dq, **meta)
+    if atomic_dq:
+        dq.copy_(dq32)
+    else:
+        attention_bwd_dq_kernel[(cdiv(seqlen_q, config.block_m), batch * heads)](
+            desc_q, desc_k, desc_v, desc_do, descriptor(dq, config.block_m), lse2, delta, heads, seqlen_q,
+            seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse, 1), **meta)
     return dq, dk, dv
 
 
@@ -151,28 +167,29 @@ class TritonAttentionFunction(torch.autograd.Function):
 
     ``forward_fn(qp, kp, vp, causal, scale) -> (out, lse)`` runs on prepared operands
     (:func:`triton_forward` with a tile config, or the Hopper forward); the backward is
-    always :func:`triton_backward`.
+    ``backward_fn`` (the Hopper backward), by default :func:`triton_backward`, called with
+    triton_backward's arguments.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, forward_fn, bwd_config, options=NO_OPTIONS):
+    def forward(ctx, q, k, v, causal, scale, forward_fn, bwd_config, options=NO_OPTIONS, backward_fn=None):
         head_dim = q.shape[-1]
         qp, kp, vp = kernel_operand(q), kernel_operand(k), kernel_operand(v)
         with on_device(q):
             out, lse = forward_fn(qp, kp, vp, causal, scale)
         ctx.save_for_backward(qp, kp, vp, out, lse)
-        ctx.args = (causal, scale, bwd_config, head_dim, options)
+        ctx.args = (causal, scale, bwd_config, head_dim, options, backward_fn or triton_backward)
         ctx.mark_non_differentiable(lse)
         return out[..., :head_dim], lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         qp, kp, vp, out, lse = ctx.saved_tensors
-        causal, scale, bwd_config, head_dim, options = ctx.args
+        causal, scale, bwd_config, head_dim, options, backward_fn = ctx.args
         grad_out = kernel_operand(grad_out.to(qp.dtype))
         with on_device(qp):
-            dq, dk, dv = triton_backward(qp, kp, vp, out, lse, grad_out, causal, scale, bwd_config, options)
-        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None, None
+            dq, dk, dv = backward_fn(qp, kp, vp, out, lse, grad_out, causal, scale, bwd_config, options)
+        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None, None, None
 
 
 def triton_attention(q, k, v, causal: bool, scale: float | None,
@@ -266,21 +283,17 @@ def triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: floa
 def triton_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
                            options: ScoreOptions, config: TileConfig | None = None):
     """Backward of a packed batch (operands as :func:`triton_varlen_forward`); returns (dq, dk, dv)."""
-    from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
+    from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 
     total_q, heads, head_dim = q.shape
     bounds = host_bounds(bounds)
     config = config or backward_config(head_dim, interpreting())
     grad_out = grad_out.contiguous()
-    lse_rows = lse.t().contiguous()  # (total_q, H): the row order of out and grad_out
-    delta, lse2 = torch.empty_like(lse_rows), torch.empty_like(lse_rows)
-    rows, pre_block = total_q * heads, 64
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    if rows == 0:
+    if total_q * heads == 0:
         return dq, dk, dv
-    attention_bwd_preprocess_kernel[(cdiv(rows, pre_block),)](
-        out, grad_out, lse_rows, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim),
-        BLOCK=pre_block)
+    # (total_q, H): the row order of out and grad_out
+    delta, lse2 = backward_preprocess(out, grad_out, lse.t().contiguous())
     views = [heads_view(t) for t in (q, k, v, grad_out)]
     option_args, constexprs = options.kernel_args(views[0], views[1], causal, scale)
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim), VARLEN=True,
@@ -290,8 +303,8 @@ def triton_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, caus
     key_tiles = varlen_schedule(*bounds, config.block_n, True, causal, options.window, q.device)
     if len(key_tiles):
         attention_bwd_dkdv_kernel[(len(key_tiles), k.shape[1])](
-            *descriptors, descriptors[1], descriptors[2], lse2, delta, heads, total_q, k.shape[0], scale * LOG2E,
-            scale, *option_args, cu_q, cu_k, key_tiles, dk, dv, head_dim, **meta)
+            *descriptors, descriptors[1], descriptors[2], descriptors[0], lse2, delta, heads, total_q, k.shape[0],
+            scale * LOG2E, scale, *option_args, cu_q, cu_k, key_tiles, dk, dv, head_dim, **meta)
     query_tiles = varlen_schedule(*bounds, config.block_m, False, causal, options.window, q.device)
     if len(query_tiles):
         attention_bwd_dq_kernel[(len(query_tiles), heads)](

@@ -9,12 +9,14 @@ with D = rowsum(dO * O) computed once by a small preprocessing kernel. Under a s
 is multiplied by tanh's derivative 1 - tanh^2; with grouped-query attention each dK/dV program
 sums over the query heads of its group, so dK and dV are written once per K/V head.
 
-dK/dV and dQ come from two kernels rather than one kernel with atomics: the
-first gives each program a K/V tile and streams the Q/dO tiles past it, the
+By default dK/dV and dQ come from two kernels rather than one kernel with atomics:
+the first gives each program a K/V tile and streams the Q/dO tiles past it, the
 second gives each program a Q/dO tile and streams the K/V tiles past it. Each
 output tile is then owned by exactly one program, so there are no atomic adds
 and the result is deterministic; the price is that S and dP are recomputed in
-both kernels (7 tile products instead of 5).
+both kernels (7 tile products instead of 5). With ``ATOMIC_DQ`` the first kernel
+also computes each tile pair's dS K and adds it into a float32 dQ (FA3's scheme:
+5 products, dQ summed in an order that varies from run to run).
 """
 from __future__ import annotations
 
@@ -51,11 +53,12 @@ def attention_bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0, row_base, row_stride,
-               start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods,
+def _dkdv_step(dk, dv, k, v, desc_q, desc_do, desc_dq, lse2_ptr, delta_ptr, batch, head, q_row0, row_base,
+               row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, scale, mods,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
-    """Add one Q/dO tile's contribution to the dK, dV accumulators of a K/V tile (transposed P).
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """Add one Q/dO tile's contribution to the dK, dV accumulators of a K/V tile (transposed P), and with
+    ATOMIC_DQ its scale * dS K to the float32 dQ through desc_dq (a TMA reduce-add on sm_90).
 
     mods: (left, right, softcap_scale, softcap_log2, slope_log2), as in the forward. Row r of the tile's
     sequence is row q_row0 + r of the descriptors and lse2/delta entry row_base + r * row_stride."""
@@ -85,15 +88,18 @@ def _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, 
         tanh = softcap_tanh(kq, softcap_scale)
         ds_t = ds_t * (1.0 - tanh * tanh)
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    if ATOMIC_DQ:
+        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * scale
+        desc_dq.atomic_add([batch, head, q_row0 + start_m, 0], dq.reshape(1, 1, BLOCK_M, HEAD_DIM))
     return dk, dv
 
 
 @triton.jit
-def _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, head, heads,
+def _dkdv_head(dk, dv, k, v, desc_q, desc_do, desc_dq, lse2_ptr, delta_ptr, slopes_ptr, batch, head, heads,
                q_row0, slope_index, begin, full_begin, full_end, rows_end, offs_n, seqlen_q, causal_offset,
-               qk_scale, left, right, softcap_scale, softcap_log2,
+               qk_scale, scale, left, right, softcap_scale, softcap_log2,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, VARLEN: tl.constexpr):
+               ALIBI: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """The dK, dV contributions of query head ``head``'s Q tiles: masked [begin, full_begin), whole
     [full_begin, full_end), masked [full_end, rows_end) (the band's lower edge, WINDOW only).
     lse2/delta are (B, H, Nq), or (total_q, H) in a packed batch (VARLEN)."""
@@ -108,21 +114,22 @@ def _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, b
         slope_log2 = tl.load(slopes_ptr + slope_index) * LOG2E
     mods = (left, right, softcap_scale, softcap_log2, slope_log2)
     for start_m in tl.range(begin, full_begin, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0, row_base,
-                            row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods,
+        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, desc_dq, lse2_ptr, delta_ptr, batch, head, q_row0,
+                            row_base, row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, scale, mods,
                             BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, MASKED=True, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
-                            ALIBI=ALIBI)
+                            ALIBI=ALIBI, ATOMIC_DQ=ATOMIC_DQ)
     for start_m in tl.range(full_begin, full_end, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0, row_base,
-                            row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods,
+        dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, desc_dq, lse2_ptr, delta_ptr, batch, head, q_row0,
+                            row_base, row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, scale, mods,
                             BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, MASKED=False, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
-                            ALIBI=ALIBI)
+                            ALIBI=ALIBI, ATOMIC_DQ=ATOMIC_DQ)
     if WINDOW:
         for start_m in tl.range(full_end, rows_end, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, batch, head, q_row0,
-                                row_base, row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale, mods,
+            dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, desc_dq, lse2_ptr, delta_ptr, batch, head,
+                                q_row0, row_base, row_stride, start_m, offs_n, seqlen_q, causal_offset, qk_scale,
+                                scale, mods,
                                 BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, MASKED=True, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
-                                ALIBI=ALIBI)
+                                ALIBI=ALIBI, ATOMIC_DQ=ATOMIC_DQ)
     return dk, dv
 
 
@@ -147,17 +154,20 @@ def _sequence(tiles_ptr, cu_q_ptr, cu_k_ptr, tile):
 
 
 @triton.jit
-def attention_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, lse2_ptr, delta_ptr,
+def attention_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, lse2_ptr, delta_ptr,
                               heads, seqlen_q, seqlen_k, qk_scale, scale,
                               group, left, right, softcap_scale, softcap_log2, slopes_ptr,
                               cu_q_ptr, cu_k_ptr, tiles_ptr, dk_ptr, dv_ptr, head_dim,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                              ALIBI: tl.constexpr, GQA: tl.constexpr, VARLEN: tl.constexpr):
+                              ALIBI: tl.constexpr, GQA: tl.constexpr, VARLEN: tl.constexpr,
+                              ATOMIC_DQ: tl.constexpr = False):
     """dK and dV of one K/V tile of BLOCK_N keys, summed over the ``group`` query heads that read it
-    (GQA: group > 1). Grid: (cdiv(seqlen_k, BLOCK_N), B * H // group); with VARLEN, (K tiles of the
-    schedule tiles_ptr, H // group), and dK, dV stored by rows into dk_ptr, dv_ptr ((total_k, H // group,
-    head_dim)), as the forward's VARLEN describes."""
+    (GQA: group > 1), and with ATOMIC_DQ (dense only) each tile pair's share of dQ added into the float32
+    (B, H, Nq, HEAD_DIM) tensor of desc_dq (block (1, 1, BLOCK_M, HEAD_DIM)), which must start at zero.
+    Grid: (cdiv(seqlen_k, BLOCK_N), B * H // group); with VARLEN, (K tiles of the schedule tiles_ptr,
+    H // group), and dK, dV stored by rows into dk_ptr, dv_ptr ((total_k, H // group, head_dim)), as the
+    forward's VARLEN describes."""
     if VARLEN:
         kv_head = tl.program_id(1)
         batch = 0
@@ -195,17 +205,17 @@ def attention_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv,
     if GQA:  # the query heads of the group, one after another
         for member in tl.range(0, group):
             head = kv_head * group + member
-            dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, head,
-                                heads, q_row0, slope_row + head, begin, full_begin, full_end, rows_end, offs_n,
-                                seqlen_q, causal_offset, qk_scale, left, right, softcap_scale, softcap_log2,
-                                BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                                VARLEN=VARLEN)
+            dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, desc_dq, lse2_ptr, delta_ptr, slopes_ptr, batch,
+                                head, heads, q_row0, slope_row + head, begin, full_begin, full_end, rows_end, offs_n,
+                                seqlen_q, causal_offset, qk_scale, scale, left, right, softcap_scale,
+                                softcap_log2, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                                ALIBI=ALIBI, VARLEN=VARLEN, ATOMIC_DQ=ATOMIC_DQ)
     else:
-        dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, lse2_ptr, delta_ptr, slopes_ptr, batch, kv_head,
-                            heads, q_row0, slope_row + kv_head, begin, full_begin, full_end, rows_end, offs_n,
-                            seqlen_q, causal_offset, qk_scale, left, right, softcap_scale, softcap_log2,
+        dk, dv = _dkdv_head(dk, dv, k, v, desc_q, desc_do, desc_dq, lse2_ptr, delta_ptr, slopes_ptr, batch,
+                            kv_head, heads, q_row0, slope_row + kv_head, begin, full_begin, full_end, rows_end, offs_n,
+                            seqlen_q, causal_offset, qk_scale, scale, left, right, softcap_scale, softcap_log2,
                             BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                            VARLEN=VARLEN)
+                            VARLEN=VARLEN, ATOMIC_DQ=ATOMIC_DQ)
     if VARLEN:  # the next sequence's rows follow this one's: store by rows, masked
         heads_kv = heads // group
         _store_rows(dk_ptr, dk * scale, k_row0, offs_n, seqlen_k, kv_head, heads_kv, head_dim, HEAD_DIM=HEAD_DIM)

@@ -1,0 +1,94 @@
+"""The Gluon FA3 backward (fa_lab/kernels/hopper/fa3_backward.py) against the portable two-kernel backward and
+SDPA's cuDNN and FlashAttention-2 backwards, on the FA3-paper shapes (16K tokens, hidden 2048, bf16, d = 64 and
+128, causal and not, 1K-16K), one run; rows in the results schema (bwd_ms, bwd_tflops; forward figures null).
+
+Ours are timed as the backward launch alone (preprocess, kernels, the cast of dQ) on the forward's O and LSE;
+SDPA's as ``out.backward(grad)`` on its own forward's graph. do_bench medians; TFLOP/s by
+``attention_flops(shape, "bwd")`` (2.5 times the forward's).
+
+On the H200: ``PYTHONPATH=. python3 benchmarks/fa3_backward.py run $OUT`` writes $OUT/h200_backward.json;
+anywhere: ``python3 benchmarks/fa3_backward.py plot benchmarks/h200_backward.json benchmarks/h200_backward.png``.
+"""
+import functools
+import json
+import os
+import sys
+
+IMPLS = ("triton_hopper", "triton", "sdpa_cudnn", "sdpa_flash")
+LABELS = {"triton_hopper": "ours, Gluon FA3 backward", "triton": "ours, portable two-kernel backward",
+          "sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA FlashAttention-2"}
+
+
+def run(out_dir: str) -> None:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    from fa_lab.bench.gpu import HIDDEN, TOTAL_TOKENS
+    from fa_lab.bench.schema import empty_row, environment
+    from fa_lab.iomodel import AttentionShape, attention_flops
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.attention import gluon_backward, gluon_forward
+    from fa_lab.kernels.portable.attention import triton_backward
+
+    load_triton()
+    backends = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
+    rows = []
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            for seqlen in (1024, 2048, 4096, 8192, 16384):
+                shape = AttentionShape(TOTAL_TOKENS // seqlen, HIDDEN // head_dim, seqlen, head_dim, causal=causal)
+                q, k, v, grad = (torch.randn(shape.batch, shape.heads, seqlen, head_dim, device="cuda",
+                                             dtype=torch.bfloat16) for _ in range(4))
+                scale = head_dim ** -0.5
+                out, lse = gluon_forward(q, k, v, causal, scale)
+                operands = (q, k, v, out, lse, grad, causal, scale)
+                timed = {"triton_hopper": (functools.partial(gluon_backward, *operands), None),
+                         "triton": (functools.partial(triton_backward, *operands), None)}
+                for name, backend in backends.items():
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                    with sdpa_kernel(backend):
+                        sdpa_out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+                    timed[name] = (functools.partial(sdpa_out.backward, grad, retain_graph=True), leaves)
+                line = []
+                for impl in IMPLS:
+                    row = empty_row(impl, shape)
+                    fn, leaves = timed[impl]
+                    ms = do_bench(fn, grad_to_none=leaves, return_mode="median")
+                    row.update(bwd_ms=ms, bwd_tflops=attention_flops(shape, "bwd") / (ms * 1e-3) / 1e12)
+                    rows.append(row)
+                    line.append(f"{impl} {row['bwd_tflops']:.0f}")
+                print(f"d={head_dim} causal={causal} N={seqlen}: " + ", ".join(line), flush=True)
+    with open(os.path.join(out_dir, "h200_backward.json"), "w") as file:
+        json.dump({**environment("cuda"), "rows": rows}, file, indent=1)
+
+
+def plot(results_path: str, png_path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(results_path) as file:
+        results = json.load(file)
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6), sharey=True)
+    panels = [(d, c) for d in (128, 64) for c in (False, True)]
+    for ax, (head_dim, causal) in zip(axes, panels):
+        for impl in IMPLS:
+            points = sorted((r["seqlen_q"], r["bwd_tflops"]) for r in results["rows"]
+                            if r["impl"] == impl and r["head_dim"] == head_dim and r["causal"] == causal)
+            ax.plot([n // 1024 for n, _ in points], [t for _, t in points], "o-", label=LABELS[impl])
+        ax.set(title=f"d = {head_dim}, {'causal' if causal else 'not causal'}", xlabel="sequence length (K)",
+               xscale="log", xticks=[1, 2, 4, 8, 16], xticklabels=["1", "2", "4", "8", "16"])
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("backward TFLOP/s")
+    axes[0].legend(frameon=False, fontsize=8)
+    fig.suptitle(f"Backward, bf16, FA3-paper shapes: {results['device']}, {results['date']}")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        run(sys.argv[2])
+    else:
+        plot(sys.argv[2], sys.argv[3])

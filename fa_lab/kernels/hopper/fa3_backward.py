@@ -1,0 +1,261 @@
+"""A FlashAttention-3 backward for Hopper (sm_90) written in Gluon.
+
+One CTA owns a tile of 128 keys of one (batch, K/V head) and walks down the query tiles (64 rows) that
+see it, in FA3's loop order (notebook 04, section 8). Its partitions:
+
+* **Producer** (one warp): TMA copies of K and V once, then of each step's Q_i and dO_i into a ring of
+  ``STAGES`` slots.
+* **Two consumer warpgroups**, 64 keys each. Per step a consumer computes, for its keys,
+  S^T = K Q_i^T and dP^T = V dO_i^T (asynchronous WGMMAs), P^T = exp2(S^T * scale * log2 e - lse2),
+  dV += P^T dO_i and dS^T = P^T * (dP^T - D), dK += dS^T Q_i (both from registers: the accumulator
+  layout of P^T is the operand layout), and writes dS^T into a double-buffered shared tile. dK and dV
+  stay in registers until the CTA ends.
+* **dQ by one consumer.** dQ_i = dS_i K sums over all 128 keys, so it needs both consumers' dS. Consumer
+  0 computes the whole tile (64 x d, once both halves of dS_i are in) and consumer 1 goes straight on to
+  the next step: the two warpgroups drift half a step apart, so one's exponentials and shared-memory
+  stores run while the other's products keep the tensor cores busy. (Splitting dQ's columns between the
+  consumers makes each wait for the other at every step: 0.78-0.85x this form's speed at d = 128,
+  docs/experiments/backward.md.)
+* **dQ writer** (one warp): adds each step's dQ_i into a float32 dQ in global memory with a TMA
+  reduce-add, from a double buffer, so that consumer 0 never waits for global memory.
+
+Grouped-query attention: the steps run over the query tiles of every query head of the K/V head's
+group, so dK and dV are summed over the group in registers. Causal masking skips the query tiles that
+see none of the CTA's keys and masks the diagonal ones. Rows past seqlen_q arrive as zeros with
+lse2 = +inf, so their probabilities are 0; keys past seqlen_k arrive as zeros, so their dS K adds 0 to
+dQ, and their dK, dV rows are not stored. The preprocess (D = rowsum(dO * O), lse2) is the portable
+backward's; the launcher (:func:`fa_lab.kernels.hopper.attention.gluon_backward`) casts dQ at the end.
+"""
+from __future__ import annotations
+
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .fa3_state import Ring, ring_phase, wait_until_empty
+
+KEYS_PER_CONSUMER = gl.constexpr(64)
+BWD_CONSUMERS = gl.constexpr(2)
+BWD_BLOCK_M = 64  # query rows per step (one WGMMA's M for dQ)
+BWD_BLOCK_N = 128  # keys per CTA: 64 per consumer warpgroup
+BWD_CONSUMER_REGS = gl.constexpr(240)
+BWD_WORKER_REGS = gl.constexpr(24)  # the producer and the dQ writer hold only scalars
+
+
+@builtin
+def async_reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add (``cp.reduce.async.bulk.tensor ... .add``) of the shared tile src into tensor_desc's
+    block at coord; completes like a TMA store (:func:`tma.store_wait`). Gluon 3.6 builds the operation
+    but exports no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M: gl.constexpr):
+    """Step t's query head and first row: the group's heads one after another, each over its query tiles
+    (of BLOCK_M rows) from first_q on."""
+    head = kv_head * group + t // q_tiles
+    start_m = (first_q + t % q_tiles) * BLOCK_M
+    return head, start_m
+
+
+@gluon.jit
+def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, batch, kv_head, start_n,
+                  group, first_q, q_tiles):
+    """TMA copies only: K and V of the CTA's keys once, then Q_i and dO_i of every step."""
+    k_ring.at(0).fill(k_desc, [batch, kv_head, start_n, 0])
+    v_ring.at(0).fill(v_desc, [batch, kv_head, start_n, 0])
+    for t in range(group * q_tiles):
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, q_desc.block_type.shape[2])
+        q_ring.at(t).fill(q_desc, [batch, head, start_m, 0])
+        do_ring.at(t).fill(do_desc, [batch, head, start_m, 0])
+
+
+@gluon.jit
+def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles):
+    """Each step's dQ_i tile from shared memory into the float32 dQ (a TMA reduce-add)."""
+    for t in range(group * q_tiles):
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, dq_desc.block_type.shape[2])
+        slot = t % 2
+        mbarrier.wait(dq_full.index(slot), ring_phase(t, 2))
+        async_reduce_add_shared_to_global(dq_desc, [batch, head, start_m, 0], dq_bufs.index(slot))
+        tma.store_wait(0)  # the add has read the buffer: consumer 0 may refill it
+        mbarrier.arrive(dq_empty.index(slot))
+
+
+@gluon.jit
+def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
+                  lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles,
+                  seqlen_q, seqlen_k, qk_scale, scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
+    consumer 0 also computes each step's dQ tile."""
+    HEAD_DIM: gl.constexpr = k_ring.bufs.type.shape[4]
+    BLOCK_M: gl.constexpr = q_ring.bufs.type.shape[3]
+    dtype: gl.constexpr = k_ring.bufs.dtype
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+
+    key0 = start_n + CONSUMER * KEYS_PER_CONSUMER
+    k_tile = k_ring.at(0)
+    v_tile = v_ring.at(0)
+    k_all = k_tile.buf().reshape([2 * KEYS_PER_CONSUMER, HEAD_DIM])
+    k_own = k_all.slice(CONSUMER * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+    v_own = v_tile.buf().reshape([2 * KEYS_PER_CONSUMER, HEAD_DIM]).slice(CONSUMER * KEYS_PER_CONSUMER,
+                                                                         KEYS_PER_CONSUMER)
+    offset = seqlen_k - seqlen_q
+    dk = gl.zeros([KEYS_PER_CONSUMER, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([KEYS_PER_CONSUMER, HEAD_DIM], gl.float32, kv_layout)
+    k_tile.wait_ready()
+    v_tile.wait_ready()
+    for t in range(group * q_tiles):
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
+        rows = start_m + gl.arange(0, BLOCK_M, layout=query_layout)
+        row_base = (batch * heads + head) * seqlen_q
+        q_tile = q_ring.at(t)
+        do_tile = do_ring.at(t)
+        q_smem = q_tile.buf().reshape([BLOCK_M, HEAD_DIM])
+        do_smem = do_tile.buf().reshape([BLOCK_M, HEAD_DIM])
+        lse2 = gl.load(lse2_ptr + row_base + rows, mask=rows < seqlen_q, other=float("inf"))
+        q_tile.wait_ready()
+        do_tile.wait_ready()
+        st = warpgroup_mma(k_own, q_smem.permute((1, 0)),
+                           gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, st_layout), use_acc=False,
+                           is_async=True)
+        dpt = warpgroup_mma(v_own, do_smem.permute((1, 0)),
+                            gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, st_layout), use_acc=False,
+                            is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        if CAUSAL:
+            if start_m + offset < key0 + KEYS_PER_CONSUMER - 1:  # the diagonal: some keys come after a row
+                keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
+                pt = gl.where(keys[:, None] <= rows[None, :] + offset, pt, 0.0)
+        # P^T is kept as the 16-bit operand only (the registers of the float32 tile are the budget's
+        # limit); dS = P (dP - D) reads it back, rounded as the dV product reads it.
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
+        delta = gl.load(delta_ptr + row_base + rows, mask=rows < seqlen_q, other=0.0)
+        dpt = warpgroup_mma_wait(1, deps=(dpt,))
+        pt_back = gl.convert_layout(pt_op, st_layout).to(gl.float32)
+        dst = (pt_back * (dpt - delta[None, :])).to(dtype)
+        ds_op = gl.convert_layout(dst, op_layout)
+        dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+        # This consumer's rows of dS_i^T into the step's slot (free once dQ_{i-2} has read it).
+        slot = t % 2
+        ds_slot = ds_bufs.index(slot)
+        wait_until_empty(ds_free.index(slot), ring_phase(t, 2))
+        ds_slot.slice(CONSUMER * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER).store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(slot))
+        dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
+        if CONSUMER == 0:  # dQ_i = dS_i K over the 128 keys, once consumer 1's rows are in too
+            mbarrier.wait(ds_ready.index(slot), ring_phase(t, 2))
+            dq = warpgroup_mma(ds_slot.permute((1, 0)), k_all,
+                               gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, kv_layout), use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            mbarrier.arrive(ds_free.index(slot))
+            q_tile.release()
+            do_tile.release()
+            wait_until_empty(dq_empty.index(slot), ring_phase(t, 2))
+            dq_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).store(dq * scale)
+            fence_async_shared()
+            mbarrier.arrive(dq_full.index(slot))
+        else:
+            q_tile.release()
+            do_tile.release()
+
+    # dK, dV rows of this consumer's keys below seqlen_k (B, H_kv, N_k, d contiguous).
+    out_keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    offsets = ((batch * (heads // group) + kv_head) * seqlen_k + out_keys.to(gl.int64))[:, None] * HEAD_DIM
+    mask = (out_keys < seqlen_k)[:, None]
+    gl.store(dk_ptr + offsets + cols[None, :], (dk * scale).to(dtype), mask=mask)
+    gl.store(dv_ptr + offsets + cols[None, :], dv.to(dtype), mask=mask)
+
+
+@gluon.jit
+def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
+                             heads, group, seqlen_q, seqlen_k, qk_scale, scale, CAUSAL: gl.constexpr,
+                             STAGES: gl.constexpr):
+    """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
+
+    q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k/v_desc over (B, H // group, Nk, d),
+    block (1, 1, 128, d); dq_desc over the float32 dQ (B, H, Nq, d), zeroed, block (1, 1, 64, d);
+    dk_ptr, dv_ptr: (B, H // group, Nk, d) contiguous; lse2_ptr (lse * log2 e, +inf for rows that see no
+    key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64 or 128.
+    STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128), B * H // group).
+    """
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    start_n = gl.program_id(0) * BLOCK_N
+    pid = gl.program_id(1)
+    heads_kv = heads // group
+    batch = pid // heads_kv
+    kv_head = pid % heads_kv
+    first_q = 0
+    if CAUSAL:  # query row i sees key j when j <= i + seqlen_k - seqlen_q
+        first_q = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
+    q_tiles = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - first_q, 0)
+
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
+    ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(k_ready.index(0), count=1)
+    mbarrier.init(k_empty.index(0), count=BWD_CONSUMERS)
+    mbarrier.init(v_ready.index(0), count=1)
+    mbarrier.init(v_empty.index(0), count=BWD_CONSUMERS)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=BWD_CONSUMERS)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=BWD_CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=BWD_CONSUMERS)  # both consumers' rows of dS are in
+        mbarrier.init(ds_free.index(i), count=1)  # consumer 0's dQ product has read them
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    k_ring = Ring(k_bufs, k_ready, k_empty)
+    v_ring = Ring(v_bufs, v_ready, v_empty)
+    q_ring = Ring(q_bufs, q_ready, q_empty)
+    do_ring = Ring(do_bufs, do_ready, do_empty)
+    gl.warp_specialize([
+        (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
+                         lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
+                         q_tiles, seqlen_q, seqlen_k, qk_scale, scale, 0, CAUSAL)),
+        (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
+                         lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
+                         q_tiles, seqlen_q, seqlen_k, qk_scale, scale, 1, CAUSAL)),
+        (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, batch, kv_head, start_n,
+                         group, first_q, q_tiles)),
+        (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles)),
+    ], [4, 1, 1], [BWD_CONSUMER_REGS, BWD_WORKER_REGS, BWD_WORKER_REGS])
