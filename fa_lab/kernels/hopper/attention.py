@@ -64,17 +64,18 @@ class HopperOptions:
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
 
 
-# Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): where the
-# H200 measured it faster than the portable backward (benchmarks/h200_backward.json): at d = 128, but for
-# causal calls of fewer than GLUON_BACKWARD_MIN_CAUSAL_KEYS keys (at 1K causal it ran at 0.91x); at d = 64 it is
-# not faster (0.86-1.02x).
-GLUON_BACKWARD_HEAD_DIMS = (128,)
-GLUON_BACKWARD_MIN_CAUSAL_KEYS = 2048
+# Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
+# many keys, per (head_dim, causal), the H200 measured it faster than the portable backward
+# (benchmarks/h200_backward.json; a CPU test holds this table to that file). At d = 128 it is 1.09-1.18x from 1K
+# without a mask and 1.03-1.16x causal from 2K (0.92x at 1K causal); at d = 64 it is level below 8K keys.
+GLUON_BACKWARD_MIN_KEYS = {(128, False): 0, (128, True): 2048, (64, False): 8192, (64, True): 8192}
 
 
 def gluon_backward_is_faster(head_dim: int, causal: bool, seqlen_k: int) -> bool:
-    """The "auto" choice of :func:`hopper_backward` (GLUON_BACKWARD_HEAD_DIMS, GLUON_BACKWARD_MIN_CAUSAL_KEYS)."""
-    return head_dim in GLUON_BACKWARD_HEAD_DIMS and not (causal and seqlen_k < GLUON_BACKWARD_MIN_CAUSAL_KEYS)
+    """The "auto" choice of :func:`hopper_backward` (GLUON_BACKWARD_MIN_KEYS)."""
+    min_keys = GLUON_BACKWARD_MIN_KEYS.get((head_dim, causal))
+    return min_keys is not None and seqlen_k >= min_keys
+
 
 # The FP8 forward's default: persistent, free-running consumers. FP8's K/V steps are short enough for a
 # work tile's start and end to show, which the persistent kernel overlaps with the next tile's loads

@@ -10,14 +10,16 @@ see it, in FA3's loop order (notebook 04, section 8). Its partitions:
   dV += P^T dO_i and dS^T = P^T * (dP^T - D), dK += dS^T Q_i (both from registers: the accumulator
   layout of P^T is the operand layout), and writes dS^T into a double-buffered shared tile. dK and dV
   stay in registers until the CTA ends.
-* **dQ by one consumer.** dQ_i = dS_i K sums over all 128 keys, so it needs both consumers' dS. Consumer
-  0 computes the whole tile (64 x d, once both halves of dS_i are in) and consumer 1 goes straight on to
-  the next step: the two warpgroups drift half a step apart, so one's exponentials and shared-memory
-  stores run while the other's products keep the tensor cores busy. (Splitting dQ's columns between the
-  consumers makes each wait for the other at every step: 0.78-0.85x this form's speed at d = 128,
+* **dQ by one consumer per step, in turns.** dQ_i = dS_i K sums over all 128 keys, so it needs both
+  consumers' dS. The consumer whose turn it is (step i's dS slot, i mod 2) computes the whole tile (64 x d)
+  once the other's rows are in; the other goes straight on to the next step. The two warpgroups drift
+  apart, so one's exponentials and shared-memory stores run while the other's products keep the tensor
+  cores busy. (Splitting dQ's columns between the consumers makes each wait for the other at every step:
+  0.78-0.85x the speed of one consumer carrying dQ at d = 128; taking turns rather than leaving dQ to
+  consumer 0 alone gained 4-6% at d = 64 and stayed within the spread at d = 128;
   docs/experiments/backward.md.)
 * **dQ writer** (one warp): adds each step's dQ_i into a float32 dQ in global memory with a TMA
-  reduce-add, from a double buffer, so that consumer 0 never waits for global memory.
+  reduce-add, from a double buffer, so that no consumer waits for global memory.
 
 Grouped-query attention: the steps run over the query tiles of every query head of the K/V head's
 group, so dK and dV are summed over the group in registers. Causal masking skips the query tiles that
@@ -88,7 +90,7 @@ def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, f
         slot = t % 2
         mbarrier.wait(dq_full.index(slot), ring_phase(t, 2))
         async_reduce_add_shared_to_global(dq_desc, [batch, head, start_m, 0], dq_bufs.index(slot))
-        tma.store_wait(0)  # the add has read the buffer: consumer 0 may refill it
+        tma.store_wait(0)  # the add has read the buffer: its consumer may refill it
         mbarrier.arrive(dq_empty.index(slot))
 
 
@@ -97,7 +99,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
                   lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles,
                   seqlen_q, seqlen_k, qk_scale, scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
-    consumer 0 also computes each step's dQ tile."""
+    it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER)."""
     HEAD_DIM: gl.constexpr = k_ring.bufs.type.shape[4]
     BLOCK_M: gl.constexpr = q_ring.bufs.type.shape[3]
     dtype: gl.constexpr = k_ring.bufs.dtype
@@ -162,21 +164,18 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(slot))
         dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
-        if CONSUMER == 0:  # dQ_i = dS_i K over the 128 keys, once consumer 1's rows are in too
+        q_tile.release()
+        do_tile.release()
+        if slot == CONSUMER:  # this step's dQ_i = dS_i K over the 128 keys, once the other rows are in too
             mbarrier.wait(ds_ready.index(slot), ring_phase(t, 2))
             dq = warpgroup_mma(ds_slot.permute((1, 0)), k_all,
                                gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, kv_layout), use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq,))
             mbarrier.arrive(ds_free.index(slot))
-            q_tile.release()
-            do_tile.release()
             wait_until_empty(dq_empty.index(slot), ring_phase(t, 2))
             dq_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).store(dq * scale)
             fence_async_shared()
             mbarrier.arrive(dq_full.index(slot))
-        else:
-            q_tile.release()
-            do_tile.release()
 
     # dK, dV rows of this consumer's keys below seqlen_k (B, H_kv, N_k, d contiguous).
     out_keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=gl.SliceLayout(1, kv_layout))
@@ -241,7 +240,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
         mbarrier.init(do_empty.index(i), count=BWD_CONSUMERS)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=BWD_CONSUMERS)  # both consumers' rows of dS are in
-        mbarrier.init(ds_free.index(i), count=1)  # consumer 0's dQ product has read them
+        mbarrier.init(ds_free.index(i), count=1)  # the slot owner's dQ product has read them
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
     k_ring = Ring(k_bufs, k_ready, k_empty)

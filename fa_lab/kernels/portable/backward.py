@@ -89,9 +89,16 @@ def _dkdv_step(dk, dv, k, v, desc_q, desc_do, desc_dq, lse2_ptr, delta_ptr, batc
         ds_t = ds_t * (1.0 - tanh * tanh)
     dk = tl.dot(ds_t.to(q.dtype), q, dk)
     if ATOMIC_DQ:
-        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * scale
-        desc_dq.atomic_add([batch, head, q_row0 + start_m, 0], dq.reshape(1, 1, BLOCK_M, HEAD_DIM))
+        _add_dq(desc_dq, ds_t, k, scale, batch, head, q_row0 + start_m, BLOCK_M=BLOCK_M, HEAD_DIM=HEAD_DIM)
     return dk, dv
+
+
+@triton.jit
+def _add_dq(desc_dq, ds_t, k, scale, batch, head, row, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """ATOMIC_DQ: add scale * dS K of one tile pair (ds_t: dS^T (BLOCK_N, BLOCK_M)) into the float32 dQ rows
+    [row, +BLOCK_M) of (batch, head) through desc_dq (a TMA reduce-add on sm_90)."""
+    dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k) * scale
+    desc_dq.atomic_add([batch, head, row, 0], dq.reshape(1, 1, BLOCK_M, HEAD_DIM))
 
 
 @triton.jit
