@@ -229,7 +229,7 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float):
     grad_out = grad_out.contiguous()
     delta, lse2 = backward_preprocess(out, grad_out, lse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the reduce-adds' target
-    dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # contiguous: the kernel's stores
     rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
     attention_bwd_fa3_kernel[(cdiv(seqlen_k, BWD_BLOCK_N), batch * heads_kv)](
         gluon_descriptor(q, rows), gluon_descriptor(k, keys), gluon_descriptor(v, keys),

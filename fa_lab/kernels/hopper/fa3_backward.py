@@ -47,7 +47,7 @@ from .fa3_state import Ring, ring_phase, wait_until_empty
 KEYS_PER_CONSUMER = gl.constexpr(64)
 BWD_CONSUMERS = gl.constexpr(2)
 BWD_BLOCK_M = 64  # query rows per step (one WGMMA's M for dQ)
-BWD_BLOCK_N = 128  # keys per CTA: 64 per consumer warpgroup
+BWD_BLOCK_N = BWD_CONSUMERS.value * KEYS_PER_CONSUMER.value  # keys per CTA
 BWD_CONSUMER_REGS = gl.constexpr(240)
 BWD_WORKER_REGS = gl.constexpr(24)  # the producer and the dQ writer hold only scalars
 
@@ -210,6 +210,8 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
         first_q = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
     q_tiles = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - first_q, 0)
 
+    # K and V are loaded once, through one-slot Rings; nothing arrives on their empty barriers, whose
+    # fresh state lets the producer's single fill through.
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [1] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)

@@ -136,17 +136,16 @@ def triton_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
                 VARLEN=False, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
     desc_q, desc_k, desc_v, desc_do = (descriptor(t, block) for t, block in (
         (q, config.block_m), (k, config.block_n), (v, config.block_n), (grad_out, config.block_m)))
-    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq
+    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq  # (dq: not read)
     attention_bwd_dkdv_kernel[(cdiv(seqlen_k, config.block_n), batch * k.shape[1])](
         desc_q, desc_k, desc_v, desc_do, descriptor(dk, config.block_n), descriptor(dv, config.block_n),
         descriptor(dq32, config.block_m), lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale,
         *option_args, *_no_varlen(lse, 2), ATOMIC_DQ=atomic_dq, **meta)
     if atomic_dq:
-        dq.copy_(dq32)
-    else:
-        attention_bwd_dq_kernel[(cdiv(seqlen_q, config.block_m), batch * heads)](
-            desc_q, desc_k, desc_v, desc_do, descriptor(dq, config.block_m), lse2, delta, heads, seqlen_q,
-            seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse, 1), **meta)
+        return dq32.to(q.dtype), dk, dv
+    attention_bwd_dq_kernel[(cdiv(seqlen_q, config.block_m), batch * heads)](
+        desc_q, desc_k, desc_v, desc_do, descriptor(dq, config.block_m), lse2, delta, heads, seqlen_q,
+        seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse, 1), **meta)
     return dq, dk, dv
 
 
