@@ -32,7 +32,8 @@ H200_SMS = 132
 # its share of the merge) in key blocks' worth of loads, fitted to the forced sweep at batch 1 x 4K:
 # critical_path_splits says how it is used.
 PROGRAM_OVERHEAD_BLOCKS = 6
-MAX_PAGES_AHEAD = 64  # the most block-table entries the decode kernel reads ahead of a split's key loop
+MAX_PAGES_AHEAD = 256  # the most block-table entries the decode kernel reads ahead of a split's key loop
+PAGED_SPLIT_KEYS = 4096  # a split of a paged cache longer than this is cut in two (choose_num_splits)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,16 @@ class CacheLayout:
     page_size: int  # capacity when the cache is dense
     capacity: int  # tokens one sequence can hold
     seqlen_new: int = 0  # tokens appended to each sequence before attending
+
+    @property
+    def row_tiles(self) -> int:
+        """Tiles of DECODE_ROWS packed query rows (group x seqlen_q) per (sequence, KV head): 1 for decode."""
+        return cdiv(self.heads // self.heads_kv * self.seqlen_q, DECODE_ROWS)
+
+    @property
+    def programs(self) -> int:
+        """The decode kernel's programs per split: batch x heads_kv x row_tiles."""
+        return self.batch * self.heads_kv * self.row_tiles
 
 
 def _tensor(name: str, value, ndim: int, layout: str):
@@ -270,11 +281,15 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
     :data:`SPLIT_BLOCK` keys, the kernels' key tile) and each split touches at most :data:`MAX_PAGES_AHEAD` pages
     (:func:`split_page_span`): the kernel then reads a split's block-table
     entries before its key loop, and the loop runs as on a dense cache (docs/experiments/interfaces.md,
-    "Decode: a split's pages read ahead"). Otherwise it gets about two waves, never less than a page per
-    split, rounded down to a power of two: such a program gathers its keys page by page through the block
-    table, a chain of dependent loads, and twice the programs in flight hide its latency; the power of two
-    avoids uneven splits and a merge whose vector of splits is padded past the next power of two. The
-    forced sweep of
+    "Decode: a split's pages read ahead"), but a split longer than :data:`PAGED_SPLIT_KEYS` keys is cut in
+    two: at batch 8 x 16K, 4 splits of pages of 256 ran at 0.98-0.99 of the dense figure and 2 at 0.94-0.96,
+    in every run (docs/experiments/interfaces.md, "Decode: one split writes the output, and 64-key tiles
+    past one wave"); pages are scattered, and twice the programs in flight hide more of their latency.
+
+    Otherwise it gets about two waves, never less than a page per split, rounded down to a power of two:
+    such a program gathers its keys page by page through the block table, a chain of dependent loads, and
+    twice the programs in flight hide its latency; the power of two avoids uneven splits and a merge whose
+    vector of splits is padded past the next power of two. The forced sweep of
     ``benchmarks/h200_decode.json`` measured both rules (docs/experiments/interfaces.md, "Decode: paged
     caches at batch 8 want more splits" and "Decode: two refinements of the split count, from the same
     sweep"). ``block`` only bounds the count: each impl cuts its splits on its own key tile
@@ -284,9 +299,11 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
     dense_count = critical_path_splits(programs, seqlen_k, num_sms, block, max_splits)
     if not page_size:
         return dense_count
-    if page_size % block == 0 and split_page_span(seqlen_k, page_size, dense_count, block) <= MAX_PAGES_AHEAD:
-        return dense_count
     limit = _split_limit(programs, seqlen_k, num_sms, block, max_splits)
+    if page_size % block == 0 and split_page_span(seqlen_k, page_size, dense_count, block) <= MAX_PAGES_AHEAD:
+        if dense_count > 1 and cdiv(seqlen_k, dense_count) > PAGED_SPLIT_KEYS:
+            return min(2 * dense_count, limit)
+        return dense_count
     if limit is None:
         return 1
     two_waves = max(1, min(limit, cdiv(seqlen_k, page_size), 2 * num_sms // programs))
@@ -328,9 +345,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         lengths = check_cache_values(layout, cache_seqlens, block_table, k_cache.shape[0])
     if k_new is not None:
         append_kv(layout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    row_tiles = cdiv(layout.heads // layout.heads_kv * layout.seqlen_q, DECODE_ROWS)
     longest = max(lengths) if check_values or impl == "torch" else layout.capacity
-    splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, longest, row_tiles=row_tiles,
+    splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, longest, row_tiles=layout.row_tiles,
                                              page_size=layout.page_size if layout.paged else None)
     if impl == "triton":
         from .kernels import triton_decode

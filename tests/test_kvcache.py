@@ -120,7 +120,7 @@ def test_reading_a_splits_pages_ahead_gives_the_same_attention(page_size, cache_
     q = torch.randn(batch, seqlen_q, heads, head_dim, generator=generator).to(torch.float16)
     lengths = torch.tensor(cache_seqlens, dtype=torch.int32)
     layout = check_kvcache(q, k_cache, v_cache, lengths, block_table=table)
-    assert pages_ahead(layout, splits, INTERPRETER.block_n) >= 2
+    assert pages_ahead(layout, splits, INTERPRETER) >= 2
     args = (q, k_cache, v_cache, lengths, table, layout, True, head_dim ** -0.5, (-1, -1), 0.0, splits)
     want = triton_decode(*args, with_field(INTERPRETER, pages_ahead=False))
     got = triton_decode(*args, with_field(INTERPRETER, pages_ahead=True))
@@ -291,8 +291,9 @@ def test_decode_kernels_build_for_sm90_as_programmatic_dependent_launches(gather
     """The split kernel's key loop is pipelined (its K and V tiles arrive by asynchronous copies, cp.async)
     for every gather mode, and with a dense cache or a split's pages read ahead it keeps two tiles' copies
     in flight while it computes (cp.async.wait_group 2), where a block-table load inside the loop drains
-    them; with PDL it lets the merge launch early (griddepcontrol.launch_dependents) and the merge waits
-    for the splits' results (griddepcontrol.wait) before it reads them; neither spills."""
+    them (the dense build writes its output as one split's final result, FINAL); with PDL it lets the
+    merge launch early (griddepcontrol.launch_dependents) and the merge waits for the splits' results
+    (griddepcontrol.wait) before it reads them; neither spills."""
     import re
 
     from fa_lab.kernels import load_triton
@@ -303,7 +304,7 @@ def test_decode_kernels_build_for_sm90_as_programmatic_dependent_launches(gather
 
     split_signature = {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr")},
                        **{name: "*i32" for name in ("table_ptr", "lengths_ptr")},
-                       **{name: "*fp32" for name in ("out_ptr", "lse_ptr")},
+                       "out_ptr": "*bf16" if gather == 0 else "*fp32", "lse_ptr": "*fp32",
                        **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_row", "stride_head",
                                                    "heads", "group", "seqlen_q", "page_size", "max_pages", "head_dim",
                                                    "left", "right")},
@@ -314,7 +315,8 @@ def test_decode_kernels_build_for_sm90_as_programmatic_dependent_launches(gather
         dict(kernel=decode_split_kernel, signature=split_signature, num_warps=DECODE_CUDA.num_warps,
              num_stages=DECODE_CUDA.num_stages, aligned=ALIGNED_DECODE_ARGS,
              constants=dict(BLOCK_M=16, BLOCK_N=DECODE_CUDA.block_n, HEAD_DIM=128, CAUSAL=True, WINDOW=False,
-                            SOFTCAP=False, GATHER=gather, EVEN_D=True, PAGES_AHEAD=ahead, PDL=True)),
+                            SOFTCAP=False, GATHER=gather, EVEN_D=True, PAGES_AHEAD=ahead, PDL=True,
+                            FINAL=gather == 0)),
         dict(kernel=merge_splits_kernel, signature=merge_signature,
              constants=dict(SPLITS=32, SPLIT_CHUNK=16, HEAD_DIM=128, PDL=True))])
     assert "cp.async.cg.shared.global" in split.ptx  # 16-byte asynchronous copies
@@ -372,15 +374,57 @@ def test_paged_caches_read_ahead_take_the_dense_count_and_the_rest_two_waves():
     from fa_lab.kvcache import MAX_PAGES_AHEAD, split_page_span
 
     # Pages of whole key tiles whose split touches at most MAX_PAGES_AHEAD pages: the dense count.
-    for batch, seqlen, page_size in ((1, 4096, 256), (1, 65536, 256), (8, 4096, 256), (8, 16384, 256)):
+    for batch, seqlen, page_size in ((1, 4096, 256), (1, 65536, 256), (8, 4096, 256), (32, 16384, 256)):
         assert choose_num_splits(batch, 8, seqlen, page_size=page_size) == choose_num_splits(batch, 8, seqlen)
-    assert split_page_span(16384, 256, 2) == 64 == MAX_PAGES_AHEAD  # 8192 keys: 32 pages, one more if unaligned
-    assert split_page_span(65536, 256, 2) == 256  # 8 x 64K: too many pages for one split's registers
-    assert choose_num_splits(8, 8, 65536, page_size=256) == 4  # so two waves: 64 programs x 4
+    # ... cut in two where that count leaves a split more than PAGED_SPLIT_KEYS keys (8 x 16K: 2 splits of 8K).
+    assert choose_num_splits(8, 8, 16384) == 2 and choose_num_splits(8, 8, 16384, page_size=256) == 4
+    assert choose_num_splits(1, 8, 65536) == 16 == choose_num_splits(1, 8, 65536, page_size=512)  # 4K keys each
+    assert split_page_span(16384, 256, 2) == 64  # 8192 keys: 32 pages, one more if unaligned
+    assert split_page_span(65536, 256, 2) == 256 == MAX_PAGES_AHEAD  # 8 x 64K: as many as one split may read ahead
+    assert choose_num_splits(8, 8, 65536, page_size=256) == 4  # 2 splits fit, but of 32K keys each
+    assert split_page_span(65536, 128, 2) == 512  # pages of 128 there: too many for one split's registers
+    assert choose_num_splits(8, 8, 65536, page_size=128) == 4  # so two waves: 64 programs x 4
     assert choose_num_splits(8, 8, 4096, page_size=64) == 4  # pages of 64: the kernel's 128-key tiles span two
     assert choose_num_splits(1, 8, 65536, page_size=16) == 32  # pages of 16: 33 for two waves, down to a power of 2
     assert choose_num_splits(1, 8, 4096, page_size=16) == 32
     assert choose_num_splits(32, 8, 65536, page_size=256) == 1  # already more than a wave
+
+
+def test_the_decode_config_follows_the_waves_and_the_pages():
+    """decode_config's rule on the H200's grid (32 query heads, 8 KV heads, one query): 64-key tiles where
+    128-key ones would leave more programs than SMs for a second wave on short splits (batch 32 x 4K, dense
+    or pages of whole 64-key tiles read ahead), and for pages of 64 keys that fit in the registers ahead;
+    128-key tiles past 4K keys per split, for pages of 16, and for pages too many to read ahead; pages read
+    ahead only while a call's programs fit in one wave."""
+    from fa_lab.kernels.portable.decode import DECODE_CUDA, SHORT_SPLIT, SMALL_TILE, decode_config, pages_ahead
+    from fa_lab.kvcache import check_kvcache
+
+    def layout_of(batch, seqlen, page_size=None):
+        q = torch.empty(batch, 1, 32, 128, dtype=torch.bfloat16)
+        if page_size is None:
+            cache, table = torch.empty(batch, seqlen, 8, 128, dtype=torch.bfloat16), None
+        else:
+            cache = torch.empty(batch * seqlen // page_size, page_size, 8, 128, dtype=torch.bfloat16)
+            table = torch.zeros(batch, seqlen // page_size, dtype=torch.int32)
+        lengths = torch.full((batch,), seqlen, dtype=torch.int32)
+        return check_kvcache(q, cache, cache, lengths, block_table=table)
+
+    def config(batch, seqlen, page_size=None):
+        return decode_config(layout_of(batch, seqlen, page_size), choose_num_splits(batch, 8, seqlen,
+                                                                                  page_size=page_size))
+
+    assert config(32, 4096) == config(32, 4096, 256) == config(32, 4096, 64) == SMALL_TILE  # 256 programs
+    assert config(32, 16384) == config(32, 16384, 256) == config(32, 65536) == DECODE_CUDA  # long splits
+    assert config(32, 16384, 64) == DECODE_CUDA  # 257 pages of 64 to a split: more than the registers hold
+    assert config(8, 4096) == config(8, 16384) == config(8, 4096, 256) == DECODE_CUDA  # 2 splits x 64: one wave
+    assert config(8, 16384, 256) == SMALL_TILE  # 4 splits of 4K keys (PAGED_SPLIT_KEYS): two waves of 128-key tiles
+    assert config(8, 4096, 64) == config(8, 16384, 64) == config(1, 65536, 64) == SMALL_TILE  # pages of 64
+    assert config(8, 65536, 64) == config(8, 4096, 16) == DECODE_CUDA
+    assert config(1, 4096) == SHORT_SPLIT  # 16 splits of 256 keys
+    # Pages are read ahead while the programs fit in one wave of the config (one per SM for DECODE_CUDA).
+    assert pages_ahead(layout_of(8, 16384, 256), 2, DECODE_CUDA) == 64  # 128 programs, 33 pages to a split
+    assert pages_ahead(layout_of(32, 16384, 256), 1, DECODE_CUDA) == 0  # 256 programs: two waves
+    assert pages_ahead(layout_of(32, 16384, 256), 1, SMALL_TILE) == 128  # three fit on an SM
 
 
 def test_the_split_counts_are_what_the_recorded_sweep_found_fastest():

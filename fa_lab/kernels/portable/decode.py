@@ -41,22 +41,29 @@ class DecodeConfig:
     the merge as a programmatic dependent of the split kernel where the GPU has it (sm_90 and later; off by
     default: at the split counts the heuristic picks it measured no faster, and at 32 splits slower,
     docs/experiments/interfaces.md); pages_ahead: a paged call whose pages hold whole key tiles reads each
-    split's block-table entries before its key loop (:func:`pages_ahead`)."""
+    split's block-table entries before its key loop (:func:`pages_ahead`) while its programs fit in one wave;
+    per_sm: the programs one SM holds at head_dim 128 (by the shared memory of ``num_stages - 1`` K and V
+    tiles), what makes a wave."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     pdl: bool = False
     pages_ahead: bool = True
+    per_sm: int = 1
 
 
-# The H200's choices (benchmarks/h200_decode_tuning.json): DECODE_CUDA within a few percent of the best
-# config at every shape and page size there, dense and paged alike, but for short dense splits, where
-# SHORT_SPLIT's smaller tiles and deeper pipeline were 8% faster (batch 1 x 4K, 16 splits of 256 keys);
+# The H200's choices (benchmarks/h200_decode_tuning.json, h200_decode_sweep.json; decode_config says which
+# call runs which): DECODE_CUDA within a few percent of the best config at most shapes and page sizes, but
+# for short dense splits, where SHORT_SPLIT's smaller tiles and deeper pipeline were 8% faster (batch 1 x
+# 4K, 16 splits of 256 keys); SMALL_TILE where DECODE_CUDA's programs (one per SM: its three stages take
+# 139 KB of shared memory) would run in two waves, and for pages of 64 keys, which then hold whole tiles;
 # and the interpreter's small tiles.
-DECODE_CUDA = DecodeConfig(128, 4, 3)
-SHORT_SPLIT = DecodeConfig(64, 4, 4)
+DECODE_CUDA = DecodeConfig(128, 4, 3, per_sm=1)  # 139 KB of shared memory
+SHORT_SPLIT = DecodeConfig(64, 4, 4, per_sm=2)
 SHORT_SPLIT_KEYS = 512  # a dense split of at most this many keys runs SHORT_SPLIT
+SMALL_TILE = DecodeConfig(64, 4, 3, per_sm=3)  # 71 KB of shared memory
+SMALL_TILE_WAVE_KEYS = 4096  # more programs than SMs, splits of at most this many keys: SMALL_TILE
 INTERPRETER = DecodeConfig(16, 4, 1)
 # What ``fa-lab bench decode --tune`` times on the GPU.
 DECODE_CANDIDATES = (DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 4), DecodeConfig(128, 4, 2),
@@ -70,21 +77,25 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
                         left, right, softcap_scale, softcap_log2,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, GATHER: tl.constexpr,
-                        EVEN_D: tl.constexpr, PAGES_AHEAD: tl.constexpr, PDL: tl.constexpr):
+                        EVEN_D: tl.constexpr, PAGES_AHEAD: tl.constexpr, PDL: tl.constexpr,
+                        FINAL: tl.constexpr = False):
     """One split of one (sequence, KV head), rows ``row_tile * BLOCK_M ...`` of its packed group.
 
     q_ptr: (B, seqlen_q, H, head_dim) with the given strides; k_ptr, v_ptr: the cache's token rows
     (pages * page_size, heads_kv, head_dim), strides stride_row, stride_head, 1; table_ptr: int32
     (B, max_pages) (unread when GATHER is DENSE, where page_size is the capacity); lengths_ptr: int32
     (B,) keys per sequence; out_ptr: float32 (splits, B, H,
-    seqlen_q, head_dim) and lse_ptr (splits, B, H, seqlen_q), both contiguous. qk_scale = scale *
+    seqlen_q, head_dim) and lse_ptr (splits, B, H, seqlen_q), both contiguous; with FINAL (one split, no
+    merge to follow) out_ptr is the call's output instead, (B, seqlen_q, H, head_dim) in q's dtype, so
+    that no cast kernel follows either. qk_scale = scale *
     log2(e). WINDOW: (left, right) as ``BlockInfo.window_bounds`` gives them, causal folded in. EVEN_D:
     head_dim == HEAD_DIM, so that K and V rows load unmasked along d: a mask that varies along a row's
     contiguous elements keeps Triton from loading the tiles with asynchronous copies, and the loop from
     being pipelined (docs/experiments/interfaces.md, "Decode: the pipelined key loop"). PAGES_AHEAD (> 0
     with PAGE_PER_TILE only): the split's block-table entries are loaded into registers before the key
     loop, PAGES_AHEAD of them (enough for any split of the call), so that a tile's address needs no load
-    in the loop. PDL: let the merge launch now (a programmatic dependent launch, sm_90), so that its
+    in the loop. PDL: let the
+    merge launch now (a programmatic dependent launch, sm_90), so that its
     start-up overlaps this kernel; it still waits for this grid's results.
     """
     if PDL:
@@ -159,7 +170,9 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
     batches = tl.num_programs(1) // (heads // group)
     row = ((split * batches + batch) * heads + head) * seqlen_q + query  # (splits, B, H, seqlen_q)
     tl.store(lse_ptr + row, lse, mask=valid_rows)
-    tl.store(out_ptr + row[:, None] * head_dim + cols[None, :], acc / l_safe[:, None],
+    if FINAL:  # the call's output itself: (B, seqlen_q, H, head_dim) in its dtype
+        row = (batch * seqlen_q + query) * heads + head
+    tl.store(out_ptr + row[:, None] * head_dim + cols[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
              mask=valid_rows[:, None] & col_ok[None, :])
 
 
@@ -245,9 +258,11 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     left, right = info.window_bounds() if info.banded else (0, 0)
     ahead = 0
     if config.pages_ahead and layout.paged and gather == PAGE_PER_TILE and not info.banded:
-        ahead = pages_ahead(layout, splits, config.block_n)
+        ahead = pages_ahead(layout, splits, config)
     k_rows, v_rows = (t.reshape(-1, layout.heads_kv, head_dim) for t in (k_cache, v_cache))
-    out = torch.empty((splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device)
+    final = splits == 1  # the kernel writes the output itself
+    out = (torch.empty((batch, seqlen_q, heads, head_dim), dtype=q.dtype, device=q.device) if final else
+           torch.empty((splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device))
     lse = torch.empty((splits, batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     with on_device(q):
         decode_split_kernel[(splits, batch * layout.heads_kv, triton.cdiv(rows, block_m))](
@@ -258,31 +273,52 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
             BLOCK_M=block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
             CAUSAL=causal and not info.banded, WINDOW=info.banded, SOFTCAP=bool(softcap), GATHER=gather,
             EVEN_D=head_dim == head_dim_bucket(head_dim), PAGES_AHEAD=ahead,
-            PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages)
-    if splits == 1:
-        return out[0].transpose(1, 2).to(q.dtype), lse[0]
+            PDL=pdl, FINAL=final, num_warps=config.num_warps, num_stages=config.num_stages)
+    if final:
+        return out, lse[0]
     return merge_split_results(out, lse, q.dtype, pdl)
 
 
-def pages_ahead(layout, splits: int, block_n: int) -> int:
+def pages_ahead(layout, splits: int, config: DecodeConfig) -> int:
     """The kernel's PAGES_AHEAD for a paged call: the block-table entries one split can touch
-    (:func:`fa_lab.kvcache.split_page_span` on block_n-key tiles), or 0 (read them in the loop) past
-    ``kvcache.MAX_PAGES_AHEAD``. (A window's splits cut the band, not the cache: the caller leaves it at 0
+    (:func:`fa_lab.kvcache.split_page_span` on the config's key tiles), or 0 (read them in the loop) past
+    ``kvcache.MAX_PAGES_AHEAD``, or when the call's programs outnumber one wave of the config on an H200's
+    SMs: other programs then hide the loop's table loads, and picking a tile's page from the registers cost
+    more (batch 32 x 16K, pages of 256: 0.83-0.96 of dense read ahead, 0.98 in the loop;
+    docs/experiments/interfaces.md). (A window's splits cut the band, not the cache: the caller leaves it at 0
     there.)"""
-    from ...kvcache import MAX_PAGES_AHEAD, split_page_span
+    from ...kvcache import H200_SMS, MAX_PAGES_AHEAD, split_page_span
 
-    span = split_page_span(layout.capacity, layout.page_size, splits, block_n)
+    if layout.programs * splits > H200_SMS * config.per_sm:
+        return 0
+    span = split_page_span(layout.capacity, layout.page_size, splits, config.block_n)
     return span if span <= MAX_PAGES_AHEAD else 0
 
 
 def decode_config(layout, splits: int) -> DecodeConfig:
-    """The H200's config for a call on a CUDA GPU: SHORT_SPLIT when a dense cache's capacity cut in ``splits``
-    leaves at most SHORT_SPLIT_KEYS keys per split, else DECODE_CUDA (whose 128-key tiles lie in one page
-    of a multiple of kvcache.SPLIT_BLOCK keys)."""
-    from ...block_info import cdiv
+    """The H200's config for a call on a CUDA GPU (docs/experiments/interfaces.md, "Decode: one split writes
+    the output, and 64-key tiles past one wave"):
 
-    short = not layout.paged and cdiv(layout.capacity, splits) <= SHORT_SPLIT_KEYS
-    return SHORT_SPLIT if short else DECODE_CUDA
+    - SHORT_SPLIT when a dense cache's capacity cut in ``splits`` leaves at most SHORT_SPLIT_KEYS keys per split;
+    - SMALL_TILE when its 64-key tiles can serve the cache (dense, or pages of a multiple of 64 keys whose
+      split's entries it reads ahead: :func:`pages_ahead`) and either the pages are
+      smaller than DECODE_CUDA's tile (64 keys: with it they would be gathered key by key) or the call's
+      programs outnumber the SMs with splits of at most SMALL_TILE_WAVE_KEYS keys (DECODE_CUDA runs one
+      program per SM, so those would take two waves, a tail the short splits do not amortize);
+    - DECODE_CUDA otherwise (its 128-key tiles lie in one page of a multiple of kvcache.SPLIT_BLOCK keys).
+    """
+    from ...block_info import cdiv
+    from ...kvcache import H200_SMS
+
+    split_keys = cdiv(layout.capacity, splits)
+    if not layout.paged and split_keys <= SHORT_SPLIT_KEYS:
+        return SHORT_SPLIT
+    if layout.paged:
+        if layout.page_size % SMALL_TILE.block_n or not pages_ahead(layout, splits, SMALL_TILE):
+            return DECODE_CUDA
+        if layout.page_size % DECODE_CUDA.block_n:
+            return SMALL_TILE
+    return SMALL_TILE if layout.programs * splits > H200_SMS and split_keys <= SMALL_TILE_WAVE_KEYS else DECODE_CUDA
 
 
 def prefills_by_query_tiles(layout, splits: int) -> bool:
