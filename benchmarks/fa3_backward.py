@@ -1,9 +1,11 @@
-"""The Gluon FA3 backward (fa_lab/kernels/hopper/fa3_backward.py) against the portable two-kernel backward and
-SDPA's cuDNN and FlashAttention-2 backwards, on the FA3-paper shapes (16K tokens, hidden 2048, bf16, d = 64 and
-128, causal and not, 1K-16K), one run; rows in the results schema (bwd_ms, bwd_tflops; forward figures null).
+"""The Gluon FA3 backward (fa_lab/kernels/hopper/fa3_backward.py) against the portable two-kernel backward,
+SDPA's cuDNN and FlashAttention-2 backwards and, where installed, the upstream flash-attn-4 (``fa4``, its
+SM90 path FA3's design, installed as benchmarks/run_device.sh's ``interfaces`` step says), on the FA3-paper
+shapes (16K tokens, hidden 2048, bf16, d = 64 and 128, causal and not, 1K-16K), one run; rows in the results
+schema (bwd_ms, bwd_tflops; forward figures null).
 
 Ours are timed as the backward launch alone (preprocess, kernels, the cast of dQ) on the forward's O and LSE;
-SDPA's as ``out.backward(grad)`` on its own forward's graph. do_bench medians; TFLOP/s by
+SDPA's and fa4's as ``out.backward(grad)`` on their own forward's graph. do_bench medians; TFLOP/s by
 ``attention_flops(shape, "bwd")`` (2.5 times the forward's).
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/fa3_backward.py run $OUT`` writes $OUT/h200_backward.json;
@@ -14,9 +16,22 @@ import json
 import os
 import sys
 
-IMPLS = ("triton_hopper", "triton", "sdpa_cudnn", "sdpa_flash")
+IMPLS = ("triton_hopper", "triton", "sdpa_cudnn", "sdpa_flash", "fa4")
 LABELS = {"triton_hopper": "ours, Gluon FA3 backward", "triton": "ours, portable two-kernel backward",
-          "sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA FlashAttention-2"}
+          "sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA FlashAttention-2", "fa4": "flash-attn-4 (upstream)"}
+
+
+def fa4_backward(q, k, v, grad, causal: bool):
+    """flash-attn-4's backward on its own forward's graph, in its (B, N, heads, d) layout, and the leaves to
+    clear; None where the package is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+    leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, causal=causal)
+    out = out[0] if isinstance(out, tuple) else out
+    return functools.partial(out.backward, grad.transpose(1, 2).contiguous(), retain_graph=True), leaves
 
 
 def run(out_dir: str) -> None:
@@ -50,8 +65,11 @@ def run(out_dir: str) -> None:
                     with sdpa_kernel(backend):
                         sdpa_out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
                     timed[name] = (functools.partial(sdpa_out.backward, grad, retain_graph=True), leaves)
+                upstream = fa4_backward(q, k, v, grad, causal)
+                if upstream is not None:
+                    timed["fa4"] = upstream
                 line = []
-                for impl in IMPLS:
+                for impl in (name for name in IMPLS if name in timed):
                     row = empty_row(impl, shape)
                     fn, leaves = timed[impl]
                     ms = do_bench(fn, grad_to_none=leaves, return_mode="median")
@@ -76,7 +94,8 @@ def plot(results_path: str, png_path: str) -> None:
         for impl in IMPLS:
             points = sorted((r["seqlen_q"], r["bwd_tflops"]) for r in results["rows"]
                             if r["impl"] == impl and r["head_dim"] == head_dim and r["causal"] == causal)
-            ax.plot([n // 1024 for n, _ in points], [t for _, t in points], "o-", label=LABELS[impl])
+            if points:
+                ax.plot([n // 1024 for n, _ in points], [t for _, t in points], "o-", label=LABELS[impl])
         ax.set(title=f"d = {head_dim}, {'causal' if causal else 'not causal'}", xlabel="sequence length (K)",
                xscale="log", xticks=[1, 2, 4, 8, 16], xticklabels=["1", "2", "4", "8", "16"])
         ax.grid(alpha=0.3)

@@ -66,8 +66,8 @@ class HopperOptions:
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
 # many keys, per (head_dim, causal), the H200 measured it faster than the portable backward
-# (benchmarks/h200_backward.json; a CPU test holds this table to that file). At d = 128 it is 1.09-1.18x from 1K
-# without a mask and 1.03-1.16x causal from 2K (0.92x at 1K causal); at d = 64 it is level below 8K keys.
+# (benchmarks/h200_backward.json; a CPU test holds this table to that file). At d = 128 it is 1.08-1.16x from 1K
+# without a mask and 1.02-1.18x causal from 2K (0.92x at 1K causal); at d = 64 it is 0.85-0.98x below 8K keys.
 GLUON_BACKWARD_MIN_KEYS = {(128, False): 0, (128, True): 2048, (64, False): 8192, (64, True): 8192}
 
 
