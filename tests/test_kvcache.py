@@ -327,6 +327,31 @@ def test_decode_kernels_build_for_sm90_as_programmatic_dependent_launches(gather
     assert split.local_bytes == 0 and merge.local_bytes == 0
 
 
+def test_the_decode_configs_programs_per_sm_are_what_their_sm90_builds_fit():
+    """DecodeConfig.per_sm, which decides what a wave is for decode_config and pages_ahead, is what the offline
+    sm_90 build's shared memory lets an SM hold (bf16, head_dim 128, a dense cache)."""
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, ctas_per_sm
+
+    load_triton()
+    from fa_lab.kernels.portable.decode import DECODE_CUDA, SHORT_SPLIT, SMALL_TILE, decode_split_kernel
+
+    signature = {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
+                 **{name: "*i32" for name in ("table_ptr", "lengths_ptr")}, "lse_ptr": "*fp32",
+                 **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_row", "stride_head",
+                                             "heads", "group", "seqlen_q", "page_size", "max_pages", "head_dim",
+                                             "left", "right")},
+                 **{name: "fp32" for name in ("qk_scale", "softcap_scale", "softcap_log2")}}
+    configs = (DECODE_CUDA, SMALL_TILE, SHORT_SPLIT)
+    builds = compile_all_for_sm90([
+        dict(kernel=decode_split_kernel, signature=signature, num_warps=config.num_warps,
+             num_stages=config.num_stages, aligned=ALIGNED_DECODE_ARGS,
+             constants=dict(BLOCK_M=16, BLOCK_N=config.block_n, HEAD_DIM=128, CAUSAL=True, WINDOW=False,
+                            SOFTCAP=False, GATHER=0, EVEN_D=True, PAGES_AHEAD=0, PDL=False, FINAL=True))
+        for config in configs])
+    assert [ctas_per_sm(build.shared_bytes) for build in builds] == [config.per_sm for config in configs] == [1, 3, 2]
+
+
 def test_split_ranges_cover_the_keys_in_whole_blocks():
     for length in (1, 127, 128, 129, 1000, 5000):
         for splits in (1, 2, 3, 7, 64):

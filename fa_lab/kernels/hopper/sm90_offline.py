@@ -25,6 +25,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one CTA may use on an H100/H200 (227 KiB)
+SM90_SHARED_PER_SM = 233472  # bytes of shared memory an SM holds (228 KiB), for all its resident CTAs
+SM90_SHARED_RESERVED = 1024  # bytes the hardware reserves per resident CTA on top of what the kernel asks
+
+
+def ctas_per_sm(shared_bytes: int) -> int:
+    """How many CTAs asking ``shared_bytes`` each an SM holds at once, as far as shared memory decides."""
+    return SM90_SHARED_PER_SM // (shared_bytes + SM90_SHARED_RESERVED)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn, "fp32": torch.float32}
 
 
