@@ -43,7 +43,7 @@ class DecodeConfig:
     docs/experiments/interfaces.md); pages_ahead: a paged call whose pages hold whole key tiles reads each
     split's block-table entries before its key loop (:func:`pages_ahead`) while its programs fit in one wave;
     per_sm: the programs one SM holds at head_dim 128 (by the shared memory of ``num_stages - 1`` K and V
-    tiles), what makes a wave."""
+    tiles, as the sm_90 build measures it: a CPU test holds the two together), what makes a wave."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -84,18 +84,16 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
     q_ptr: (B, seqlen_q, H, head_dim) with the given strides; k_ptr, v_ptr: the cache's token rows
     (pages * page_size, heads_kv, head_dim), strides stride_row, stride_head, 1; table_ptr: int32
     (B, max_pages) (unread when GATHER is DENSE, where page_size is the capacity); lengths_ptr: int32
-    (B,) keys per sequence; out_ptr: float32 (splits, B, H,
-    seqlen_q, head_dim) and lse_ptr (splits, B, H, seqlen_q), both contiguous; with FINAL (one split, no
-    merge to follow) out_ptr is the call's output instead, (B, seqlen_q, H, head_dim) in q's dtype, so
-    that no cast kernel follows either. qk_scale = scale *
-    log2(e). WINDOW: (left, right) as ``BlockInfo.window_bounds`` gives them, causal folded in. EVEN_D:
+    (B,) keys per sequence; out_ptr: float32 (splits, B, H, seqlen_q, head_dim) and lse_ptr (splits, B, H,
+    seqlen_q), both contiguous; with FINAL (one split, no merge to follow) out_ptr is the call's output
+    instead, (B, seqlen_q, H, head_dim) in q's dtype, so that no cast kernel follows either. qk_scale =
+    scale * log2(e). WINDOW: (left, right) as ``BlockInfo.window_bounds`` gives them, causal folded in. EVEN_D:
     head_dim == HEAD_DIM, so that K and V rows load unmasked along d: a mask that varies along a row's
     contiguous elements keeps Triton from loading the tiles with asynchronous copies, and the loop from
     being pipelined (docs/experiments/interfaces.md, "Decode: the pipelined key loop"). PAGES_AHEAD (> 0
     with PAGE_PER_TILE only): the split's block-table entries are loaded into registers before the key
     loop, PAGES_AHEAD of them (enough for any split of the call), so that a tile's address needs no load
-    in the loop. PDL: let the
-    merge launch now (a programmatic dependent launch, sm_90), so that its
+    in the loop. PDL: let the merge launch now (a programmatic dependent launch, sm_90), so that its
     start-up overlaps this kernel; it still waits for this grid's results.
     """
     if PDL:
