@@ -28,9 +28,10 @@ def fa4_backward(q, k, v, grad, causal: bool):
         from flash_attn.cute import flash_attn_func
     except ImportError:
         return None
+    from fa_lab.bench.interfaces import fa4_output
+
     leaves = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-    out = flash_attn_func(*leaves, causal=causal)
-    out = out[0] if isinstance(out, tuple) else out
+    out = fa4_output(flash_attn_func(*leaves, causal=causal))
     return functools.partial(out.backward, grad.transpose(1, 2).contiguous(), retain_graph=True), leaves
 
 

@@ -34,9 +34,10 @@ def step_for(impl: str, causal: bool):
     if impl == "fa4":
         from flash_attn.cute import flash_attn_func
 
+        from fa_lab.bench.interfaces import fa4_output
+
         def fa4_step(q, k, v, grad):
-            out = flash_attn_func(q, k, v, causal=causal)
-            (out[0] if isinstance(out, tuple) else out).backward(grad)
+            fa4_output(flash_attn_func(q, k, v, causal=causal)).backward(grad)
         return (lambda seqlen, device: leaves(seqlen, device, token_major=True)), fa4_step
     if impl.startswith("sdpa_"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -57,7 +58,7 @@ def step_for(impl: str, causal: bool):
 def run(out_dir: str, impls=IMPLS, seqlens=SEQLENS, device: str = "cuda") -> list[dict]:
     import torch
 
-    from fa_lab.bench.schema import environment
+    from fa_lab.bench.schema import environment, write_log
     from fa_lab.memory import peak_memory
 
     log = []
@@ -81,10 +82,8 @@ def run(out_dir: str, impls=IMPLS, seqlens=SEQLENS, device: str = "cuda") -> lis
                 del arguments
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    results = {**environment(device), "log": log}
     if out_dir:
-        with open(os.path.join(out_dir, "h200_training_memory.json"), "w") as file:
-            json.dump(results, file, indent=1)
+        write_log({**environment(device), "log": log}, os.path.join(out_dir, "h200_training_memory.json"))
     return log
 
 
@@ -93,19 +92,23 @@ def plot(results_path: str, png_path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from fa_lab.memory import use_byte_ticks, use_seqlen_ticks
+
     with open(results_path) as file:
         results = json.load(file)
+    seqlens = sorted({e["seqlen"] for e in results["log"]})
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     for ax, causal in zip(axes, (False, True)):
         for impl in IMPLS:
             points = sorted((e["seqlen"], e["peak_bytes"]) for e in results["log"]
                             if e["impl"] == impl and e["causal"] == causal)
             if points:
-                ax.plot([n // 1024 for n, _ in points], [b / 2**30 for _, b in points], "o-", label=impl)
-        ax.set(title="causal" if causal else "not causal", xlabel="sequence length (K)", xscale="log", yscale="log",
-               xticks=[8, 16, 32, 64], xticklabels=["8", "16", "32", "64"])
+                ax.plot(*zip(*points), "o-", label=impl)
+        ax.set(title="causal" if causal else "not causal", xlabel="sequence length")
+        use_seqlen_ticks(ax.xaxis, seqlens)
+        use_byte_ticks(ax.yaxis)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("peak extra GiB, forward + backward")
+    axes[0].set_ylabel("peak extra memory, forward + backward")
     axes[0].legend(frameon=False, fontsize=8)
     fig.suptitle(f"One training step of attention, bf16, d = 128, 16 heads: {results['device']}, {results['date']}")
     fig.tight_layout()

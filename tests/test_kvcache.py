@@ -286,6 +286,16 @@ def test_the_merge_kernel_computes_online_softmaxs_merge(splits, generator):
 ALIGNED_DECODE_ARGS = ("q_ptr", "k_ptr", "v_ptr", "stride_qb", "stride_qs", "stride_qh", "stride_row", "stride_head")
 
 
+def decode_split_signature(out: str) -> dict:
+    """decode_split_kernel's argument types for an offline build on bf16 operands, ``out`` the type of out_ptr
+    ("*fp32" for partial results, "*bf16" for a FINAL output)."""
+    return {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr")},
+            **{name: "*i32" for name in ("table_ptr", "lengths_ptr")}, "out_ptr": out, "lse_ptr": "*fp32",
+            **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_row", "stride_head", "heads",
+                                        "group", "seqlen_q", "page_size", "max_pages", "head_dim", "left", "right")},
+            **{name: "fp32" for name in ("qk_scale", "softcap_scale", "softcap_log2")}}
+
+
 @pytest.mark.parametrize("gather, ahead", [(0, 0), (1, 0), (1, 8), (2, 0)])
 def test_decode_kernels_build_for_sm90_as_programmatic_dependent_launches(gather, ahead):
     """The split kernel's key loop is pipelined (its K and V tiles arrive by asynchronous copies, cp.async)
@@ -302,13 +312,7 @@ def test_decode_kernels_build_for_sm90_as_programmatic_dependent_launches(gather
     load_triton()
     from fa_lab.kernels.portable.decode import DECODE_CUDA, decode_split_kernel, merge_splits_kernel
 
-    split_signature = {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr")},
-                       **{name: "*i32" for name in ("table_ptr", "lengths_ptr")},
-                       "out_ptr": "*bf16" if gather == 0 else "*fp32", "lse_ptr": "*fp32",
-                       **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_row", "stride_head",
-                                                   "heads", "group", "seqlen_q", "page_size", "max_pages", "head_dim",
-                                                   "left", "right")},
-                       **{name: "fp32" for name in ("qk_scale", "softcap_scale", "softcap_log2")}}
+    split_signature = decode_split_signature("*bf16" if gather == 0 else "*fp32")
     merge_signature = {"out_ptr": "*fp32", "lse_ptr": "*fp32", "merged_ptr": "*bf16", "merged_lse_ptr": "*fp32",
                        **{name: "i32" for name in ("splits", "heads", "seqlen_q", "head_dim")}}
     split, merge = compile_all_for_sm90([
@@ -336,12 +340,7 @@ def test_the_decode_configs_programs_per_sm_are_what_their_sm90_builds_fit():
     load_triton()
     from fa_lab.kernels.portable.decode import DECODE_CUDA, SHORT_SPLIT, SMALL_TILE, decode_split_kernel
 
-    signature = {**{name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
-                 **{name: "*i32" for name in ("table_ptr", "lengths_ptr")}, "lse_ptr": "*fp32",
-                 **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_row", "stride_head",
-                                             "heads", "group", "seqlen_q", "page_size", "max_pages", "head_dim",
-                                             "left", "right")},
-                 **{name: "fp32" for name in ("qk_scale", "softcap_scale", "softcap_log2")}}
+    signature = decode_split_signature("*bf16")
     configs = (DECODE_CUDA, SMALL_TILE, SHORT_SPLIT)
     builds = compile_all_for_sm90([
         dict(kernel=decode_split_kernel, signature=signature, num_warps=config.num_warps,

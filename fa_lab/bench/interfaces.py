@@ -145,12 +145,14 @@ def fa4_window(window, causal: bool):
     return (None if left < 0 else left, 0 if causal else (None if right < 0 else right))
 
 
+def fa4_output(result):
+    """The output of a flash-attn-4 call, which returns it alone or as (out, lse)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 def fa4_impl():
     """The upstream CuTeDSL kernels (flash_attn.cute): (B, N, heads, d) tensors; refuses ALiBi."""
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-
-    def first(result):
-        return result[0] if isinstance(result, tuple) else result
 
     def prepare(case: InterfaceCase):
         if case.alibi:
@@ -159,10 +161,10 @@ def fa4_impl():
         options = dict(causal=case.causal, window_size=fa4_window(case.window, case.causal), softcap=case.softcap)
         if case.varlen:
             cu, longest = cu_seqlens(case.lengths).cuda(), max(case.lengths)
-            return (lambda: first(flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+            return (lambda: fa4_output(flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                          max_seqlen_q=longest, max_seqlen_k=longest,
                                                          **options))), (q, k, v)
-        return (lambda: first(flash_attn_func(q, k, v, **options))), (q, k, v)
+        return (lambda: fa4_output(flash_attn_func(q, k, v, **options))), (q, k, v)
     return prepare
 
 

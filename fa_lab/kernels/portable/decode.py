@@ -285,12 +285,20 @@ def pages_ahead(layout, splits: int, config: DecodeConfig) -> int:
     more (batch 32 x 16K, pages of 256: 0.83-0.96 of dense read ahead, 0.98 in the loop;
     docs/experiments/interfaces.md). (A window's splits cut the band, not the cache: the caller leaves it at 0
     there.)"""
-    from ...kvcache import H200_SMS, MAX_PAGES_AHEAD, split_page_span
+    from ...kvcache import MAX_PAGES_AHEAD, split_page_span
 
-    if layout.programs * splits > H200_SMS * config.per_sm:
+    if not fits_one_wave(layout, splits, config):
         return 0
     span = split_page_span(layout.capacity, layout.page_size, splits, config.block_n)
     return span if span <= MAX_PAGES_AHEAD else 0
+
+
+def fits_one_wave(layout, splits: int, config: DecodeConfig) -> bool:
+    """Whether a call's programs (``layout.programs`` x ``splits``) all fit on an H200's SMs at once, at
+    ``config.per_sm`` programs per SM."""
+    from ...kvcache import H200_SMS
+
+    return layout.programs * splits <= H200_SMS * config.per_sm
 
 
 def decode_config(layout, splits: int) -> DecodeConfig:
@@ -306,7 +314,6 @@ def decode_config(layout, splits: int) -> DecodeConfig:
     - DECODE_CUDA otherwise (its 128-key tiles lie in one page of a multiple of kvcache.SPLIT_BLOCK keys).
     """
     from ...block_info import cdiv
-    from ...kvcache import H200_SMS
 
     split_keys = cdiv(layout.capacity, splits)
     if not layout.paged and split_keys <= SHORT_SPLIT_KEYS:
@@ -316,7 +323,8 @@ def decode_config(layout, splits: int) -> DecodeConfig:
             return DECODE_CUDA
         if layout.page_size % DECODE_CUDA.block_n:
             return SMALL_TILE
-    return SMALL_TILE if layout.programs * splits > H200_SMS and split_keys <= SMALL_TILE_WAVE_KEYS else DECODE_CUDA
+    two_waves = not fits_one_wave(layout, splits, DECODE_CUDA)
+    return SMALL_TILE if two_waves and split_keys <= SMALL_TILE_WAVE_KEYS else DECODE_CUDA
 
 
 def prefills_by_query_tiles(layout, splits: int) -> bool:
