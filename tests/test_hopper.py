@@ -145,22 +145,46 @@ def test_gluon_option_kernels_compile_for_sm90_within_their_resources(head_dim, 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
-    """The Gluon FA3 backward builds for sm_90 on this machine, causal and not: shared memory within 227 KiB,
-    the consumer warpgroups raised to 240 registers, dQ added by a TMA reduce-add, the WGMMAs of the five
-    products (64-key tiles for S and dP, d-wide ones for dV, dK and dQ). At d = 64 nothing is spilled; at d = 128,
-    where dK and dV alone take 128 of a consumer's 240 registers, ptxas keeps a few scalars in local memory
-    and reloads them inside the loop (7 loads and stores without the mask, 51 with it, on Triton 3.6): the
-    bound below holds that gap where it is."""
+    """The Gluon FA3 backward builds for sm_90 on this machine, causal and not, dense and packed: shared memory
+    within 227 KiB, the consumer warpgroups raised to 240 registers, dQ added by a TMA reduce-add, the WGMMAs of
+    the five products (64-key tiles for S and dP, d-wide ones for dV, dK and dQ). At d = 64 nothing is spilled;
+    at d = 128, where dK and dV alone take 128 of a consumer's 240 registers, ptxas keeps a few scalars in local
+    memory and reloads them inside the loop (on Triton 3.6, loads and stores without the mask / with it: 7 / 51
+    dense, 17 / 68 packed, whose steps carry the sequence's offsets too): the bounds below hold that gap where
+    it is."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
 
-    for causal, build in zip((False, True), compile_all_for_sm90([fa3_backward_job(head_dim, c)
-                                                                  for c in (False, True)])):
+    variants = [(causal, varlen) for varlen in (False, True) for causal in (False, True)]
+    builds = compile_all_for_sm90([fa3_backward_job(head_dim, causal, varlen=varlen) for causal, varlen in variants])
+    for (causal, varlen), build in zip(variants, builds):
         assert build.shared_bytes <= SM90_SHARED_LIMIT
         assert "setmaxnreg.inc.sync.aligned.u32 \t240" in build.ptx
         assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in build.ptx
         assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in build.ptx
         assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.bf16.bf16" in build.ptx
-        assert build.kv_loop_spills <= (0 if head_dim == 64 else 56), (causal, build.kv_loop_spills)
+        bound = 0 if head_dim == 64 else (72 if varlen else 56)
+        assert build.kv_loop_spills <= bound, (causal, varlen, build.kv_loop_spills)
+
+
+def test_a_packed_batch_takes_the_gluon_backward_by_the_dense_rule(monkeypatch):
+    """hopper_varlen_backward asks gluon_backward_is_faster about the keys of the sequence an average key sits
+    in (varlen_keys_per_sequence), and goes to the portable kernels otherwise or when asked to."""
+    import fa_lab.kernels.hopper.attention as hopper
+    from fa_lab.kernels.portable.attention import NO_OPTIONS
+
+    assert hopper.varlen_keys_per_sequence([0, 4096, 4196]) == (4096 ** 2 + 100 ** 2) // 4196
+    assert hopper.varlen_keys_per_sequence([0, 0, 0]) == 0
+    calls = []
+    monkeypatch.setattr(hopper, "uses_gluon_backward", lambda *args: True)
+    monkeypatch.setattr(hopper, "gluon_varlen_backward", lambda *args: calls.append("gluon"))
+    monkeypatch.setattr(hopper, "triton_varlen_backward", lambda *args: calls.append("triton"))
+    q, k = torch.empty(10, 2, 128), torch.empty(10, 1, 128)
+    cases = [([0, 4096, 4196], True, "auto"), ([0, 1000, 2000], True, "auto"), ([0, 1000, 2000], False, "auto"),
+             ([0, 4096, 4196], True, "triton"), ([0, 1000, 2000], True, "gluon")]
+    for bounds_k, causal, backward in cases:
+        hopper.hopper_varlen_backward(q, k, k, None, None, None, None, None, ([0, 5, 10], bounds_k), causal, 1.0,
+                                      NO_OPTIONS, hopper.HopperOptions(backward=backward))
+    assert calls == ["gluon", "triton", "gluon", "triton", "gluon"]
 
 
 def test_the_default_backward_follows_the_recorded_h200_run():

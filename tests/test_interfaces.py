@@ -153,8 +153,8 @@ def _varlen_reference(q, k, v, cu_q, cu_k, dout, causal, window, alibi_slopes, s
         if q1 == q0 or k1 == k0:
             continue
         dense = [t[a:e].transpose(0, 1)[None] for t, (a, e) in zip(leaves, ((q0, q1), (k0, k1), (k0, k1)))]
-        o, l = reference_attention(*dense, causal, None, window=window, alibi_slopes=alibi_slopes[b:b + 1],
-                                   softcap=softcap)
+        slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
+        o, l = reference_attention(*dense, causal, None, window=window, alibi_slopes=slopes, softcap=softcap)
         out[q0:q1], lse[:, q0:q1] = o[0].transpose(0, 1).detach(), l[0].detach()
         total = total + (o[0].transpose(0, 1) * dout[q0:q1].double()).sum()
     if torch.is_tensor(total):
@@ -376,6 +376,34 @@ def test_gpu_varlen_in_one_launch(impl, causal, window, softcap, head_dim, gener
                                   softcap)
     for name, got, want, base in zip(("out", "lse", "dq", "dk", "dv"), actual, reference, baseline):
         result = compare(name, got, want, base, torch.bfloat16, floor=LSE_FLOOR if name == "lse" else None)
+        assert result.ok, str(result)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads, heads_kv, head_dim, dtype", [(8, 2, 128, torch.bfloat16), (4, 4, 64, torch.bfloat16),
+                                                             (4, 1, 128, torch.float16)])
+def test_gpu_gluon_varlen_backward(causal, heads, heads_kv, head_dim, dtype, generator, monkeypatch):
+    """The Gluon FA3 backward of a packed batch (the portable one is monkeypatched away): empty sequences on
+    both sides, sequences shorter than a tile, key tiles that end inside the packed tensor next to the next
+    sequence's keys, more queries than keys and fewer, grouped K/V; out, lse and gradients against float64 per
+    sequence."""
+    import fa_lab.kernels.hopper.attention as hopper
+
+    def not_portable(*_args, **_kwargs):
+        raise AssertionError("the packed batch went to the portable backward")
+    monkeypatch.setattr(hopper, "triton_varlen_backward", not_portable)
+    monkeypatch.setattr(hopper, "gluon_backward_is_faster", lambda *_args: True)
+    lengths_q = [1, 700, 0, 129, 1500, 64, 3, 300]
+    lengths_k = [1, 900, 17, 0, 1500, 300, 3, 200]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype, generator)
+    q, k, v, cu_q, cu_k = (t.cuda() for t in (q, k, v, cu_q, cu_k))
+    dout = torch.randn(q.shape, generator=generator).to(q.device, q.dtype)
+    actual = _varlen_run("triton_hopper", q, k, v, cu_q, cu_k, dout, causal=causal)
+    baseline = _varlen_run("naive", q, k, v, cu_q, cu_k, dout, causal=causal)
+    reference = _varlen_reference(*(t.cpu() for t in (q, k, v, cu_q, cu_k, dout)), causal, (-1, -1), None)
+    for name, got, want, base in zip(("out", "lse", "dq", "dk", "dv"), actual, reference, baseline):
+        result = compare(name, got, want, base, dtype, floor=LSE_FLOOR if name == "lse" else None)
         assert result.ok, str(result)
 
 

@@ -83,13 +83,15 @@ def triton_backward_from_lse(q, k, v, out, lse, grad_out, causal, scale):
 
 def triton_varlen_attention(q, k, v, cu_q, cu_k, bounds, causal, scale, *options, hopper: bool = False):
     """Differentiable Triton attention of a packed batch. See :mod:`fa_lab.kernels.portable.attention`;
-    hopper: the forward of impl="triton_hopper" (:func:`fa_lab.kernels.hopper.attention.hopper_varlen_forward`)."""
+    hopper: the forward and backward of impl="triton_hopper"
+    (:func:`fa_lab.kernels.hopper.attention.hopper_varlen_forward` and ``hopper_varlen_backward``)."""
     load_triton()
     from .portable.attention import triton_varlen_attention as run
-    forward_fn = None
+    forward_fn = backward_fn = None
     if hopper:
+        from .hopper.attention import hopper_varlen_backward as backward_fn
         from .hopper.attention import hopper_varlen_forward as forward_fn
-    return run(q, k, v, cu_q, cu_k, bounds, causal, scale, *options, forward_fn=forward_fn)
+    return run(q, k, v, cu_q, cu_k, bounds, causal, scale, *options, forward_fn=forward_fn, backward_fn=backward_fn)
 
 
 def triton_decode(*args, **kwargs):

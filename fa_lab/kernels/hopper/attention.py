@@ -2,9 +2,9 @@
 
 The Gluon kernel takes grouped-query K/V, packed batches (``cu_seqlens``), a local window, the soft cap
 and ALiBi itself. Gradients, from this forward's O and LSE: the Gluon FA3 backward
-(:mod:`.fa3_backward`) on sm_90 for dense batches without score options at head_dim 64 or 128 (grouped
-K/V and causal included), and the portable recomputation kernels (``impl="triton"``) for the rest
-(packed batches, windows, the soft cap, ALiBi, other head sizes, other GPUs).
+(:mod:`.fa3_backward`) on sm_90 for calls without score options at head_dim 64 or 128 (grouped K/V,
+causal and packed batches included), and the portable recomputation kernels (``impl="triton"``) for the
+rest (windows, the soft cap, ALiBi, other head sizes, other GPUs).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from ..portable.attention import (
     pipelined_forward,
     triton_backward,
     triton_forward,
+    triton_varlen_backward,
     triton_varlen_forward,
     varlen_schedule,
 )
@@ -234,9 +235,57 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float):
     attention_bwd_fa3_kernel[(cdiv(seqlen_k, BWD_BLOCK_N), batch * heads_kv)](
         gluon_descriptor(q, rows), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
         gluon_descriptor(grad_out, rows), gluon_descriptor(dq, rows),
-        dk, dv, lse2, delta, heads, heads // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, scale, CAUSAL=causal,
-        STAGES=2, num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
+        dk, dv, lse2, delta, heads, heads // heads_kv, seqlen_q, seqlen_k, lse2, lse2, lse2, scale * LOG2E, scale,
+        CAUSAL=causal, STAGES=2, num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
     return dq.to(q.dtype), dk, dv
+
+
+def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float):
+    """The Gluon FA3 backward of a packed batch on prepared operands q, out, grad_out: (total_q, H, d), k, v:
+    (total_k, Hkv, d), d = 64 or 128, lse (H, total_q) float32, cu_q, cu_k int32 offsets and bounds their
+    values (as :func:`host_bounds` takes them): (dq, dk, dv) in q's dtype. One CTA per (sequence, key tile)
+    of ``varlen_schedule`` (most work first) and K/V head; nothing is padded to the longest sequence."""
+    from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
+    from .fa3_config import launch_maxnreg
+
+    total_q, heads, head_dim = q.shape
+    heads_kv = k.shape[1]
+    dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # each key stored once
+    tiles = varlen_schedule(*host_bounds(bounds), BWD_BLOCK_N, True, causal, (-1, -1), q.device)
+    if total_q * heads == 0 or not len(tiles):
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    grad_out = grad_out.contiguous()
+    # The preprocess writes (total_q, H), the order of out's rows; the kernel reads each head's rows together.
+    delta, lse2 = (t.t().contiguous() for t in backward_preprocess(out, grad_out, lse.t().contiguous()))
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the reduce-adds' target
+    rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
+    attention_bwd_fa3_kernel[(len(tiles), heads_kv)](
+        *(gluon_descriptor(heads_view(t), block) for t, block in ((q, rows), (k, keys), (v, keys), (grad_out, rows),
+                                                                 (dq, rows))),
+        dk, dv, lse2, delta, heads, heads // heads_kv, total_q, k.shape[0], tiles, cu_q, cu_k, scale * LOG2E, scale,
+        CAUSAL=causal, STAGES=2, VARLEN=True, num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
+    return dq.to(q.dtype), dk, dv
+
+
+def varlen_keys_per_sequence(bounds_k: list[int]) -> int:
+    """The keys of the sequence an average key of a packed batch belongs to (sum of squared lengths over their
+    sum): the length :func:`gluon_backward_is_faster` is asked about for a packed batch."""
+    lengths = [end - start for start, end in zip(bounds_k, bounds_k[1:])]
+    return sum(n * n for n in lengths) // max(sum(lengths), 1)
+
+
+def hopper_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
+                           options: ScoreOptions, hopper: HopperOptions = HopperOptions()):
+    """impl="triton_hopper"'s backward of a packed batch (arguments as :func:`triton_varlen_backward`): the Gluon
+    FA3 backward where :func:`uses_gluon_backward` and ``hopper.backward`` asks for it ("auto": at the keys of
+    :func:`varlen_keys_per_sequence`), else the portable kernels."""
+    bounds = host_bounds(bounds)
+    wanted = hopper.backward == "gluon" or (
+        hopper.backward == "auto"
+        and gluon_backward_is_faster(q.shape[-1], causal, varlen_keys_per_sequence(bounds[1])))
+    if wanted and uses_gluon_backward(q, k, causal, options):
+        return gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal, scale)
+    return triton_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal, scale, options)
 
 
 def hopper_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, config: TileConfig | None = None,

@@ -26,7 +26,15 @@ group, so dK and dV are summed over the group in registers. Causal masking skips
 see none of the CTA's keys and masks the diagonal ones. Rows past seqlen_q arrive as zeros with
 lse2 = +inf, so their probabilities are 0; keys past seqlen_k arrive as zeros, so their dS K adds 0 to
 dQ, and their dK, dV rows are not stored. The preprocess (D = rowsum(dO * O), lse2) is the portable
-backward's; the launcher (:func:`fa_lab.kernels.hopper.attention.gluon_backward`) casts dQ at the end.
+backward's; the launchers (:func:`fa_lab.kernels.hopper.attention.gluon_backward`, ``gluon_varlen_backward``)
+cast dQ at the end.
+
+Packed batches (``VARLEN``): one CTA per (sequence, key tile) pair of ``varlen_schedule`` and K/V head, the
+descriptors seeing the packed (total, heads, d) tensors as (1, heads, total, d). A tile at a sequence's end
+reads the next sequence's rows. Its rows past seqlen_q get lse2 = +inf as above. Its keys past seqlen_k are
+masked out of P (causal, the diagonal mask already hides them from every row before seqlen_q), so their dS
+is 0 and they add nothing to dQ. dQ's reduce-add of such a tile adds exact zeros to the next sequence's
+rows, which leaves them as they are.
 """
 from __future__ import annotations
 
@@ -72,24 +80,25 @@ def _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, batch, kv_head, start_n,
-                  group, first_q, q_tiles):
-    """TMA copies only: K and V of the CTA's keys once, then Q_i and dO_i of every step."""
-    k_ring.at(0).fill(k_desc, [batch, kv_head, start_n, 0])
-    v_ring.at(0).fill(v_desc, [batch, kv_head, start_n, 0])
+                  group, first_q, q_tiles, q_start, k_start):
+    """TMA copies only: K and V of the CTA's keys once, then Q_i and dO_i of every step (q_start, k_start: the
+    sequence's first row in a packed batch, else 0)."""
+    k_ring.at(0).fill(k_desc, [batch, kv_head, k_start + start_n, 0])
+    v_ring.at(0).fill(v_desc, [batch, kv_head, k_start + start_n, 0])
     for t in range(group * q_tiles):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, q_desc.block_type.shape[2])
-        q_ring.at(t).fill(q_desc, [batch, head, start_m, 0])
-        do_ring.at(t).fill(do_desc, [batch, head, start_m, 0])
+        q_ring.at(t).fill(q_desc, [batch, head, q_start + start_m, 0])
+        do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
 
 
 @gluon.jit
-def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles):
+def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start):
     """Each step's dQ_i tile from shared memory into the float32 dQ (a TMA reduce-add)."""
     for t in range(group * q_tiles):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, dq_desc.block_type.shape[2])
         slot = t % 2
         mbarrier.wait(dq_full.index(slot), ring_phase(t, 2))
-        async_reduce_add_shared_to_global(dq_desc, [batch, head, start_m, 0], dq_bufs.index(slot))
+        async_reduce_add_shared_to_global(dq_desc, [batch, head, q_start + start_m, 0], dq_bufs.index(slot))
         tma.store_wait(0)  # the add has read the buffer: its consumer may refill it
         mbarrier.arrive(dq_empty.index(slot))
 
@@ -97,9 +106,12 @@ def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, f
 @gluon.jit
 def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                   lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles,
-                  seqlen_q, seqlen_k, qk_scale, scale, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr):
+                  seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, CONSUMER: gl.constexpr,
+                  CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
-    it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER)."""
+    it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER). Rows and keys are
+    counted within the sequence; q_start, k_start place a packed sequence (VARLEN) in the packed tensors, whose
+    lse2 and delta hold lse_rows rows per head (seqlen_q, or total_q packed)."""
     HEAD_DIM: gl.constexpr = k_ring.bufs.type.shape[4]
     BLOCK_M: gl.constexpr = q_ring.bufs.type.shape[3]
     dtype: gl.constexpr = k_ring.bufs.dtype
@@ -126,7 +138,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
     for t in range(group * q_tiles):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         rows = start_m + gl.arange(0, BLOCK_M, layout=query_layout)
-        row_base = (batch * heads + head) * seqlen_q
+        row_base = (batch * heads + head) * lse_rows + q_start  # lse2 and delta: (B, H, Nq), or (H, total_q)
         q_tile = q_ring.at(t)
         do_tile = do_ring.at(t)
         q_smem = q_tile.buf().reshape([BLOCK_M, HEAD_DIM])
@@ -146,6 +158,10 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
             if start_m + offset < key0 + KEYS_PER_CONSUMER - 1:  # the diagonal: some keys come after a row
                 keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
                 pt = gl.where(keys[:, None] <= rows[None, :] + offset, pt, 0.0)
+        elif VARLEN:  # (causal, the mask above hides them: a row before seqlen_q sees no key past seqlen_k)
+            if key0 + KEYS_PER_CONSUMER > seqlen_k:  # the sequence's last keys: the next sequence's follow them
+                keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
+                pt = gl.where(keys[:, None] < seqlen_k, pt, 0.0)
         # P^T is kept as the 16-bit operand only (the registers of the float32 tile are the budget's
         # limit); dS = P (dP - D) reads it back, rounded as the dV product reads it.
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -177,10 +193,13 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
             fence_async_shared()
             mbarrier.arrive(dq_full.index(slot))
 
-    # dK, dV rows of this consumer's keys below seqlen_k (B, H_kv, N_k, d contiguous).
+    # dK, dV rows of this consumer's keys below seqlen_k: (B, H_kv, N_k, d), or packed (total_k, H_kv, d).
     out_keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    offsets = ((batch * (heads // group) + kv_head) * seqlen_k + out_keys.to(gl.int64))[:, None] * HEAD_DIM
+    if VARLEN:
+        offsets = ((k_start + out_keys.to(gl.int64)) * (heads // group) + kv_head)[:, None] * HEAD_DIM
+    else:
+        offsets = ((batch * (heads // group) + kv_head) * seqlen_k + out_keys.to(gl.int64))[:, None] * HEAD_DIM
     mask = (out_keys < seqlen_k)[:, None]
     gl.store(dk_ptr + offsets + cols[None, :], (dk * scale).to(dtype), mask=mask)
     gl.store(dv_ptr + offsets + cols[None, :], dv.to(dtype), mask=mask)
@@ -188,23 +207,41 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
 
 @gluon.jit
 def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
-                             heads, group, seqlen_q, seqlen_k, qk_scale, scale, CAUSAL: gl.constexpr,
-                             STAGES: gl.constexpr):
+                             heads, group, seqlen_q, seqlen_k, schedule_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale,
+                             scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k/v_desc over (B, H // group, Nk, d),
     block (1, 1, 128, d); dq_desc over the float32 dQ (B, H, Nq, d), zeroed, block (1, 1, 64, d);
     dk_ptr, dv_ptr: (B, H // group, Nk, d) contiguous; lse2_ptr (lse * log2 e, +inf for rows that see no
     key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64 or 128.
-    STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128), B * H // group).
+    STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128), B * H // group). schedule_ptr, cu_seqlens_q/k
+    are read only with VARLEN.
+
+    VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
+    (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
+    seqlen_k: not read; cu_seqlens_q/k: int32 (batch + 1,); schedule_ptr: the (sequence, first key) int32 pairs of
+    ``varlen_schedule`` for 128-key tiles. Grid: (pairs, H // group).
     """
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    start_n = gl.program_id(0) * BLOCK_N
-    pid = gl.program_id(1)
     heads_kv = heads // group
-    batch = pid // heads_kv
-    kv_head = pid % heads_kv
+    lse_rows = seqlen_q
+    if VARLEN:  # one CTA per (sequence, key tile) pair and K/V head
+        sequence = gl.load(schedule_ptr + 2 * gl.program_id(0))
+        start_n = gl.load(schedule_ptr + 2 * gl.program_id(0) + 1)
+        q_start = gl.load(cu_seqlens_q + sequence)
+        k_start = gl.load(cu_seqlens_k + sequence)
+        seqlen_q = gl.load(cu_seqlens_q + sequence + 1) - q_start
+        seqlen_k = gl.load(cu_seqlens_k + sequence + 1) - k_start
+        batch = 0
+        kv_head = gl.program_id(1)
+    else:
+        start_n = gl.program_id(0) * BLOCK_N
+        q_start: gl.constexpr = 0
+        k_start: gl.constexpr = 0
+        batch = gl.program_id(1) // heads_kv
+        kv_head = gl.program_id(1) % heads_kv
     first_q = 0
     if CAUSAL:  # query row i sees key j when j <= i + seqlen_k - seqlen_q
         first_q = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
@@ -252,11 +289,13 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     gl.warp_specialize([
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
-                         q_tiles, seqlen_q, seqlen_k, qk_scale, scale, 0, CAUSAL)),
+                         q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 0, CAUSAL,
+                         VARLEN)),
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
-                         q_tiles, seqlen_q, seqlen_k, qk_scale, scale, 1, CAUSAL)),
+                         q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 1, CAUSAL,
+                         VARLEN)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, batch, kv_head, start_n,
-                         group, first_q, q_tiles)),
-        (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles)),
+                         group, first_q, q_tiles, q_start, k_start)),
+        (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start)),
     ], [4, 1, 1], [BWD_CONSUMER_REGS, BWD_WORKER_REGS, BWD_WORKER_REGS])

@@ -120,9 +120,9 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
                             maxnreg=launch_maxnreg(consumers))
 
 
-def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16") -> dict:
+def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
-    :func:`.attention.gluon_backward` launches it."""
+    :func:`.attention.gluon_backward` (or, varlen, ``gluon_varlen_backward``) launches it."""
     from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
     from .fa3_config import launch_maxnreg
 
@@ -131,8 +131,10 @@ def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf
                  "v_desc": descriptor_type(dtype, keys), "do_desc": descriptor_type(dtype, rows),
                  "dq_desc": descriptor_type("fp32", rows), "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
                  "lse2_ptr": "*fp32", "delta_ptr": "*fp32", "heads": "i32", "group": "i32", "seqlen_q": "i32",
-                 "seqlen_k": "i32", "qk_scale": "fp32", "scale": "fp32"}
-    return dict(kernel=attention_bwd_fa3_kernel, signature=signature, constants=dict(CAUSAL=causal, STAGES=2),
+                 "seqlen_k": "i32", "schedule_ptr": "*i32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
+                 "qk_scale": "fp32", "scale": "fp32"}
+    return dict(kernel=attention_bwd_fa3_kernel, signature=signature,
+                constants=dict(CAUSAL=causal, STAGES=2, VARLEN=varlen),
                 num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value),
                 aligned=("dk_ptr", "dv_ptr", "lse2_ptr", "delta_ptr"))
 

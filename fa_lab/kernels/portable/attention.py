@@ -316,35 +316,35 @@ class TritonVarlenFunction(torch.autograd.Function):
     """Autograd wrapper of a packed batch: saves the prepared q, k, v, O and the LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, bounds, causal, scale, options, forward_fn=None):
+    def forward(ctx, q, k, v, cu_q, cu_k, bounds, causal, scale, options, forward_fn=None, backward_fn=None):
         head_dim = q.shape[-1]
         qp, kp, vp = kernel_operand(q), kernel_operand(k), kernel_operand(v)
         with on_device(q):
             out, lse = (forward_fn or triton_varlen_forward)(qp, kp, vp, cu_q, cu_k, bounds, causal, scale, options)
         ctx.save_for_backward(qp, kp, vp, out, lse, cu_q, cu_k)
-        ctx.args = (bounds, causal, scale, options, head_dim)
+        ctx.args = (bounds, causal, scale, options, head_dim, backward_fn or triton_varlen_backward)
         ctx.mark_non_differentiable(lse)
         return out[..., :head_dim], lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         qp, kp, vp, out, lse, cu_q, cu_k = ctx.saved_tensors
-        bounds, causal, scale, options, head_dim = ctx.args
+        bounds, causal, scale, options, head_dim, backward_fn = ctx.args
         grad_out = kernel_operand(grad_out.to(qp.dtype))
         with on_device(qp):
-            dq, dk, dv = triton_varlen_backward(qp, kp, vp, out, lse, grad_out, cu_q, cu_k, bounds, causal,
-                                                scale, options)
-        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None, None, None, None
+            dq, dk, dv = backward_fn(qp, kp, vp, out, lse, grad_out, cu_q, cu_k, bounds, causal, scale, options)
+        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], *(None,) * 8
 
 
 def triton_varlen_attention(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: float, window=(-1, -1),
-                            softcap: float = 0.0, alibi_slopes=None, forward_fn=None):
+                            softcap: float = 0.0, alibi_slopes=None, forward_fn=None, backward_fn=None):
     """Differentiable attention of a packed batch in one launch per kernel: q (total_q, H, d), k, v
     (total_k, Hkv, d) float16/bfloat16, cu_q, cu_k int32 offsets, bounds their values as lists;
     alibi_slopes (batch, H) float32 or None. Returns (out (total_q, H, d), lse (H, total_q)).
-    forward_fn: the forward on prepared operands (:func:`triton_varlen_forward`'s signature; the default),
-    which impl="triton_hopper" replaces with its Gluon kernel; the backward is always the portable one."""
+    forward_fn, backward_fn: the forward and backward on prepared operands (:func:`triton_varlen_forward`'s and
+    :func:`triton_varlen_backward`'s signatures; those are the defaults), which impl="triton_hopper" replaces
+    with its Gluon kernels."""
     load_triton()
     check_triton_inputs(q)
     options = ScoreOptions(tuple(window), float(softcap), alibi_slopes)
-    return TritonVarlenFunction.apply(q, k, v, cu_q, cu_k, bounds, causal, scale, options, forward_fn)
+    return TritonVarlenFunction.apply(q, k, v, cu_q, cu_k, bounds, causal, scale, options, forward_fn, backward_fn)
