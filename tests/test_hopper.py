@@ -166,6 +166,24 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
         assert build.kv_loop_spills <= bound, (causal, varlen, build.kv_loop_spills)
 
 
+def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstring_says():
+    """quantize_fp8_operands's launches, built for sm_90 on this machine: none spills; 8 warps and 4 warps fit two
+    programs per SM by their registers, 4 warps capped at 168 registers three, and shared memory allows three."""
+    from fa_lab.kernels.hopper.sm90_offline import (
+        compile_all_for_sm90,
+        ctas_per_sm,
+        ctas_per_sm_by_registers,
+        fp8_quant_job,
+    )
+
+    launches = [(8, None, 2), (4, None, 2), (4, 168, 3)]
+    builds = compile_all_for_sm90([fp8_quant_job(warps, maxnreg) for warps, maxnreg, _ in launches])
+    for (warps, maxnreg, programs), build in zip(launches, builds):
+        assert build.stack_bytes == 0 and build.local_bytes == 0, (warps, maxnreg)
+        assert ctas_per_sm(build.shared_bytes) == 3, build.shared_bytes
+        assert ctas_per_sm_by_registers(build.registers, warps) == programs, (warps, maxnreg, build.registers)
+
+
 def test_a_packed_batch_takes_the_gluon_backward_by_the_dense_rule(monkeypatch):
     """hopper_varlen_backward asks gluon_backward_is_faster about the keys of the sequence an average key sits
     in (varlen_keys_per_sequence), and goes to the portable kernels otherwise or when asked to."""

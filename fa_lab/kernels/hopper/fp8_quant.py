@@ -150,8 +150,14 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_warps: int = 8):
+def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_warps: int = 8,
+                          maxnreg: int | None = None):
     """(q8, k8, vt8, (q_descale, k_descale, v_exponent, v_descale_max)) as quantize_for_kernel(gluon=True).
+
+    num_warps, maxnreg: the quantization kernel's launch. The offline sm_90 build of the tile kernel takes 100
+    registers a thread at 8 warps (two programs per SM) and 172 at 4 (two), 64 KB of shared memory (three);
+    4 warps with ``maxnreg=168`` fit three programs per SM without spilling (benchmarks/fp8_quant_bandwidth.py
+    times the three launches).
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon
@@ -177,7 +183,8 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_
             q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs, seqlen_q,
             seqlen_k, keys, q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1),
             v_rows.stride(0), v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5,
-            BLOCK=block, HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), num_warps=num_warps)
+            BLOCK=block, HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), num_warps=num_warps,
+            **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
         _v_exponent_kernel[(bh,)](v_descale, v_exponent, v_descale_max, k_tiles, v_scale_floor,
                                   BLOCK_T=128)
     descales = (q_descale.view(batch, heads, q_tiles), k_descale.view(batch, heads, k_tiles),
