@@ -289,7 +289,8 @@ def check_moba(batch, heads, heads_kv, seqlen, head_dim, block, top_k, dtype, de
 
 
 @pytest.mark.parametrize("batch, heads, heads_kv, seqlen, block, top_k", [
-    (2, 2, 2, 77, 16, 3),  # a ragged last block, two batch rows
+    (2, 2, 2, 77, 16, 3),  # a ragged last block, two batch rows: pass 1 on the varlen kernel
+    (2, 2, 1, 96, 32, 3),  # blocks that tile the sequence: pass 1 with each block a head of the dense kernel
     (1, 4, 2, 96, 32, 2),  # GQA: the gate and both passes per query head
     (1, 2, 1, 64, 16, 1),  # the own block only: no second pass
 ])

@@ -13,10 +13,10 @@ selected blocks: the speed-up over dense attention against the share of the caus
 
 Case ``moba``: bf16, d = 128, batch 1, 32 heads (MoBA gates per head, so K/V have 32 heads too), 32K and
 64K tokens, blocks of 4096 keys, top-3 (the own block and two past ones). Ours is
-``fa_lab.sparse.moba_attention(impl="triton")`` end to end (the gate, both varlen passes and their merge,
-:mod:`fa_lab.kernels.portable.moba`); ``fla_moba`` is ``fla.ops.moba.parallel_moba`` (which needs the
-flash-attn 2 package); ``dense`` as above. The rows' ``block_k`` and ``selected`` are the block size and
-top-k.
+``fa_lab.sparse.moba_attention(impl="triton")`` end to end (the gate, both passes and their merge,
+:mod:`fa_lab.kernels.portable.moba`; on the H200 the passes run on the Gluon FA3 kernels); ``fla_moba`` is
+``fla.ops.moba.parallel_moba`` (which needs the flash-attn 2 package); ``dense`` as above. The rows'
+``block_k`` and ``selected`` are the block size and top-k.
 
 TFLOP/s count 4 * d FLOPs per visible (query, key) pair per query head (2.5 times that for the
 backward), the pairs of the selection (or of the causal mask for ``dense``). Times are medians of

@@ -110,13 +110,19 @@ def triton_block_select_attention(q, k, v, block_indices, block_k, causal=False,
 
 
 def triton_moba_attention(q, k, v, selected, block, scale):
-    """Differentiable MoBA (its two passes on the varlen kernels, merged by their LSE): returns (out, lse).
+    """Differentiable MoBA (its two passes on chapter 05's kernels, merged by their LSE): returns (out, lse).
+    On sm_90 the passes run on impl="triton_hopper"'s Gluon FA3 kernels, elsewhere on the portable ones.
     See :mod:`fa_lab.kernels.portable.moba`."""
     load_triton()
     from .common import check_triton_inputs
-    from .portable.moba import MobaFunction
+    from .hopper import attention as hopper
+    from .portable.moba import MobaFunction, PassKernels
     check_triton_inputs(q)
-    return MobaFunction.apply(q, k, v, selected, block, scale)
+    kernels = PassKernels()
+    if hopper.uses_gluon(q, hopper.HopperOptions()):
+        kernels = PassKernels(hopper.hopper_forward, hopper.hopper_backward, hopper.hopper_varlen_forward,
+                              hopper.hopper_varlen_backward)
+    return MobaFunction.apply(q, k, v, selected, block, scale, kernels)
 
 
 def triton_chunk_linear_attention(q, k, v, g, initial_state, scale, chunk_size):
