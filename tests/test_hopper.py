@@ -185,8 +185,9 @@ def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstring_s
 
 
 def test_a_packed_batch_takes_the_gluon_backward_by_the_dense_rule(monkeypatch):
-    """hopper_varlen_backward asks gluon_backward_is_faster about the keys of the sequence an average key sits
-    in (varlen_keys_per_sequence), and goes to the portable kernels otherwise or when asked to."""
+    """hopper_varlen_backward, once GLUON_VARLEN_BACKWARD_AUTO allows it, asks gluon_backward_is_faster about the
+    keys of the sequence an average key sits in (varlen_keys_per_sequence), and goes to the portable kernels
+    otherwise or when asked to; before, "auto" keeps the portable backward."""
     import fa_lab.kernels.hopper.attention as hopper
     from fa_lab.kernels.portable.attention import NO_OPTIONS
 
@@ -199,10 +200,16 @@ def test_a_packed_batch_takes_the_gluon_backward_by_the_dense_rule(monkeypatch):
     q, k = torch.empty(10, 2, 128), torch.empty(10, 1, 128)
     cases = [([0, 4096, 4196], True, "auto"), ([0, 1000, 2000], True, "auto"), ([0, 1000, 2000], False, "auto"),
              ([0, 4096, 4196], True, "triton"), ([0, 1000, 2000], True, "gluon")]
-    for bounds_k, causal, backward in cases:
-        hopper.hopper_varlen_backward(q, k, k, None, None, None, None, None, ([0, 5, 10], bounds_k), causal, 1.0,
-                                      NO_OPTIONS, hopper.HopperOptions(backward=backward))
-    assert calls == ["gluon", "triton", "gluon", "triton", "gluon"]
+
+    def run(auto):
+        monkeypatch.setattr(hopper, "GLUON_VARLEN_BACKWARD_AUTO", auto)
+        calls.clear()
+        for bounds_k, causal, backward in cases:
+            hopper.hopper_varlen_backward(q, k, k, None, None, None, None, None, ([0, 5, 10], bounds_k), causal,
+                                          1.0, NO_OPTIONS, hopper.HopperOptions(backward=backward))
+        return list(calls)
+    assert run(True) == ["gluon", "triton", "gluon", "triton", "gluon"]
+    assert run(False) == ["triton", "triton", "triton", "triton", "gluon"]
 
 
 def test_the_default_backward_follows_the_recorded_h200_run():

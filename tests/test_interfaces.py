@@ -393,6 +393,7 @@ def test_gpu_gluon_varlen_backward(causal, heads, heads_kv, head_dim, dtype, gen
     def not_portable(*_args, **_kwargs):
         raise AssertionError("the packed batch went to the portable backward")
     monkeypatch.setattr(hopper, "triton_varlen_backward", not_portable)
+    monkeypatch.setattr(hopper, "GLUON_VARLEN_BACKWARD_AUTO", True)
     monkeypatch.setattr(hopper, "gluon_backward_is_faster", lambda *_args: True)
     lengths_q = [1, 700, 0, 129, 1500, 64, 3, 300]
     lengths_k = [1, 900, 17, 0, 1500, 300, 3, 200]

@@ -267,6 +267,12 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     return dq.to(q.dtype), dk, dv
 
 
+# Whether "auto" may give packed batches the Gluon backward. Not before an H200 run has checked it (the gpu test
+# test_gpu_gluon_varlen_backward) and timed it against the portable one; until then packed batches keep the
+# portable backward unless HopperOptions(backward="gluon") asks.
+GLUON_VARLEN_BACKWARD_AUTO = False
+
+
 def varlen_keys_per_sequence(bounds_k: list[int]) -> int:
     """The keys of the sequence an average key of a packed batch belongs to (sum of squared lengths over their
     sum): the length :func:`gluon_backward_is_faster` is asked about for a packed batch."""
@@ -277,11 +283,12 @@ def varlen_keys_per_sequence(bounds_k: list[int]) -> int:
 def hopper_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
                            options: ScoreOptions, hopper: HopperOptions = HopperOptions()):
     """impl="triton_hopper"'s backward of a packed batch (arguments as :func:`triton_varlen_backward`): the Gluon
-    FA3 backward where :func:`uses_gluon_backward` and ``hopper.backward`` asks for it ("auto": at the keys of
-    :func:`varlen_keys_per_sequence`), else the portable kernels."""
+    FA3 backward where :func:`uses_gluon_backward` and ``hopper.backward`` asks for it ("auto": where
+    ``GLUON_VARLEN_BACKWARD_AUTO`` allows it, at the keys of :func:`varlen_keys_per_sequence`), else the portable
+    kernels."""
     bounds = host_bounds(bounds)
     wanted = hopper.backward == "gluon" or (
-        hopper.backward == "auto"
+        hopper.backward == "auto" and GLUON_VARLEN_BACKWARD_AUTO
         and gluon_backward_is_faster(q.shape[-1], causal, varlen_keys_per_sequence(bounds[1])))
     if wanted and uses_gluon_backward(q, k, causal, options):
         return gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal, scale)
