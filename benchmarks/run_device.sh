@@ -20,6 +20,10 @@
 #            fa_lab/bench/ring_gpus.py says (h200x{N}_ring.json); arguments after OUTDIR go to the command
 #   decode-tune - the decode kernel's candidate configs x split counts (h200_decode_tuning.json); the
 #            winners go into fa_lab/kernels/portable/decode.py
+#   fp8-quant - the FP8 quantization pass against a copy, at three launches, and FP8 end to end
+#            (benchmarks/fp8_quant_bandwidth.py): fp8_quant.json, committed as h200_fp8_quant.json
+#   training-memory - one training step's peak memory, 8K-64K, ours beside SDPA's and fa4 (installed as for
+#            interfaces): h200_training_memory.json/.png (benchmarks/training_memory.py)
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
 #            H200 they take about 11 minutes: `tests tests/test_hopper.py` and the like run a part (the
 #            arguments after OUTDIR go to pytest)
@@ -83,10 +87,13 @@ case "$step" in
   decode-tune) $bench decode --tune "$out/h200_decode_tuning.json" 2>&1 | tee "$out/decode_tune.log" | grep -v "^bench" ;;
   decode) $bench decode --json "$out/h200_decode.json" --plot "$out/h200_decode.png" \
            2>&1 | tee "$out/decode.log" | grep -v "^bench" ;;
+  fp8-quant) OUT="$out" python3 benchmarks/fp8_quant_bandwidth.py 2>&1 | tee "$out/fp8_quant.log" ;;
+  training-memory) python3 benchmarks/training_memory.py run "$out" 2>&1 | tee "$out/training_memory.log"
+         python3 benchmarks/training_memory.py plot "$out/h200_training_memory.json" "$out/h200_training_memory.png" ;;
   tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
          tests=(python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=30 "${targets[@]}")
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|fp8-quant|training-memory|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
