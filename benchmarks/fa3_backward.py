@@ -10,6 +10,8 @@ SDPA's and fa4's as ``out.backward(grad)`` on their own forward's graph. do_benc
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/fa3_backward.py run $OUT`` writes $OUT/h200_backward.json;
 anywhere: ``python3 benchmarks/fa3_backward.py plot benchmarks/h200_backward.json benchmarks/h200_backward.png``.
+``... fa3_backward.py dq $OUT`` times the Gluon backward's two dQ schemes (``dq_mode`` "turns" and "partial")
+against each other, alternating, two rounds, into $OUT/h200_backward_dq.json (a log, not results rows).
 """
 import functools
 import json
@@ -82,6 +84,38 @@ def run(out_dir: str) -> None:
         json.dump({**environment("cuda"), "rows": rows}, file, indent=1)
 
 
+def dq_modes(out_dir: str) -> None:
+    """A/B of gluon_backward's dq_mode on the FA3-paper shapes from 2K: each shape's modes timed in turn, twice."""
+    import torch
+    from triton.testing import do_bench
+
+    from fa_lab.bench.gpu import HIDDEN, TOTAL_TOKENS
+    from fa_lab.bench.schema import environment, write_log
+    from fa_lab.iomodel import AttentionShape, attention_flops
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.attention import DQ_MODES, gluon_backward, gluon_forward
+
+    load_triton()
+    log = []
+    for head_dim in (128, 64):
+        for causal in (False, True):
+            for seqlen in (2048, 4096, 8192, 16384):
+                shape = AttentionShape(TOTAL_TOKENS // seqlen, HIDDEN // head_dim, seqlen, head_dim, causal=causal)
+                q, k, v, grad = (torch.randn(shape.batch, shape.heads, seqlen, head_dim, device="cuda",
+                                             dtype=torch.bfloat16) for _ in range(4))
+                scale = head_dim ** -0.5
+                out, lse = gluon_forward(q, k, v, causal, scale)
+                entry = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen}
+                for _round in (1, 2):
+                    for mode in DQ_MODES:
+                        ms = do_bench(functools.partial(gluon_backward, q, k, v, out, lse, grad, causal, scale, mode),
+                                      return_mode="median")
+                        entry.setdefault(mode, []).append(round(attention_flops(shape, "bwd") / (ms * 1e-3) / 1e12, 1))
+                log.append(entry)
+                print(entry, flush=True)
+    write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_backward_dq.json"))
+
+
 def plot(results_path: str, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -110,5 +144,7 @@ def plot(results_path: str, png_path: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         run(sys.argv[2])
+    elif sys.argv[1] == "dq":
+        dq_modes(sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])

@@ -145,25 +145,27 @@ def test_gluon_option_kernels_compile_for_sm90_within_their_resources(head_dim, 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
-    """The Gluon FA3 backward builds for sm_90 on this machine, causal and not, dense and packed: shared memory
-    within 227 KiB, the consumer warpgroups raised to 240 registers, dQ added by a TMA reduce-add, the WGMMAs of
-    the five products (64-key tiles for S and dP, d-wide ones for dV, dK and dQ). At d = 64 nothing is spilled;
-    at d = 128, where dK and dV alone take 128 of a consumer's 240 registers, ptxas keeps a few scalars in local
-    memory and reloads them inside the loop (on Triton 3.6, loads and stores without the mask / with it: 7 / 51
-    dense, 17 / 68 packed, whose steps carry the sequence's offsets too): the bounds below hold that gap where
-    it is."""
+    """The Gluon FA3 backward builds for sm_90 on this machine, causal and not, dense and packed, with dQ in turns
+    and as partial tiles: shared memory within 227 KiB, the consumer warpgroups raised to 240 registers, dQ added
+    by a TMA reduce-add, the WGMMAs of the five products (64-key tiles for S and dP, d-wide ones for dV, dK and
+    dQ). At d = 64 nothing is spilled; at d = 128, where dK and dV alone take 128 of a consumer's 240 registers,
+    ptxas keeps a few scalars in local memory and reloads them inside the loop (on Triton 3.6, loads and stores
+    in the two consumers' loops without the mask / with it: 7 / 51 dense, 17 / 68 packed, whose steps carry the
+    sequence's offsets too; 0 / 24 dense with partial dQ tiles): the bounds below hold that gap where it is."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
 
-    variants = [(causal, varlen) for varlen in (False, True) for causal in (False, True)]
-    builds = compile_all_for_sm90([fa3_backward_job(head_dim, causal, varlen=varlen) for causal, varlen in variants])
-    for (causal, varlen), build in zip(variants, builds):
+    variants = [(causal, varlen, False) for varlen in (False, True) for causal in (False, True)]
+    variants += [(causal, False, True) for causal in (False, True)]
+    builds = compile_all_for_sm90([fa3_backward_job(head_dim, causal, varlen=varlen, dq_partial=partial)
+                                   for causal, varlen, partial in variants])
+    for (causal, varlen, partial), build in zip(variants, builds):
         assert build.shared_bytes <= SM90_SHARED_LIMIT
         assert "setmaxnreg.inc.sync.aligned.u32 \t240" in build.ptx
         assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in build.ptx
         assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in build.ptx
         assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.bf16.bf16" in build.ptx
         bound = 0 if head_dim == 64 else (72 if varlen else 56)
-        assert build.kv_loop_spills <= bound, (causal, varlen, build.kv_loop_spills)
+        assert build.kv_loop_spills <= bound, (causal, varlen, partial, build.kv_loop_spills)
 
 
 def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstring_says():
@@ -517,17 +519,18 @@ GLUON_BACKWARD_CASES = [  # (batch, heads, heads_kv, seqlen_q, seqlen_k, head_di
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dq_mode", ["turns", "partial"])
 @pytest.mark.parametrize("batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype", GLUON_BACKWARD_CASES)
 def test_gpu_gluon_backward_meets_the_tolerance_rule(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal,
-                                                     dtype, generator, monkeypatch):
-    """The Gluon FA3 backward (not the portable one): grouped K/V, causal with more or fewer queries than keys,
-    ragged tiles at both ends, bf16 and fp16; gradients against the float64 reference."""
+                                                     dtype, dq_mode, generator, monkeypatch):
+    """The Gluon FA3 backward (not the portable one), with each dQ scheme: grouped K/V, causal with more or fewer
+    queries than keys, ragged tiles at both ends, bf16 and fp16; gradients against the float64 reference."""
     import fa_lab.kernels.hopper.attention as hopper
 
     def not_portable(*_args, **_kwargs):
         raise AssertionError("the backward went to the portable kernels")
     monkeypatch.setattr(hopper, "triton_backward", not_portable)
-    options = hopper.HopperOptions(backward="gluon")
+    options = hopper.HopperOptions(backward="gluon", backward_dq=dq_mode)
     q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator,
                        heads_kv=heads_kv)
     check_attention(lambda q, k, v, causal, scale: hopper.triton_hopper_attention(q, k, v, causal, scale,

@@ -380,19 +380,22 @@ def test_gpu_varlen_in_one_launch(impl, causal, window, softcap, head_dim, gener
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dq_mode", ["turns", "partial"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads, heads_kv, head_dim, dtype", [(8, 2, 128, torch.bfloat16), (4, 4, 64, torch.bfloat16),
                                                              (4, 1, 128, torch.float16)])
-def test_gpu_gluon_varlen_backward(causal, heads, heads_kv, head_dim, dtype, generator, monkeypatch):
-    """The Gluon FA3 backward of a packed batch (the portable one is monkeypatched away): empty sequences on
-    both sides, sequences shorter than a tile, key tiles that end inside the packed tensor next to the next
-    sequence's keys, more queries than keys and fewer, grouped K/V; out, lse and gradients against float64 per
-    sequence."""
+def test_gpu_gluon_varlen_backward(causal, heads, heads_kv, head_dim, dtype, dq_mode, generator, monkeypatch):
+    """The Gluon FA3 backward of a packed batch (the portable one is monkeypatched away), with each dQ scheme:
+    empty sequences on both sides, sequences shorter than a tile, key tiles that end inside the packed tensor
+    next to the next sequence's keys, more queries than keys and fewer, grouped K/V; out, lse and gradients
+    against float64 per sequence."""
     import fa_lab.kernels.hopper.attention as hopper
 
     def not_portable(*_args, **_kwargs):
         raise AssertionError("the packed batch went to the portable backward")
+    gluon = hopper.gluon_varlen_backward
     monkeypatch.setattr(hopper, "triton_varlen_backward", not_portable)
+    monkeypatch.setattr(hopper, "gluon_varlen_backward", lambda *args: gluon(*args[:-1], dq_mode))
     monkeypatch.setattr(hopper, "GLUON_VARLEN_BACKWARD_AUTO", True)
     monkeypatch.setattr(hopper, "gluon_backward_is_faster", lambda *_args: True)
     lengths_q = [1, 700, 0, 129, 1500, 64, 3, 300]

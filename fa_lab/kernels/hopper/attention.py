@@ -63,6 +63,7 @@ class HopperOptions:
     consumers: int = 2
     persistent: bool = False  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule)
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
+    backward_dq: str = "turns"  # the Gluon backward's dQ: "turns" (whole tiles, the consumers in turn) or "partial"
 
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
@@ -219,9 +220,14 @@ def uses_gluon_backward(q, k, causal, options: ScoreOptions) -> bool:
                                       options.alibi_slopes))
 
 
-def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float):
+DQ_MODES = ("turns", "partial")
+
+
+def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str = "turns"):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
-    d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group."""
+    d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
+    dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns) or "partial" (each consumer
+    adds a partial dQ tile over its own keys; :mod:`.fa3_backward`)."""
     from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
     from .fa3_config import launch_maxnreg
 
@@ -236,15 +242,24 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float):
         gluon_descriptor(q, rows), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
         gluon_descriptor(grad_out, rows), gluon_descriptor(dq, rows),
         dk, dv, lse2, delta, heads, heads // heads_kv, seqlen_q, seqlen_k, lse2, lse2, lse2, scale * LOG2E, scale,
-        CAUSAL=causal, STAGES=2, num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
+        CAUSAL=causal, STAGES=2, DQ_PARTIAL=_dq_partial(dq_mode), num_warps=4,
+        maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
     return dq.to(q.dtype), dk, dv
 
 
-def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float):
+def _dq_partial(dq_mode: str) -> bool:
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode must be one of {DQ_MODES}; got {dq_mode!r}")
+    return dq_mode == "partial"
+
+
+def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
+                          dq_mode: str = "turns"):
     """The Gluon FA3 backward of a packed batch on prepared operands q, out, grad_out: (total_q, H, d), k, v:
     (total_k, Hkv, d), d = 64 or 128, lse (H, total_q) float32, cu_q, cu_k int32 offsets and bounds their
     values (as :func:`host_bounds` takes them): (dq, dk, dv) in q's dtype. One CTA per (sequence, key tile)
-    of ``varlen_schedule`` (most work first) and K/V head; nothing is padded to the longest sequence."""
+    of ``varlen_schedule`` (most work first) and K/V head; nothing is padded to the longest sequence. dq_mode: as
+    :func:`gluon_backward`'s."""
     from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
     from .fa3_config import launch_maxnreg
 
@@ -263,7 +278,8 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
         *(gluon_descriptor(heads_view(t), block) for t, block in ((q, rows), (k, keys), (v, keys), (grad_out, rows),
                                                                  (dq, rows))),
         dk, dv, lse2, delta, heads, heads // heads_kv, total_q, k.shape[0], tiles, cu_q, cu_k, scale * LOG2E, scale,
-        CAUSAL=causal, STAGES=2, VARLEN=True, num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
+        CAUSAL=causal, STAGES=2, VARLEN=True, DQ_PARTIAL=_dq_partial(dq_mode), num_warps=4,
+        maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
     return dq.to(q.dtype), dk, dv
 
 
@@ -291,7 +307,8 @@ def hopper_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, caus
         hopper.backward == "auto" and GLUON_VARLEN_BACKWARD_AUTO
         and gluon_backward_is_faster(q.shape[-1], causal, varlen_keys_per_sequence(bounds[1])))
     if wanted and uses_gluon_backward(q, k, causal, options):
-        return gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal, scale)
+        return gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal, scale,
+                                     hopper.backward_dq)
     return triton_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal, scale, options)
 
 
@@ -303,7 +320,7 @@ def hopper_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
     wanted = hopper.backward == "gluon" or (hopper.backward == "auto"
                                             and gluon_backward_is_faster(q.shape[-1], causal, k.shape[2]))
     if wanted and config is None and uses_gluon_backward(q, k, causal, options):
-        return gluon_backward(q, k, v, out, lse, grad_out, causal, scale)
+        return gluon_backward(q, k, v, out, lse, grad_out, causal, scale, hopper.backward_dq)
     return triton_backward(q, k, v, out, lse, grad_out, causal, scale, config, options)
 
 

@@ -20,6 +20,9 @@ see it, in FA3's loop order (notebook 04, section 8). Its partitions:
   docs/experiments/backward.md.)
 * **dQ writer** (one warp): adds each step's dQ_i into a float32 dQ in global memory with a TMA
   reduce-add, from a double buffer, so that no consumer waits for global memory.
+* **Or partial dQ tiles** (``DQ_PARTIAL``): each consumer multiplies its own 64 keys' dS_i by its own K rows
+  every step, a partial dQ_i over half the keys, and the writer adds both partials (two reduce-adds a step,
+  one buffer per consumer). No consumer waits for the other's dS; the atomic traffic doubles.
 
 Grouped-query attention: the steps run over the query tiles of every query head of the K/V head's
 group, so dK and dV are summed over the group in registers. Causal masking skips the query tiles that
@@ -92,24 +95,35 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
 
 
 @gluon.jit
-def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start):
-    """Each step's dQ_i tile from shared memory into the float32 dQ (a TMA reduce-add)."""
+def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
+                   DQ_PARTIAL: gl.constexpr):
+    """Each step's dQ_i tile from shared memory into the float32 dQ (a TMA reduce-add); with DQ_PARTIAL, the
+    two consumers' partial tiles (buffer c of consumer c)."""
     for t in range(group * q_tiles):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, dq_desc.block_type.shape[2])
-        slot = t % 2
-        mbarrier.wait(dq_full.index(slot), ring_phase(t, 2))
-        async_reduce_add_shared_to_global(dq_desc, [batch, head, q_start + start_m, 0], dq_bufs.index(slot))
-        tma.store_wait(0)  # the add has read the buffer: its consumer may refill it
-        mbarrier.arrive(dq_empty.index(slot))
+        if DQ_PARTIAL:
+            for c in gl.static_range(BWD_CONSUMERS):
+                mbarrier.wait(dq_full.index(c), ring_phase(t, 1))
+                async_reduce_add_shared_to_global(dq_desc, [batch, head, q_start + start_m, 0], dq_bufs.index(c))
+            tma.store_wait(0)  # both adds have read their buffers: the consumers may refill them
+            for c in gl.static_range(BWD_CONSUMERS):
+                mbarrier.arrive(dq_empty.index(c))
+        else:
+            slot = t % 2
+            mbarrier.wait(dq_full.index(slot), ring_phase(t, 2))
+            async_reduce_add_shared_to_global(dq_desc, [batch, head, q_start + start_m, 0], dq_bufs.index(slot))
+            tma.store_wait(0)  # the add has read the buffer: its consumer may refill it
+            mbarrier.arrive(dq_empty.index(slot))
 
 
 @gluon.jit
 def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                   lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles,
                   seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, CONSUMER: gl.constexpr,
-                  CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+                  CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_PARTIAL: gl.constexpr):
     """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
-    it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER). Rows and keys are
+    it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER), or with
+    DQ_PARTIAL its partial dQ tile of every step. Rows and keys are
     counted within the sequence; q_start, k_start place a packed sequence (VARLEN) in the packed tensors, whose
     lse2 and delta hold lse_rows rows per head (seqlen_q, or total_q packed)."""
     HEAD_DIM: gl.constexpr = k_ring.bufs.type.shape[4]
@@ -172,26 +186,41 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
         dst = (pt_back * (dpt - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(dst, op_layout)
         dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
-        # This consumer's rows of dS_i^T into the step's slot (free once dQ_{i-2} has read it).
         slot = t % 2
         ds_slot = ds_bufs.index(slot)
-        wait_until_empty(ds_free.index(slot), ring_phase(t, 2))
-        ds_slot.slice(CONSUMER * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER).store(dst)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(slot))
-        dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
-        q_tile.release()
-        do_tile.release()
-        if slot == CONSUMER:  # this step's dQ_i = dS_i K over the 128 keys, once the other rows are in too
-            mbarrier.wait(ds_ready.index(slot), ring_phase(t, 2))
-            dq = warpgroup_mma(ds_slot.permute((1, 0)), k_all,
+        if DQ_PARTIAL:  # dS_i over this consumer's keys times their K rows: its own partial dQ_i, no exchange
+            ds_own = ds_slot.slice(CONSUMER * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
+            ds_own.store(dst)  # (read by this consumer's own dQ product below, within the step)
+            fence_async_shared()
+            dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
+            q_tile.release()
+            do_tile.release()
+            dq = warpgroup_mma(ds_own.permute((1, 0)), k_own,
                                gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, kv_layout), use_acc=False, is_async=True)
             dq = warpgroup_mma_wait(0, deps=(dq,))
-            mbarrier.arrive(ds_free.index(slot))
-            wait_until_empty(dq_empty.index(slot), ring_phase(t, 2))
-            dq_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).store(dq * scale)
+            wait_until_empty(dq_empty.index(CONSUMER), ring_phase(t, 1))
+            dq_bufs.index(CONSUMER).reshape([BLOCK_M, HEAD_DIM]).store(dq * scale)
             fence_async_shared()
-            mbarrier.arrive(dq_full.index(slot))
+            mbarrier.arrive(dq_full.index(CONSUMER))
+        else:
+            # This consumer's rows of dS_i^T into the step's slot (free once dQ_{i-2} has read it).
+            wait_until_empty(ds_free.index(slot), ring_phase(t, 2))
+            ds_slot.slice(CONSUMER * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(slot))
+            dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
+            q_tile.release()
+            do_tile.release()
+            if slot == CONSUMER:  # this step's dQ_i = dS_i K over the 128 keys, once the other rows are in too
+                mbarrier.wait(ds_ready.index(slot), ring_phase(t, 2))
+                dq = warpgroup_mma(ds_slot.permute((1, 0)), k_all,
+                                   gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, kv_layout), use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+                mbarrier.arrive(ds_free.index(slot))
+                wait_until_empty(dq_empty.index(slot), ring_phase(t, 2))
+                dq_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).store(dq * scale)
+                fence_async_shared()
+                mbarrier.arrive(dq_full.index(slot))
 
     # dK, dV rows of this consumer's keys below seqlen_k: (B, H_kv, N_k, d), or packed (total_k, H_kv, d).
     out_keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=gl.SliceLayout(1, kv_layout))
@@ -208,7 +237,8 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
 @gluon.jit
 def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                              heads, group, seqlen_q, seqlen_k, schedule_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale,
-                             scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False):
+                             scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False,
+                             DQ_PARTIAL: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k/v_desc over (B, H // group, Nk, d),
@@ -216,7 +246,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     dk_ptr, dv_ptr: (B, H // group, Nk, d) contiguous; lse2_ptr (lse * log2 e, +inf for rows that see no
     key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64 or 128.
     STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128), B * H // group). schedule_ptr, cu_seqlens_q/k
-    are read only with VARLEN.
+    are read only with VARLEN. DQ_PARTIAL: each consumer adds its own partial dQ tile (module docstring).
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -290,12 +320,13 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 0, CAUSAL,
-                         VARLEN)),
+                         VARLEN, DQ_PARTIAL)),
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 1, CAUSAL,
-                         VARLEN)),
+                         VARLEN, DQ_PARTIAL)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, batch, kv_head, start_n,
                          group, first_q, q_tiles, q_start, k_start)),
-        (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start)),
+        (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
+                          DQ_PARTIAL)),
     ], [4, 1, 1], [BWD_CONSUMER_REGS, BWD_WORKER_REGS, BWD_WORKER_REGS])

@@ -120,7 +120,8 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
                             maxnreg=launch_maxnreg(consumers))
 
 
-def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False) -> dict:
+def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False,
+                     dq_partial: bool = False) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
     :func:`.attention.gluon_backward` (or, varlen, ``gluon_varlen_backward``) launches it."""
     from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
@@ -134,7 +135,7 @@ def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf
                  "seqlen_k": "i32", "schedule_ptr": "*i32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
                  "qk_scale": "fp32", "scale": "fp32"}
     return dict(kernel=attention_bwd_fa3_kernel, signature=signature,
-                constants=dict(CAUSAL=causal, STAGES=2, VARLEN=varlen),
+                constants=dict(CAUSAL=causal, STAGES=2, VARLEN=varlen, DQ_PARTIAL=dq_partial),
                 num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value),
                 aligned=("dk_ptr", "dv_ptr", "lse2_ptr", "delta_ptr"))
 
