@@ -136,6 +136,8 @@ def sparse_jobs() -> list[tuple[str, dict]]:
              {**rows_in, **_pointers("offsets_ptr selectors_ptr", INT_PTR), **_pointers("dk_ptr dv_ptr"), **shapes,
               "scale": "fp32"}, {**tile, "BLOCK_M": 64, "STACK": 64 // rows}, 8),
         ]
+    dq_16 = next(job for job in jobs if job[0] == "dQ, 16 rows")  # and at block_select_backward's other dq_warps:
+    jobs += [(f"dQ, 16 rows, {warps} warps", *dq_16[1:4], warps) for warps in (4, 2)]
     return [(label, {**_job(kernel, signature, constants, warps), "num_stages": 2})  # TileConfig's default
             for label, kernel, signature, constants, warps in jobs]
 

@@ -32,6 +32,8 @@ pointers with the head_dim masked, so head_dim needs no padding.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -380,13 +382,15 @@ def selection_csr(indices: torch.Tensor, blocks: int) -> tuple[torch.Tensor, tor
 
 
 def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, block_k: int, causal: bool,
-                          scale: float):
+                          scale: float, dq_warps: int | None = None):
     """Backward on the forward's operands and outputs; grad_out like out. Returns (dq, dk, dv) in
     q.dtype, shaped like q, k, v (dk, dv summed over the group's query heads and the selecting rows).
 
     Two kernels: dQ over the forward's grid, and dK, dV per key block over the selection inverted
     (:func:`selection_csr`), as notebook 03's dense backward splits them, so no program adds into
-    another's rows.
+    another's rows. dq_warps: the dQ kernel's warps instead of :func:`tile_config`'s (at NSA's 16-row tiles
+    and d = 128 the offline sm_90 build needs 64 registers a thread at 8 warps, 111 at 4 and 215 at 2, none
+    spilling; benchmarks/nsa_dq_warps.py times them).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
@@ -397,6 +401,8 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
         out, grad_out, lse, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim), BLOCK=pre_block)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     config = tile_config(group * block_q, block_k, head_dim, backward=True)
+    if dq_warps is not None:
+        config = replace(config, num_warps=dq_warps)
     grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
     block_select_bwd_dq_kernel[grid](
         q, k, v, grad_out, lse2, delta, indices, dq, group, seqlen_q, seqlen_k, head_dim, block_q, block_k,
