@@ -248,6 +248,7 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
 
 
 def _dq_partial(dq_mode: str) -> bool:
+    """The kernel's DQ_PARTIAL for a dq_mode of DQ_MODES (a ValueError for another)."""
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode must be one of {DQ_MODES}; got {dq_mode!r}")
     return dq_mode == "partial"
