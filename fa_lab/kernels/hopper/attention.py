@@ -228,30 +228,16 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
     dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns) or "partial" (each consumer
     adds a partial dQ tile over its own keys; :mod:`.fa3_backward`)."""
-    from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
-    from .fa3_config import launch_maxnreg
+    from .fa3_backward import BWD_BLOCK_N
 
-    batch, heads, seqlen_q, head_dim = q.shape
+    batch, heads, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     grad_out = grad_out.contiguous()
     delta, lse2 = backward_preprocess(out, grad_out, lse)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the reduce-adds' target
-    dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # contiguous: the kernel's stores
-    rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
-    attention_bwd_fa3_kernel[(cdiv(seqlen_k, BWD_BLOCK_N), batch * heads_kv)](
-        gluon_descriptor(q, rows), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
-        gluon_descriptor(grad_out, rows), gluon_descriptor(dq, rows),
-        dk, dv, lse2, delta, heads, heads // heads_kv, seqlen_q, seqlen_k, lse2, lse2, lse2, scale * LOG2E, scale,
-        CAUSAL=causal, STAGES=2, DQ_PARTIAL=_dq_partial(dq_mode), num_warps=4,
-        maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
+    dq, dk, dv = _backward_outputs(q, k, v)
+    _launch_backward((cdiv(seqlen_k, BWD_BLOCK_N), batch * heads_kv), (q, k, v, grad_out, dq), dk, dv, lse2, delta,
+                     heads, seqlen_q, seqlen_k, None, causal, scale, dq_mode)
     return dq.to(q.dtype), dk, dv
-
-
-def _dq_partial(dq_mode: str) -> bool:
-    """The kernel's DQ_PARTIAL for a dq_mode of DQ_MODES (a ValueError for another)."""
-    if dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode must be one of {DQ_MODES}; got {dq_mode!r}")
-    return dq_mode == "partial"
 
 
 def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
@@ -261,27 +247,47 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     values (as :func:`host_bounds` takes them): (dq, dk, dv) in q's dtype. One CTA per (sequence, key tile)
     of ``varlen_schedule`` (most work first) and K/V head; nothing is padded to the longest sequence. dq_mode: as
     :func:`gluon_backward`'s."""
-    from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
-    from .fa3_config import launch_maxnreg
+    from .fa3_backward import BWD_BLOCK_N
 
-    total_q, heads, head_dim = q.shape
-    heads_kv = k.shape[1]
-    dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # each key stored once
+    total_q, heads, _ = q.shape
+    dq, dk, dv = _backward_outputs(q, k, v)  # (dk, dv: every key is stored by the CTA of its tile)
     tiles = varlen_schedule(*host_bounds(bounds), BWD_BLOCK_N, True, causal, (-1, -1), q.device)
     if total_q * heads == 0 or not len(tiles):
-        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+        return dq.to(q.dtype), dk.zero_(), dv.zero_()
     grad_out = grad_out.contiguous()
     # The preprocess writes (total_q, H), the order of out's rows; the kernel reads each head's rows together.
     delta, lse2 = (t.t().contiguous() for t in backward_preprocess(out, grad_out, lse.t().contiguous()))
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the reduce-adds' target
-    rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
-    attention_bwd_fa3_kernel[(len(tiles), heads_kv)](
-        *(gluon_descriptor(heads_view(t), block) for t, block in ((q, rows), (k, keys), (v, keys), (grad_out, rows),
-                                                                 (dq, rows))),
-        dk, dv, lse2, delta, heads, heads // heads_kv, total_q, k.shape[0], tiles, cu_q, cu_k, scale * LOG2E, scale,
-        CAUSAL=causal, STAGES=2, VARLEN=True, DQ_PARTIAL=_dq_partial(dq_mode), num_warps=4,
-        maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
+    _launch_backward((len(tiles), k.shape[1]), [heads_view(t) for t in (q, k, v, grad_out, dq)], dk, dv, lse2, delta,
+                     heads, total_q, k.shape[0], (tiles, cu_q, cu_k), causal, scale, dq_mode)
     return dq.to(q.dtype), dk, dv
+
+
+def _backward_outputs(q, k, v):
+    """(dq, dk, dv) of the Gluon backward: dq the float32 target of the reduce-adds, zeroed; dk, dv contiguous in
+    k's and v's dtype and shape, for the kernel's stores."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    return dq, *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+
+
+def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, packing, causal, scale,
+                     dq_mode):
+    """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
+    its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); packing: None, or (schedule,
+    cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals."""
+    from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
+    from .fa3_config import launch_maxnreg
+
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode must be one of {DQ_MODES}; got {dq_mode!r}")
+    q, k, v, grad_out, dq = operands
+    head_dim = q.shape[-1]
+    rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
+    attention_bwd_fa3_kernel[grid](
+        gluon_descriptor(q, rows), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
+        gluon_descriptor(grad_out, rows), gluon_descriptor(dq, rows), dk, dv, lse2, delta, heads,
+        heads // k.shape[1], seqlen_q, seqlen_k, *(packing or (lse2,) * 3), scale * LOG2E, scale, CAUSAL=causal,
+        STAGES=2, VARLEN=packing is not None, DQ_PARTIAL=dq_mode == "partial", num_warps=4,
+        maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
 
 
 # Whether "auto" may give packed batches the Gluon backward. Not before an H200 run has checked it (the gpu test

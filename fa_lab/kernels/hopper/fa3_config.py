@@ -32,7 +32,10 @@ def descriptor_blocks(head_dim: int, fp8: bool) -> dict[str, list[int]]:
     return {"q": [1, 1, rows, head_dim], "k": [1, 1, keys, head_dim], "v": v_block, "o": [1, 1, rows, head_dim]}
 
 
+SM90_REGISTERS_PER_SM = 65536  # 32-bit registers an SM holds, for all its resident CTAs
+
+
 def launch_maxnreg(consumers: int) -> int:
     """Registers per thread at launch: the 64K of an SM over every warpgroup (the producer's single warp
     counts as one), in steps of 8. ``setmaxnreg`` then moves them from the producer to the consumers."""
-    return 65536 // (128 * (consumers + 1)) // 8 * 8
+    return SM90_REGISTERS_PER_SM // (128 * (consumers + 1)) // 8 * 8

@@ -157,11 +157,10 @@ def fp8_quant_job(num_warps: int = 8, maxnreg: int | None = None, head_dim: int 
                 maxnreg=maxnreg, aligned=(*pointers, *strides, "keys"))
 
 
-SM90_REGISTERS_PER_SM = 65536  # 32-bit registers an SM holds, for all its resident CTAs
-
-
 def ctas_per_sm_by_registers(registers: int, num_warps: int) -> int:
     """How many CTAs of num_warps warps at ``registers`` a thread an SM holds at once, as far as registers decide."""
+    from .fa3_config import SM90_REGISTERS_PER_SM
+
     return SM90_REGISTERS_PER_SM // (registers * 32 * num_warps)
 
 
