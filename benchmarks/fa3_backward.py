@@ -113,7 +113,7 @@ def dq_modes(out_dir: str) -> None:
                         entry.setdefault(mode, []).append(round(attention_flops(shape, "bwd") / (ms * 1e-3) / 1e12, 1))
                 log.append(entry)
                 print(entry, flush=True)
-    write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_backward_dq.json"))
+                write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_backward_dq.json"))
 
 
 def plot(results_path: str, png_path: str) -> None:

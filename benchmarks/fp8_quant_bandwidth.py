@@ -6,7 +6,6 @@ FP8 forward end to end (quantization included) against the bf16 forward. FA3-pap
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/fp8_quant_bandwidth.py`` (prints, writes $OUT/fp8_quant.json).
 """
-import json
 import os
 
 import torch
@@ -57,15 +56,15 @@ def measure(seqlen: int) -> dict:
 
 
 def main():
+    from fa_lab.bench.schema import environment, write_log
+
     load_triton()
-    shapes = []  # (not "rows": this file is not in the results schema)
+    # (not "rows": this file is not in the results schema); written after each shape, so a cut run keeps some
+    results = {**environment("cuda"), "what": __doc__.split("\n\n")[0].replace("\n", " "), "shapes": []}
     for seqlen in (1024, 2048, 4096, 8192, 16384):
-        shapes.append(measure(seqlen))
-        print(shapes[-1], flush=True)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "what": __doc__.split("\n\n")[0].replace("\n", " "), "shapes": shapes}
-    with open(os.path.join(os.environ.get("OUT", "."), "fp8_quant.json"), "w") as f:
-        json.dump(results, f, indent=1)
+        results["shapes"].append(measure(seqlen))
+        print(results["shapes"][-1], flush=True)
+        write_log(results, os.path.join(os.environ.get("OUT", "."), "fp8_quant.json"))
 
 
 if __name__ == "__main__":

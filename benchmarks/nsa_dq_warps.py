@@ -42,7 +42,7 @@ def main(out_dir: str) -> None:
                 entry.setdefault(f"warps{warps}_ms", []).append(round(ms, 3))
         log.append(entry)
         print(entry, flush=True)
-    write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_nsa_dq_warps.json"))
+        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_nsa_dq_warps.json"))
 
 
 if __name__ == "__main__":
