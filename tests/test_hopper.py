@@ -235,6 +235,29 @@ def test_the_default_backward_follows_the_recorded_h200_run():
             assert ratio <= 1.02, (head_dim, causal, seqlen, ratio)
 
 
+def test_packed_batches_and_the_dq_scheme_follow_the_recorded_h200_runs():
+    """GLUON_VARLEN_BACKWARD_AUTO is on exactly when the Gluon backward of a packed batch was faster than the
+    portable one in every case of benchmarks/h200_varlen_backward.json, and the default dQ scheme is the one that
+    was faster at every shape of benchmarks/h200_backward_dq.json (and of the packed run)."""
+    import json
+    from pathlib import Path
+
+    import fa_lab.kernels.hopper.attention as hopper
+
+    benchmarks = Path(__file__).parent.parent / "benchmarks"
+    cases = json.loads((benchmarks / "h200_varlen_backward.json").read_text())["cases"]
+    assert len(cases) == 4
+    assert hopper.GLUON_VARLEN_BACKWARD_AUTO == all(c["ms"]["gluon_turns"] < c["ms"]["portable"] for c in cases)
+    default = hopper.HopperOptions().backward_dq
+    other = next(mode for mode in hopper.DQ_MODES if mode != default)
+    shapes = json.loads((benchmarks / "h200_backward_dq.json").read_text())["log"]
+    assert len(shapes) == 16
+    for shape in shapes:  # TFLOP/s of two rounds each
+        assert min(shape[default]) > max(shape[other]), shape
+    for case in cases:
+        assert case["ms"][f"gluon_{default}"] < case["ms"][f"gluon_{other}"], case
+
+
 def _check_sm90_build(head_dim, fp8, causal, stages, pingpong, persistent, window, **options):
     """Every Gluon variant builds for sm_90 on this machine: no register spills in the K/V loop, shared memory
     within 227 KiB, and the FA3 structure visible in the PTX (consumer warpgroups raised to 240 registers,

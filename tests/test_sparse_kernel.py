@@ -240,6 +240,26 @@ def test_the_inverted_selection_lists_each_blocks_rows_in_order():
     assert int(offsets[-1]) == int((indices >= 0).sum())
 
 
+def test_short_dq_tiles_take_the_warps_the_recorded_h200_run_timed_fastest():
+    """NSA's 16-row dQ tiles launch at SHORT_DQ_TILE_WARPS, the count whose whole backward was fastest in both
+    rounds at every length of benchmarks/h200_nsa_dq_warps.json, and tile_config would give them another."""
+    import json
+    from pathlib import Path
+
+    from fa_lab.bench.sparse import HEAD_DIM, HEADS, HEADS_KV
+    from fa_lab.kernels.portable.sparse_select import SHORT_DQ_TILE_ROWS, SHORT_DQ_TILE_WARPS, tile_config
+
+    rows = HEADS // HEADS_KV  # one query of the benchmark's group
+    assert tile_config(rows, 64, HEAD_DIM, backward=True).block_m <= SHORT_DQ_TILE_ROWS
+    assert tile_config(rows, 64, HEAD_DIM, backward=True).num_warps != SHORT_DQ_TILE_WARPS
+    log = json.loads((Path(__file__).parent.parent / "benchmarks" / "h200_nsa_dq_warps.json").read_text())["log"]
+    assert [entry["seqlen"] for entry in log] == [16384, 32768, 65536]
+    for entry in log:
+        chosen = entry[f"warps{SHORT_DQ_TILE_WARPS}_ms"]
+        others = [ms for key, times in entry.items() if key.endswith("_ms") and times is not chosen for ms in times]
+        assert max(chosen) < min(others), entry
+
+
 # ---------------------------------------------------------------- GPU (device machine)
 
 @pytest.mark.gpu

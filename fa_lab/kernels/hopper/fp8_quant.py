@@ -156,8 +156,8 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_
 
     num_warps, maxnreg: the quantization kernel's launch. The offline sm_90 build of the tile kernel takes 100
     registers a thread at 8 warps (two programs per SM) and 172 at 4 (two), 64 KB of shared memory (three);
-    4 warps with ``maxnreg=168`` fit three programs per SM without spilling (benchmarks/fp8_quant_bandwidth.py
-    times the three launches).
+    4 warps with ``maxnreg=168`` fit three programs per SM without spilling, yet on the H200 8 warps were the
+    fastest of the three (benchmarks/h200_fp8_quant.json, by benchmarks/fp8_quant_bandwidth.py).
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon

@@ -381,6 +381,13 @@ def selection_csr(indices: torch.Tensor, blocks: int) -> tuple[torch.Tensor, tor
     return offsets, selector[order].to(torch.int32).contiguous()
 
 
+# The dQ kernel's warps for short tiles (NSA's 16 rows: one query of a 16-head group). At 16 rows and d = 128 the
+# offline sm_90 build needs 64 registers a thread at 8 warps (tile_config's), 111 at 4 and 215 at 2, none
+# spilling; on the H200 (benchmarks/h200_nsa_dq_warps.json, NSA's case at 16K-64K) the whole backward took
+# 0.91-0.93 of its 8-warp time at 2 warps and 0.92-0.94 at 4: fewer warps split a short tile's rows less.
+SHORT_DQ_TILE_ROWS, SHORT_DQ_TILE_WARPS = 16, 2
+
+
 def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, block_k: int, causal: bool,
                           scale: float, dq_warps: int | None = None):
     """Backward on the forward's operands and outputs; grad_out like out. Returns (dq, dk, dv) in
@@ -388,9 +395,8 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
 
     Two kernels: dQ over the forward's grid, and dK, dV per key block over the selection inverted
     (:func:`selection_csr`), as notebook 03's dense backward splits them, so no program adds into
-    another's rows. dq_warps: the dQ kernel's warps instead of :func:`tile_config`'s (at NSA's 16-row tiles
-    and d = 128 the offline sm_90 build needs 64 registers a thread at 8 warps, 111 at 4 and 215 at 2, none
-    spilling; benchmarks/nsa_dq_warps.py times them).
+    another's rows. dq_warps: the dQ kernel's warps; by default :func:`tile_config`'s, but
+    ``SHORT_DQ_TILE_WARPS`` for tiles of at most ``SHORT_DQ_TILE_ROWS`` rows.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
@@ -401,6 +407,8 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
         out, grad_out, lse, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim), BLOCK=pre_block)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     config = tile_config(group * block_q, block_k, head_dim, backward=True)
+    if dq_warps is None and config.block_m <= SHORT_DQ_TILE_ROWS:
+        dq_warps = SHORT_DQ_TILE_WARPS
     if dq_warps is not None:
         config = replace(config, num_warps=dq_warps)
     grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
