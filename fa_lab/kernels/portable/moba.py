@@ -13,11 +13,12 @@ in two varlen passes merged by their LSE, as flash-attn-based MoBA does:
    block's keys, all of them in a single launch with one head per sequence (:func:`past_block_sequences`).
    Every key of a past block lies before the query, so this pass needs no mask.
 
-The partial results are merged by their LSE in one kernel, the jit copy of
-:func:`fa_lab.online_softmax.merge_splits` that decoding uses (:func:`.decode.merge_split_results`). The
-backward runs each pass's backward with the *merged* output and LSE (P = exp(S - lse) is then the final
-softmax, so each pass yields its exact share of the gradients, as ring attention's steps do) and adds the
-shares; a query's dQ from its past blocks is gathered back with ``index_add``.
+The partial results are merged by their LSE in one kernel, a jit copy of
+:func:`fa_lab.online_softmax.merge_splits` beside decoding's that takes a block of rows a program
+(:func:`.decode.merge_split_results` with ``row_blocks``). The backward runs each pass's backward with the
+*merged* output and LSE (P = exp(S - lse) is then the final softmax, so each pass yields its exact share of
+the gradients, as ring attention's steps do) and adds the shares; a query's dQ from its past blocks is
+gathered back with ``index_add``.
 
 The kernels are chapter 05's, on prepared operands (:class:`PassKernels`): the portable ones by default;
 :func:`fa_lab.kernels.triton_moba_attention` gives impl="triton_hopper"'s Gluon FA3 forward and backward
@@ -143,7 +144,7 @@ class MobaFunction(torch.autograd.Function):
                 lses.view(-1)[dest] = lse_g[0]
         # Every (batch, head) as a batch row of one head, so that the merged rows come out as (B, H, N, d).
         out, lse = merge_split_results(outs.view(1 + past, batch * heads, 1, seqlen, head_dim),
-                                       lses.view(1 + past, batch * heads, 1, seqlen), q.dtype)
+                                       lses.view(1 + past, batch * heads, 1, seqlen), q.dtype, row_blocks=True)
         out, lse = out.view(batch, heads, seqlen, head_dim), lse.view(batch, heads, seqlen)
         ctx.save_for_backward(q, k, v, out, lse, cu_own)
         ctx.args = (block, scale, own_bounds, packing, kernels, head_dim)
