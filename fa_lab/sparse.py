@@ -137,6 +137,7 @@ def block_sparse_attention(q, k, v, key_tiles, block_q: int, block_k: int, causa
 
 # ---------------------------------------------------------------- MoBA
 
+@torch.no_grad()  # the selection is discrete: no gradient flows through the scores
 def moba_gate(q, k, block: int, top_k: int) -> torch.Tensor:
     """(B, H, N, top_k) int64: the key blocks each query keeps, own block first, then the best past blocks
     by q . mean(K_block) (-1 where a query has fewer past blocks than top_k - 1). Causal, self-attention."""
@@ -161,7 +162,7 @@ def moba_gate(q, k, block: int, top_k: int) -> torch.Tensor:
     for _ in range(min(top_k - 1, blocks)):
         value, index = scores.max(dim=-1)
         chosen.append(torch.where(torch.isinf(value), -1, index))
-        scores = scores.scatter(-1, index[..., None], float("-inf"))
+        scores.scatter_(-1, index[..., None], float("-inf"))
     return torch.stack(chosen, dim=-1)
 
 
