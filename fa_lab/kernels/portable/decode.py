@@ -33,10 +33,6 @@ LN2 = tl.constexpr(common.LN2)
 LOG2E = tl.constexpr(common.LOG2E)
 DENSE, PAGE_PER_TILE, PAGE_PER_KEY = 0, 1, 2  # the GATHER modes
 MERGE_CHUNK = 16  # splits the merge reads per load
-# Rows a program of merge_rows_kernel, the merge of many rows of few splits (MoBA's: two million rows of three
-# splits at 64K). On the H200 the one-program-per-row merge took 5.8 ms of MoBA's 34.6 ms forward at 64K
-# (docs/experiments/sparse_kernels.md); the row-block kernel has not been timed there yet.
-MERGE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -221,40 +217,6 @@ def merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, splits, he
              acc.to(merged_ptr.dtype.element_ty), mask=cols < head_dim)
 
 
-@triton.jit
-def merge_rows_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, splits, heads, seqlen_q, head_dim, rows,
-                      ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """:func:`merge_splits_kernel`'s merge (same operands, same result) for many rows of few splits, as MoBA
-    has: program p merges rows p * ROWS ... of the ``rows`` rows, one split at a time, with its running
-    maximum (the online softmax's rescale). One program per row, right for decoding's few rows, would give each
-    program a few hundred bytes to move here."""
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = row < rows
-    cols = tl.arange(0, HEAD_DIM)
-    cell_ok = row_ok[:, None] & (cols < head_dim)[None, :]
-    top = tl.full([ROWS], float("-inf"), tl.float32)
-    total = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    for split in tl.range(0, splits):
-        lse = tl.load(lse_ptr + split * rows + row, mask=row_ok, other=float("-inf"))
-        new_top = tl.maximum(top, lse)
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # rows no split has seen yet keep weight 0
-        rescale, weight = tl.math.exp2((top - shift) * LOG2E), tl.math.exp2((lse - shift) * LOG2E)
-        part = tl.load(out_ptr + (split * rows + row)[:, None] * head_dim + cols[None, :], mask=cell_ok, other=0.0)
-        acc = acc * rescale[:, None] + weight[:, None] * part.to(tl.float32)
-        total = total * rescale + weight
-        top = new_top
-    empty = total == 0.0
-    acc = acc / tl.where(empty, 1.0, total)[:, None]
-    tl.store(merged_lse_ptr + row, tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total))),
-             mask=row_ok)
-    query = row % seqlen_q
-    batch_head = row // seqlen_q  # the output is (B, seqlen_q, H, d): move the query before the head
-    batch, head = batch_head // heads, batch_head % heads
-    tl.store(merged_ptr + (((batch * seqlen_q + query) * heads + head) * head_dim)[:, None] + cols[None, :],
-             acc.to(merged_ptr.dtype.element_ty), mask=cell_ok)
-
-
 def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: bool, scale: float,
                   window, softcap: float, splits: int, config: DecodeConfig | None = None):
     """Launch :func:`decode_split_kernel` over ``splits`` splits and merge them.
@@ -390,12 +352,11 @@ def cache_prefill(q, k_cache, v_cache, lengths, causal: bool, scale: float, wind
     return out.transpose(1, 2), lse
 
 
-def merge_split_results(out, lse, dtype, pdl: bool = False, row_blocks: bool = False):
+def merge_split_results(out, lse, dtype, pdl: bool = False):
     """Merge the splits with :func:`merge_splits_kernel`: out float32 (splits, B, H, seqlen_q, d), lse
     (splits, B, H, seqlen_q), contiguous -> (merged (B, seqlen_q, H, d) in ``dtype``, lse (B, H, seqlen_q)).
     pdl: launch it as a programmatic dependent launch (sm_90; the kernel before it allows it, as
-    :func:`decode_split_kernel` does with PDL). row_blocks: many rows of few splits, as MoBA merges: through
-    :func:`merge_rows_kernel`, ``MERGE_ROWS`` rows a program (not with pdl)."""
+    :func:`decode_split_kernel` does with PDL)."""
     import torch
 
     from ..common import head_dim_bucket, on_device
@@ -403,17 +364,9 @@ def merge_split_results(out, lse, dtype, pdl: bool = False, row_blocks: bool = F
     splits, batch, heads, seqlen_q, head_dim = out.shape
     merged = torch.empty((batch, seqlen_q, heads, head_dim), dtype=dtype, device=out.device)
     merged_lse = torch.empty(lse.shape[1:], dtype=torch.float32, device=out.device)
-    rows = batch * heads * seqlen_q
     with on_device(out):
-        if row_blocks:
-            if pdl:
-                raise ValueError("merge_rows_kernel is not launched as a programmatic dependent")
-            merge_rows_kernel[(triton.cdiv(rows, MERGE_ROWS),)](out, lse, merged, merged_lse, splits, heads, seqlen_q,
-                                                                head_dim, rows, ROWS=MERGE_ROWS,
-                                                                HEAD_DIM=head_dim_bucket(head_dim))
-            return merged, merged_lse
-        merge_splits_kernel[(rows,)](out, lse, merged, merged_lse, splits, heads, seqlen_q, head_dim,
-                                     SPLITS=triton.next_power_of_2(splits),
-                                     SPLIT_CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(splits)),
-                                     HEAD_DIM=head_dim_bucket(head_dim), PDL=pdl, launch_pdl=pdl)
+        merge_splits_kernel[(batch * heads * seqlen_q,)](out, lse, merged, merged_lse, splits, heads, seqlen_q,
+                                                         head_dim, SPLITS=triton.next_power_of_2(splits),
+                                                         SPLIT_CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(splits)),
+                                                         HEAD_DIM=head_dim_bucket(head_dim), PDL=pdl, launch_pdl=pdl)
     return merged, merged_lse

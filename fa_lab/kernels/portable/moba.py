@@ -13,12 +13,13 @@ in two varlen passes merged by their LSE, as flash-attn-based MoBA does:
    block's keys, all of them in a single launch with one head per sequence (:func:`past_block_sequences`).
    Every key of a past block lies before the query, so this pass needs no mask.
 
-The partial results are merged by their LSE in one kernel, a jit copy of
-:func:`fa_lab.online_softmax.merge_splits` beside decoding's that takes a block of rows a program
-(:func:`.decode.merge_split_results` with ``row_blocks``). The backward runs each pass's backward with the
-*merged* output and LSE (P = exp(S - lse) is then the final softmax, so each pass yields its exact share of
-the gradients, as ring attention's steps do) and adds the shares; a query's dQ from its past blocks is
-gathered back with ``index_add``.
+The partial results are merged by their LSE in one kernel, :func:`moba_merge_kernel`, a jit copy of
+:func:`fa_lab.online_softmax.merge_splits` that reads pass 1's rows in place and pass 2's through the
+packing's inverse (:func:`past_entries`), so that no partial result is copied or scattered first, a block of
+rows a program (decoding's merge, one row a program, suits a few rows of many splits, not millions of rows of
+a few). The backward runs each pass's backward with the *merged* output and LSE (P = exp(S - lse) is then the
+final softmax, so each pass yields its exact share of the gradients, as ring attention's steps do) and adds
+the shares; a query's dQ from its past blocks is gathered back with ``index_add``.
 
 The kernels are chapter 05's, on prepared operands (:class:`PassKernels`): the portable ones by default;
 :func:`fa_lab.kernels.triton_moba_attention` gives impl="triton_hopper"'s Gluon FA3 forward and backward
@@ -33,11 +34,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from ...block_info import cdiv
-from ..common import kernel_operand, on_device
+from .. import common
+from ..common import head_dim_bucket, kernel_operand, on_device
 from .attention import NO_OPTIONS, triton_backward, triton_forward, triton_varlen_backward, triton_varlen_forward
-from .decode import merge_split_results
+
+LOG2E = tl.constexpr(common.LOG2E)
+# Rows a program of moba_merge_kernel. On the H200 the merge through decoding's kernel (one program per row, the
+# partial results scattered into per-slot buffers first) took 5.8 ms of the 34.6 ms forward at 64K, and the
+# scatter and copies a few more (docs/experiments/sparse_kernels.md); this kernel has not been timed there yet.
+MERGE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,59 @@ def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
             "bounds": (cu_q.tolist(), cu_k.tolist())}
 
 
+def past_entries(packing: dict, past: int, rows: int) -> torch.Tensor:
+    """int32 (past, rows): for slot s of query row r (rows of (B, H, N)), the row of pass 2's packed results
+    that holds it, -1 where the query selected nothing there (the inverse of ``packing["entries"]``)."""
+    inverse = torch.full((past, rows), -1, dtype=torch.int32, device=packing["entries"].device)
+    slots = packing["entries"] % past
+    inverse.view(-1)[slots * rows + packing["query_rows"]] = torch.arange(
+        len(slots), dtype=torch.int32, device=inverse.device)
+    return inverse
+
+
+@triton.jit
+def _fold_split(top, total, acc, lse, part):
+    """One more partial result (lse (ROWS,), part (ROWS, HEAD_DIM) float32) into the running maximum, sum and
+    weighted sum: the online softmax's rescale. A partial result with lse = -inf weighs 0."""
+    new_top = tl.maximum(top, lse)
+    shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+    rescale, weight = tl.math.exp2((top - shift) * LOG2E), tl.math.exp2((lse - shift) * LOG2E)
+    return new_top, total * rescale + weight, acc * rescale[:, None] + weight[:, None] * part
+
+
+@triton.jit
+def moba_merge_kernel(own_out_ptr, own_lse_ptr, past_out_ptr, past_lse_ptr, entry_ptr, out_ptr, lse_ptr, rows,
+                      past, head_dim, stride_part, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """MoBA's merge, the jit copy of :func:`fa_lab.online_softmax.merge_splits`: program p merges rows
+    p * ROWS ... of the ``rows`` rows of (B, H, N). Row r's partial results are pass 1's (own_out_ptr row r,
+    own_lse_ptr[r]) and, for each of its ``past`` slots, pass 2's packed row entry_ptr[slot, r] (past_out_ptr,
+    past_lse_ptr), none where that is -1. stride_part: the partial results' row stride (their head_dim padded
+    to 8); out_ptr: (rows, head_dim) in its dtype, lse_ptr: (rows,) float32."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < rows
+    cols = tl.arange(0, HEAD_DIM)
+    col_ok = cols < head_dim
+    top = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    own_lse = tl.load(own_lse_ptr + row, mask=row_ok, other=float("-inf"))
+    own = tl.load(own_out_ptr + row.to(tl.int64)[:, None] * stride_part + cols[None, :],
+                  mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    top, total, acc = _fold_split(top, total, acc, own_lse, own.to(tl.float32))
+    for slot in tl.range(0, past):
+        entry = tl.load(entry_ptr + slot * rows + row, mask=row_ok, other=-1)
+        found = entry >= 0
+        lse = tl.load(past_lse_ptr + entry, mask=found, other=float("-inf"))
+        part = tl.load(past_out_ptr + entry.to(tl.int64)[:, None] * stride_part + cols[None, :],
+                       mask=found[:, None] & col_ok[None, :], other=0.0)
+        top, total, acc = _fold_split(top, total, acc, lse, part.to(tl.float32))
+    empty = total == 0.0
+    acc = acc / tl.where(empty, 1.0, total)[:, None]
+    tl.store(lse_ptr + row, tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total))), mask=row_ok)
+    tl.store(out_ptr + row.to(tl.int64)[:, None] * head_dim + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
 def rows_of(t: torch.Tensor) -> torch.Tensor:
     """(B, H, N, d) -> (B * H * N, 1, d): every head's rows as one-head sequences."""
     return t.reshape(-1, 1, t.shape[-1])
@@ -118,34 +180,29 @@ class MobaFunction(torch.autograd.Function):
         as_heads = seqlen % block == 0  # pass 1 on the dense kernel, each block a head
         cu_own, own_bounds = (None, None) if as_heads else own_block_sequences(batch, seqlen, block, q.device)
         packing = past_block_sequences(selected, block) if selected.shape[-1] > 1 else None
+        rows, stride_part = batch * heads * seqlen, q.shape[-1]
         with on_device(q):
-            # The merge's operands, one split per pass-1 result and past slot, (top_k, B, H, N[, d]); a slot
-            # that selected nothing keeps out 0 and lse -inf, so it weighs 0.
-            past = selected.shape[-1] - 1 if packing is not None else 0
-            outs = q.new_empty(1 + past, batch, heads, seqlen, head_dim)
-            lses = torch.full((1 + past, batch, heads, seqlen), float("-inf"), device=q.device)
+            # Pass 1's results as rows of (B, H, N): the dense kernel's are already; the varlen kernel's are
+            # token-major and are copied to that order.
             if as_heads:
                 own_out, own_lse = kernels.forward(*(block_heads(t, block) for t in (q, k, v)), True, scale)
-                outs[0] = own_out.view(q.shape)[..., :head_dim]
-                lses[0] = own_lse.view(batch, heads, seqlen)
             else:
                 own_out, own_lse = kernels.varlen_forward(*(token_major(t) for t in (q, k, v)), cu_own, cu_own,
                                                           (own_bounds, own_bounds), True, scale, NO_OPTIONS)
-                outs[0] = head_major(own_out[..., :head_dim], batch)
-                lses[0] = own_lse.view(heads, batch, seqlen).transpose(0, 1)
-            outs[1:] = 0
+                own_out = head_major(own_out, batch).contiguous()
+                own_lse = own_lse.view(heads, batch, seqlen).transpose(0, 1).contiguous()
+            past = selected.shape[-1] - 1 if packing is not None else 0
+            past_out, past_lse, entries = own_out, own_lse, own_lse  # (not read when past is 0)
             if packing is not None:
-                out_g, lse_g = kernels.varlen_forward(
+                past_out, past_lse = kernels.varlen_forward(
                     rows_of(q)[packing["query_rows"]], rows_of(k), rows_of(v), packing["cu_q"], packing["cu_k"],
                     packing["bounds"], False, scale, NO_OPTIONS)
-                # Entry e is slot e % past of query row e // past: row e // past of split 1 + e % past.
-                dest = (1 + packing["entries"] % past) * (batch * heads * seqlen) + packing["query_rows"]
-                outs.view(-1, head_dim)[dest] = out_g[:, 0, :head_dim]
-                lses.view(-1)[dest] = lse_g[0]
-        # Every (batch, head) as a batch row of one head, so that the merged rows come out as (B, H, N, d).
-        out, lse = merge_split_results(outs.view(1 + past, batch * heads, 1, seqlen, head_dim),
-                                       lses.view(1 + past, batch * heads, 1, seqlen), q.dtype, row_blocks=True)
-        out, lse = out.view(batch, heads, seqlen, head_dim), lse.view(batch, heads, seqlen)
+                entries = past_entries(packing, past, rows)
+            out = torch.empty((batch, heads, seqlen, head_dim), dtype=q.dtype, device=q.device)
+            lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
+            moba_merge_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
+                own_out, own_lse, past_out, past_lse, entries, out, lse, rows, past, head_dim, stride_part,
+                ROWS=MERGE_ROWS, HEAD_DIM=head_dim_bucket(head_dim))
         ctx.save_for_backward(q, k, v, out, lse, cu_own)
         ctx.args = (block, scale, own_bounds, packing, kernels, head_dim)
         ctx.mark_non_differentiable(lse)
