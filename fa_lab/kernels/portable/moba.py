@@ -179,7 +179,8 @@ class MobaFunction(torch.autograd.Function):
         q, k, v = (kernel_operand(t.contiguous()) for t in (q, k, v))  # (B, H, N, d8), contiguous
         as_heads = seqlen % block == 0  # pass 1 on the dense kernel, each block a head
         cu_own, own_bounds = (None, None) if as_heads else own_block_sequences(batch, seqlen, block, q.device)
-        packing = past_block_sequences(selected, block) if selected.shape[-1] > 1 else None
+        past = selected.shape[-1] - 1  # slots after the own block
+        packing = past_block_sequences(selected, block) if past else None
         rows, stride_part = batch * heads * seqlen, q.shape[-1]
         with on_device(q):
             # Pass 1's results as rows of (B, H, N): the dense kernel's are already; the varlen kernel's are
@@ -191,7 +192,6 @@ class MobaFunction(torch.autograd.Function):
                                                           (own_bounds, own_bounds), True, scale, NO_OPTIONS)
                 own_out = head_major(own_out, batch).contiguous()
                 own_lse = own_lse.view(heads, batch, seqlen).transpose(0, 1).contiguous()
-            past = selected.shape[-1] - 1 if packing is not None else 0
             past_out, past_lse, entries = own_out, own_lse, own_lse  # (not read when past is 0)
             if packing is not None:
                 past_out, past_lse = kernels.varlen_forward(
