@@ -147,11 +147,14 @@ def moba_gate(q, k, block: int, top_k: int) -> torch.Tensor:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be an int >= 1 (the own block counts), got {top_k!r}")
     seqlen, blocks = q.shape[2], cdiv(k.shape[2], block)
-    keys = expand_kv(k, q.shape[1]).to(_compute_dtype(q))
-    padded = torch.nn.functional.pad(keys, (0, 0, 0, blocks * block - seqlen))
+    dtype = _compute_dtype(q)
+    # Mean keys on K's own heads, summed in the compute dtype without a converted copy of K (the padding, a
+    # copy, only when the last block is partial), then expanded to the query heads: (B, H, blocks, d).
+    padded = k if seqlen % block == 0 else torch.nn.functional.pad(k, (0, 0, 0, blocks * block - seqlen))
     counts = torch.clamp(seqlen - torch.arange(blocks, device=q.device) * block, max=block)
-    pooled = padded.view(*keys.shape[:2], blocks, block, keys.shape[-1]).sum(3) / counts[:, None]  # mean keys
-    scores = torch.matmul(q.to(keys.dtype), pooled.transpose(-2, -1))  # (B, H, N, blocks)
+    pooled = padded.view(*k.shape[:2], blocks, block, k.shape[-1]).sum(3, dtype=dtype) / counts[:, None]
+    pooled = expand_kv(pooled, q.shape[1])
+    scores = torch.matmul(q.to(dtype), pooled.transpose(-2, -1))  # (B, H, N, blocks)
     own = torch.arange(seqlen, device=q.device) // block
     past = torch.arange(blocks, device=q.device)[None, :] < own[:, None]  # strictly earlier blocks only
     scores = scores.masked_fill(~past, float("-inf"))

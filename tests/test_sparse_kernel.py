@@ -279,6 +279,28 @@ def test_mobas_merge_builds_for_sm90_with_wide_loads_and_no_spills():
     assert build.sass.count("LDG.E.128") >= 2 and build.stack_bytes == 0, (build.registers, build.stack_bytes)
 
 
+def test_mobas_gather_and_dq_add_build_for_sm90_with_wide_loads_and_stores():
+    """gather_rows_kernel and add_past_rows_kernel (bf16 rows of 128) move 16 bytes a load and a store, through
+    their index, and keep everything in registers."""
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
+
+    load_triton()
+    from fa_lab.kernels.portable.moba import MERGE_ROWS, add_past_rows_kernel, gather_rows_kernel
+
+    constants = dict(ROWS=MERGE_ROWS, WIDTH=128)
+    builds = compile_all_for_sm90([
+        dict(kernel=gather_rows_kernel, signature={"src_ptr": "*bf16", "index_ptr": "*i64", "dst_ptr": "*bf16",
+                                                   "count": "i32", "width": "i32"},
+             num_warps=4, constants=constants, aligned=("src_ptr", "dst_ptr", "width")),
+        dict(kernel=add_past_rows_kernel, signature={"dq_ptr": "*bf16", "part_ptr": "*bf16", "entry_ptr": "*i32",
+                                                     "rows": "i32", "past": "i32", "width": "i32"},
+             num_warps=4, constants=constants, aligned=("dq_ptr", "part_ptr", "width"))])
+    for build in builds:
+        assert build.sass.count("LDG.E.128") >= 1 and build.sass.count("STG.E.128") >= 1, build.registers
+        assert build.stack_bytes == 0, build.stack_bytes
+
+
 # ---------------------------------------------------------------- GPU (device machine)
 
 @pytest.mark.gpu

@@ -19,7 +19,9 @@ packing's inverse (:func:`past_entries`), so that no partial result is copied or
 rows a program (decoding's merge, one row a program, suits a few rows of many splits, not millions of rows of
 a few). The backward runs each pass's backward with the *merged* output and LSE (P = exp(S - lse) is then the
 final softmax, so each pass yields its exact share of the gradients, as ring attention's steps do) and adds
-the shares; a query's dQ from its past blocks is gathered back with ``index_add``.
+the shares; a query's dQ from its past blocks is added back through the same inverse
+(:func:`add_past_rows_kernel`). Pass 2's packed operands (q in the forward; q, O and dO in the backward) are
+gathered by :func:`gather_rows`.
 
 The kernels are chapter 05's, on prepared operands (:class:`PassKernels`): the portable ones by default;
 :func:`fa_lab.kernels.triton_moba_attention` gives impl="triton_hopper"'s Gluon FA3 forward and backward
@@ -43,9 +45,10 @@ from ..common import head_dim_bucket, kernel_operand, on_device
 from .attention import NO_OPTIONS, triton_backward, triton_forward, triton_varlen_backward, triton_varlen_forward
 
 LOG2E = tl.constexpr(common.LOG2E)
-# Rows a program of moba_merge_kernel. On the H200 the merge through decoding's kernel (one program per row, the
-# partial results scattered into per-slot buffers first) took 5.8 ms of the 34.6 ms forward at 64K, and the
-# scatter and copies a few more (docs/experiments/sparse_kernels.md); this kernel has not been timed there yet.
+# Rows a program of moba_merge_kernel, gather_rows_kernel and add_past_rows_kernel. On the H200 at 64K this merge
+# takes 0.57 ms where decoding's kernel (one program per row, the partial results scattered into per-slot buffers
+# first) took 5.8 ms, and the gathers 0.38 ms in the forward and 1.1 in the backward where PyTorch's took 2.3 and
+# 6.9 (docs/experiments/sparse_kernels.md).
 MERGE_ROWS = 16
 
 
@@ -164,6 +167,48 @@ def moba_merge_kernel(own_out_ptr, own_lse_ptr, past_out_ptr, past_lse_ptr, entr
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def gather_rows_kernel(src_ptr, index_ptr, dst_ptr, count, width, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """dst row i = src row index_ptr[i] for program p's ROWS rows of the ``count``; src, dst: contiguous rows of
+    ``width`` elements, one dtype."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < count
+    cols = tl.arange(0, WIDTH)
+    ok = row_ok[:, None] & (cols < width)[None, :]
+    source = tl.load(index_ptr + row, mask=row_ok, other=0)
+    tile = tl.load(src_ptr + source.to(tl.int64)[:, None] * width + cols[None, :], mask=ok)
+    tl.store(dst_ptr + row.to(tl.int64)[:, None] * width + cols[None, :], tile, mask=ok)
+
+
+@triton.jit
+def add_past_rows_kernel(dq_ptr, part_ptr, entry_ptr, rows, past, width, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """dQ's share from the past blocks, in place: row r of dq_ptr (``rows`` rows of ``width``) gains, for each of
+    its ``past`` slots, pass 2's packed row entry_ptr[slot, r] of part_ptr (none where that is -1), summed in
+    float32 and rounded once."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < rows
+    cols = tl.arange(0, WIDTH)
+    col_ok = cols < width
+    at = dq_ptr + row.to(tl.int64)[:, None] * width + cols[None, :]
+    acc = tl.load(at, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    for slot in tl.range(0, past):
+        entry = tl.load(entry_ptr + slot * rows + row, mask=row_ok, other=-1)
+        acc += tl.load(part_ptr + entry.to(tl.int64)[:, None] * width + cols[None, :],
+                       mask=(entry >= 0)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(at, acc.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] for t (R, ..., w) contiguous and index int64 (E,) on t's device: (E, ..., w), gathered by
+    :func:`gather_rows_kernel` (PyTorch's gather of these 256-byte rows ran at about a quarter of the H200's
+    bandwidth, docs/experiments/sparse_kernels.md)."""
+    out = t.new_empty((len(index), *t.shape[1:]))
+    width = t[0].numel()
+    gather_rows_kernel[(triton.cdiv(len(index), MERGE_ROWS),)](t, index, out, len(index), width, ROWS=MERGE_ROWS,
+                                                              WIDTH=head_dim_bucket(width))
+    return out
+
+
 def rows_of(t: torch.Tensor) -> torch.Tensor:
     """(B, H, N, d) -> (B * H * N, 1, d): every head's rows as one-head sequences."""
     return t.reshape(-1, 1, t.shape[-1])
@@ -195,7 +240,8 @@ class MobaFunction(torch.autograd.Function):
             past_out, past_lse, entries = own_out, own_lse, own_lse  # (not read when past is 0)
             if packing is not None:
                 past_out, past_lse = kernels.varlen_forward(
-                    rows_of(q)[packing["query_rows"]], rows_of(k), rows_of(v), packing["cu_q"], packing["cu_k"],
+                    gather_rows(rows_of(q), packing["query_rows"]), rows_of(k), rows_of(v), packing["cu_q"],
+                    packing["cu_k"],
                     packing["bounds"], False, scale, NO_OPTIONS)
                 entries = past_entries(packing, past, rows)
             out = torch.empty((batch, heads, seqlen, head_dim), dtype=q.dtype, device=q.device)
@@ -204,14 +250,14 @@ class MobaFunction(torch.autograd.Function):
                 own_out, own_lse, past_out, past_lse, entries, out, lse, rows, past, head_dim, stride_part,
                 ROWS=MERGE_ROWS, HEAD_DIM=head_dim_bucket(head_dim))
         ctx.save_for_backward(q, k, v, out, lse, cu_own)
-        ctx.args = (block, scale, own_bounds, packing, kernels, head_dim)
+        ctx.args = (block, scale, own_bounds, packing, entries, kernels, head_dim)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse, cu_own = ctx.saved_tensors  # q, k, v: (B, H, N, d8); out: (B, H, N, d)
-        block, scale, own_bounds, packing, kernels, head_dim = ctx.args
+        block, scale, own_bounds, packing, entries, kernels, head_dim = ctx.args
         batch, heads, seqlen, _ = q.shape
         out, grad_out = (kernel_operand(t.to(q.dtype).contiguous()) for t in (out, grad_out))
         with on_device(q):
@@ -227,10 +273,13 @@ class MobaFunction(torch.autograd.Function):
             if packing is not None:
                 rows = packing["query_rows"]
                 dq_g, dk_p, dv_p = kernels.varlen_backward(
-                    rows_of(q)[rows], rows_of(k), rows_of(v), rows_of(out)[rows],
-                    lse.reshape(1, -1)[:, rows].contiguous(), rows_of(grad_out)[rows], packing["cu_q"],
-                    packing["cu_k"], packing["bounds"], False, scale, NO_OPTIONS)
-                dq = dq.reshape(-1, q.shape[-1]).index_add(0, rows, dq_g[:, 0]).view(q.shape)
+                    gather_rows(rows_of(q), rows), rows_of(k), rows_of(v), gather_rows(rows_of(out), rows),
+                    lse.reshape(1, -1)[:, rows].contiguous(), gather_rows(rows_of(grad_out), rows),
+                    packing["cu_q"], packing["cu_k"], packing["bounds"], False, scale, NO_OPTIONS)
+                dq = dq.contiguous()
+                add_past_rows_kernel[(triton.cdiv(len(lse.view(-1)), MERGE_ROWS),)](
+                    dq, dq_g.contiguous(), entries, len(lse.view(-1)), entries.shape[0], dq.shape[-1],
+                    ROWS=MERGE_ROWS, WIDTH=head_dim_bucket(dq.shape[-1]))
                 dk = dk + dk_p[:, 0].view(k.shape)
                 dv = dv + dv_p[:, 0].view(v.shape)
         return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None
