@@ -261,19 +261,19 @@ def test_short_dq_tiles_take_the_warps_the_recorded_h200_run_timed_fastest():
 
 
 def test_mobas_merge_builds_for_sm90_with_wide_loads_and_no_spills():
-    """moba_merge_kernel (MERGE_ROWS rows a program, bf16 partial results at d = 128) loads its tiles 16 bytes at
+    """moba_merge_kernel (ROWS_PER_PROGRAM rows a program, bf16 partial results at d = 128) loads its tiles 16 bytes at
     a time, also through pass 2's entries, and keeps everything in registers."""
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
 
     load_triton()
-    from fa_lab.kernels.portable.moba import MERGE_ROWS, moba_merge_kernel
+    from fa_lab.kernels.portable.moba import ROWS_PER_PROGRAM, moba_merge_kernel
 
     signature = {**{name: "*bf16" for name in ("own_out_ptr", "past_out_ptr", "out_ptr")},
                  **{name: "*fp32" for name in ("own_lse_ptr", "past_lse_ptr", "lse_ptr")}, "entry_ptr": "*i32",
                  **{name: "i32" for name in ("rows", "past", "head_dim", "stride_part")}}
     (build,) = compile_all_for_sm90([dict(kernel=moba_merge_kernel, signature=signature, num_warps=4,
-                                          constants=dict(ROWS=MERGE_ROWS, HEAD_DIM=128),
+                                          constants=dict(ROWS=ROWS_PER_PROGRAM, HEAD_DIM=128),
                                           aligned=("own_out_ptr", "past_out_ptr", "out_ptr", "head_dim",
                                                    "stride_part"))])
     assert build.sass.count("LDG.E.128") >= 2 and build.stack_bytes == 0, (build.registers, build.stack_bytes)
@@ -286,9 +286,9 @@ def test_mobas_gather_and_dq_add_build_for_sm90_with_wide_loads_and_stores():
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
 
     load_triton()
-    from fa_lab.kernels.portable.moba import MERGE_ROWS, add_past_rows_kernel, gather_rows_kernel
+    from fa_lab.kernels.portable.moba import ROWS_PER_PROGRAM, add_past_rows_kernel, gather_rows_kernel
 
-    constants = dict(ROWS=MERGE_ROWS, WIDTH=128)
+    constants = dict(ROWS=ROWS_PER_PROGRAM, WIDTH=128)
     builds = compile_all_for_sm90([
         dict(kernel=gather_rows_kernel, signature={"src_ptr": "*bf16", "index_ptr": "*i64", "dst_ptr": "*bf16",
                                                    "count": "i32", "width": "i32"},

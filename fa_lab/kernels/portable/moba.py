@@ -49,7 +49,7 @@ LOG2E = tl.constexpr(common.LOG2E)
 # takes 0.57 ms where decoding's kernel (one program per row, the partial results scattered into per-slot buffers
 # first) took 5.8 ms, and the gathers 0.38 ms in the forward and 1.1 in the backward where PyTorch's took 2.3 and
 # 6.9 (docs/experiments/sparse_kernels.md).
-MERGE_ROWS = 16
+ROWS_PER_PROGRAM = 16
 
 
 @dataclass(frozen=True)
@@ -204,8 +204,9 @@ def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     bandwidth, docs/experiments/sparse_kernels.md)."""
     out = t.new_empty((len(index), *t.shape[1:]))
     width = t[0].numel()
-    gather_rows_kernel[(triton.cdiv(len(index), MERGE_ROWS),)](t, index, out, len(index), width, ROWS=MERGE_ROWS,
-                                                              WIDTH=head_dim_bucket(width))
+    gather_rows_kernel[(triton.cdiv(len(index), ROWS_PER_PROGRAM),)](t, index, out, len(index), width,
+                                                                    ROWS=ROWS_PER_PROGRAM,
+                                                                    WIDTH=head_dim_bucket(width))
     return out
 
 
@@ -241,14 +242,13 @@ class MobaFunction(torch.autograd.Function):
             if packing is not None:
                 past_out, past_lse = kernels.varlen_forward(
                     gather_rows(rows_of(q), packing["query_rows"]), rows_of(k), rows_of(v), packing["cu_q"],
-                    packing["cu_k"],
-                    packing["bounds"], False, scale, NO_OPTIONS)
+                    packing["cu_k"], packing["bounds"], False, scale, NO_OPTIONS)
                 entries = past_entries(packing, past, rows)
             out = torch.empty((batch, heads, seqlen, head_dim), dtype=q.dtype, device=q.device)
             lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
-            moba_merge_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
+            moba_merge_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
                 own_out, own_lse, past_out, past_lse, entries, out, lse, rows, past, head_dim, stride_part,
-                ROWS=MERGE_ROWS, HEAD_DIM=head_dim_bucket(head_dim))
+                ROWS=ROWS_PER_PROGRAM, HEAD_DIM=head_dim_bucket(head_dim))
         ctx.save_for_backward(q, k, v, out, lse, cu_own)
         ctx.args = (block, scale, own_bounds, packing, entries, kernels, head_dim)
         ctx.mark_non_differentiable(lse)
@@ -277,9 +277,10 @@ class MobaFunction(torch.autograd.Function):
                     lse.reshape(1, -1)[:, rows].contiguous(), gather_rows(rows_of(grad_out), rows),
                     packing["cu_q"], packing["cu_k"], packing["bounds"], False, scale, NO_OPTIONS)
                 dq = dq.contiguous()
-                add_past_rows_kernel[(triton.cdiv(len(lse.view(-1)), MERGE_ROWS),)](
-                    dq, dq_g.contiguous(), entries, len(lse.view(-1)), entries.shape[0], dq.shape[-1],
-                    ROWS=MERGE_ROWS, WIDTH=head_dim_bucket(dq.shape[-1]))
+                past, query_rows = entries.shape
+                add_past_rows_kernel[(triton.cdiv(query_rows, ROWS_PER_PROGRAM),)](
+                    dq, dq_g.contiguous(), entries, query_rows, past, dq.shape[-1],
+                    ROWS=ROWS_PER_PROGRAM, WIDTH=head_dim_bucket(dq.shape[-1]))
                 dk = dk + dk_p[:, 0].view(k.shape)
                 dv = dv + dv_p[:, 0].view(v.shape)
         return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], None, None, None, None
