@@ -8,8 +8,12 @@ docs/experiments/interfaces.md ("Decode: one split writes the output, and 64-key
 - ``grid``: batch 1, 8 and 32 at 4K, 16K and 64K: the dense cache at the chosen count with four configs,
   and pages of 256, 64 and 16 with 128- and 64-key tiles at forced counts.
 - ``one_split``: batch 32 at 4K and 16K, one split, dense: SDPA and eight configs in turn, three rounds.
+- ``page64``: pages of 64 keys where a split spans more entries than it reads ahead (8 x 64K, 32 x 16K and
+  64K; 8 x 16K and 32 x 4K, which read them ahead, beside them): decode_config's choice against 64-key tiles
+  that load each tile's page in the loop at 1 to 8 splits, next to the dense cache and SDPA, three rounds.
 
-Usage on the device, from the repository root: PYTHONPATH=. python3 benchmarks/decode_config_sweep.py OUT.json
+Usage on the device, from the repository root:
+PYTHONPATH=. python3 benchmarks/decode_config_sweep.py OUT.json [PART ...]  (every part when none is named)
 """
 import sys
 
@@ -108,13 +112,28 @@ def one_split(log):
         torch.cuda.empty_cache()
 
 
-def main(path):
+def page64(log):
+    for batch, seqlen in ((8, 16384), (8, 65536), (32, 4096), (32, 16384), (32, 65536)):
+        dense, paged = caches_for(batch, seqlen, None), caches_for(batch, seqlen, 64)
+        for _ in range(3):
+            sdpa(log, "page64", dense, batch, seqlen, repeats=1)
+            timed(log, "page64", dense, batch, seqlen, None, 0, repeats=1)
+            timed(log, "page64", paged, batch, seqlen, 64, 0, repeats=1)
+            for splits in (1, 2, 4, 8):
+                timed(log, "page64", paged, batch, seqlen, 64, splits, decode.SMALL_TILE, repeats=1)
+        del dense, paged
+        torch.cuda.empty_cache()
+
+
+PARTS = {"variants": variants, "grid": grid, "one_split": one_split, "page64": page64}
+
+
+def main(path, parts):
     log = []
-    variants(log)
-    grid(log)
-    one_split(log)
+    for part in parts or PARTS:
+        PARTS[part](log)
     write_log({**environment("cuda"), "log": log}, path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

@@ -33,6 +33,9 @@ H200_SMS = 132
 # critical_path_splits says how it is used.
 PROGRAM_OVERHEAD_BLOCKS = 6
 MAX_PAGES_AHEAD = 256  # the most block-table entries the decode kernel reads ahead of a split's key loop
+# The decode kernel's small key tile and the programs of that tile one H200 SM holds (its SMALL_TILE config,
+# fa_lab/kernels/portable/decode.py): pages of a multiple of it hold whole tiles.
+SMALL_TILE_KEYS, SMALL_TILES_PER_SM = 64, 3
 PAGED_SPLIT_KEYS = 4096  # a split of a paged cache longer than this is cut in two (choose_num_splits)
 
 
@@ -264,6 +267,25 @@ def split_page_span(capacity: int, page_size: int, splits: int, block: int = SPL
     return 1 << cdiv(keys, page_size).bit_length()  # pages + 1, rounded up to a power of two
 
 
+def fits_one_wave(programs: int, splits: int, per_sm: int, num_sms: int = H200_SMS) -> bool:
+    """Whether ``programs x splits`` programs all fit on the SMs at once, ``per_sm`` of them per SM."""
+    return programs * splits <= num_sms * per_sm
+
+
+def pages_read_ahead(programs: int, capacity: int, page_size: int, splits: int, block: int, per_sm: int,
+                     num_sms: int = H200_SMS) -> int:
+    """The block-table entries each split's program reads before its key loop, 0 when it reads each tile's
+    entry in the loop instead: that happens past :data:`MAX_PAGES_AHEAD` entries (:func:`split_page_span` on
+    tiles of ``block`` keys), and when the ``programs x splits`` programs outnumber one wave of ``per_sm``
+    programs per SM, where other programs hide the loop's table loads and picking a tile's page from the
+    registers cost more (batch 32 x 16K, pages of 256: 0.83-0.96 of dense read ahead, 0.98 in the loop;
+    docs/experiments/interfaces.md)."""
+    if not fits_one_wave(programs, splits, per_sm, num_sms):
+        return 0
+    span = split_page_span(capacity, page_size, splits, block)
+    return span if span <= MAX_PAGES_AHEAD else 0
+
+
 def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H200_SMS,
                       block: int = SPLIT_BLOCK, max_splits: int = MAX_SPLITS, row_tiles: int = 1,
                       page_size: int | None = None) -> int:
@@ -289,7 +311,13 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
     Otherwise it gets about two waves, never less than a page per split, rounded down to a power of two:
     such a program gathers its keys page by page through the block table, a chain of dependent loads, and
     twice the programs in flight hide its latency; the power of two avoids uneven splits and a merge whose
-    vector of splits is padded past the next power of two. The forced sweep of
+    vector of splits is padded past the next power of two.
+
+    Pages of 64-key tiles (64 keys, not a multiple of 128) whose entries the kernel cannot read ahead at
+    that count (:func:`pages_read_ahead`) have each tile's entry loaded in the loop, and then take at least
+    the fewest splits, a power of two, whose programs fill the :data:`SMALL_TILES_PER_SM` slots of every SM:
+    pages of 64 at 32 x 16K read 4.44 TB/s with 2 splits against 3.87 with one, and at 8 x 64K 4.45 with 8
+    against 3.93 with 4 (``benchmarks/h200_decode_page64.json``). The forced sweep of
     ``benchmarks/h200_decode.json`` measured both rules (docs/experiments/interfaces.md, "Decode: paged
     caches at batch 8 want more splits" and "Decode: two refinements of the split count, from the same
     sweep"). ``block`` only bounds the count: each impl cuts its splits on its own key tile
@@ -304,10 +332,17 @@ def choose_num_splits(batch: int, heads_kv: int, seqlen_k: int, num_sms: int = H
         if dense_count > 1 and cdiv(seqlen_k, dense_count) > PAGED_SPLIT_KEYS:
             return min(2 * dense_count, limit)
         return dense_count
-    if limit is None:
-        return 1
-    two_waves = max(1, min(limit, cdiv(seqlen_k, page_size), 2 * num_sms // programs))
-    return 1 << (two_waves.bit_length() - 1)
+    count = 1
+    if limit is not None:
+        two_waves = max(1, min(limit, cdiv(seqlen_k, page_size), 2 * num_sms // programs))
+        count = 1 << (two_waves.bit_length() - 1)
+    small_tile_pages = page_size % SMALL_TILE_KEYS == 0 and page_size % block != 0  # pages of 64, 192, ...
+    if not small_tile_pages or pages_read_ahead(programs, seqlen_k, page_size, count, SMALL_TILE_KEYS,
+                                                SMALL_TILES_PER_SM, num_sms):
+        return count
+    # 64-key tiles whose entries are loaded in the loop: programs enough for every slot of the SMs.
+    fill = cdiv(SMALL_TILES_PER_SM * num_sms, programs)
+    return max(count, min(1 << (fill - 1).bit_length(), max_splits, cdiv(seqlen_k, page_size)))
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, block_table=None,

@@ -408,7 +408,12 @@ def test_paged_caches_read_ahead_take_the_dense_count_and_the_rest_two_waves():
     assert choose_num_splits(8, 8, 65536, page_size=256) == 4  # 2 splits fit, but of 32K keys each
     assert split_page_span(65536, 128, 2) == 512  # pages of 128 there: too many for one split's registers
     assert choose_num_splits(8, 8, 65536, page_size=128) == 4  # so two waves: 64 programs x 4
-    assert choose_num_splits(8, 8, 4096, page_size=64) == 4  # pages of 64: the kernel's 128-key tiles span two
+    assert choose_num_splits(8, 8, 4096, page_size=64) == 4  # pages of 64: 64-key tiles, 33 pages read ahead
+    # Pages of 64 too many to read ahead: the fewest splits (a power of two) with 3 programs per SM of 132.
+    assert choose_num_splits(32, 8, 16384, page_size=64) == 2  # 256 programs: one wave of 128-key tiles before
+    assert choose_num_splits(32, 8, 65536, page_size=64) == 2
+    assert choose_num_splits(8, 8, 65536, page_size=64) == 8  # 64 programs, 4 splits: 257 pages to a split
+    assert choose_num_splits(8, 8, 16384, page_size=64) == 4  # 65 pages ahead at two waves' 4 splits: unchanged
     assert choose_num_splits(1, 8, 65536, page_size=16) == 32  # pages of 16: 33 for two waves, down to a power of 2
     assert choose_num_splits(1, 8, 4096, page_size=16) == 32
     assert choose_num_splits(32, 8, 65536, page_size=256) == 1  # already more than a wave
@@ -419,7 +424,7 @@ def test_the_decode_config_follows_the_waves_and_the_pages():
     128-key ones would leave more programs than SMs for a second wave on short splits (batch 32 x 4K, dense
     or pages of whole 64-key tiles read ahead), and for pages of 64 keys that fit in the registers ahead;
     128-key tiles past 4K keys per split, for pages of 16, and for pages too many to read ahead; pages read
-    ahead only while a call's programs fit in one wave."""
+    ahead only while a call's programs fit in one wave; pages of 64 keys always on 64-key tiles."""
     from fa_lab.kernels.portable.decode import DECODE_CUDA, SHORT_SPLIT, SMALL_TILE, decode_config, pages_ahead
     from fa_lab.kvcache import check_kvcache
 
@@ -439,11 +444,13 @@ def test_the_decode_config_follows_the_waves_and_the_pages():
 
     assert config(32, 4096) == config(32, 4096, 256) == config(32, 4096, 64) == SMALL_TILE  # 256 programs
     assert config(32, 16384) == config(32, 16384, 256) == config(32, 65536) == DECODE_CUDA  # long splits
-    assert config(32, 16384, 64) == DECODE_CUDA  # 257 pages of 64 to a split: more than the registers hold
+    # Pages of 64 keys: 64-key tiles, each tile's entry read in the loop where a split has more than 256 pages.
+    assert config(32, 16384, 64) == config(32, 65536, 64) == config(8, 65536, 64) == SMALL_TILE
+    assert pages_ahead(layout_of(32, 16384, 64), 2, SMALL_TILE) == 0  # 512 programs: past one wave of three
     assert config(8, 4096) == config(8, 16384) == config(8, 4096, 256) == DECODE_CUDA  # 2 splits x 64: one wave
     assert config(8, 16384, 256) == SMALL_TILE  # 4 splits of 4K keys (PAGED_SPLIT_KEYS): two waves of 128-key tiles
     assert config(8, 4096, 64) == config(8, 16384, 64) == config(1, 65536, 64) == SMALL_TILE  # pages of 64
-    assert config(8, 65536, 64) == config(8, 4096, 16) == DECODE_CUDA
+    assert config(8, 4096, 16) == config(1, 65536, 16) == DECODE_CUDA  # pages of 16: keys gathered one by one
     assert config(1, 4096) == SHORT_SPLIT  # 16 splits of 256 keys
     # Pages are read ahead while the programs fit in one wave of the config (one per SM for DECODE_CUDA).
     assert pages_ahead(layout_of(8, 16384, 256), 2, DECODE_CUDA) == 64  # 128 programs, 33 pages to a split

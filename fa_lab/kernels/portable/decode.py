@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ...block_info import BlockInfo, cdiv
+from ...kvcache import DECODE_ROWS, SMALL_TILE_KEYS, SMALL_TILES_PER_SM, fits_one_wave, pages_read_ahead
 from .. import common
 from .block_range import split_key_range
 from .score_mod import in_window, softcap_tanh
@@ -62,7 +64,7 @@ class DecodeConfig:
 DECODE_CUDA = DecodeConfig(128, 4, 3, per_sm=1)  # 139 KB of shared memory
 SHORT_SPLIT = DecodeConfig(64, 4, 4, per_sm=2)
 SHORT_SPLIT_KEYS = 512  # a dense split of at most this many keys runs SHORT_SPLIT
-SMALL_TILE = DecodeConfig(64, 4, 3, per_sm=3)  # 71 KB of shared memory
+SMALL_TILE = DecodeConfig(SMALL_TILE_KEYS, 4, 3, per_sm=SMALL_TILES_PER_SM)  # 71 KB of shared memory
 SMALL_TILE_WAVE_KEYS = 4096  # more programs than SMs, splits of at most this many keys: SMALL_TILE
 INTERPRETER = DecodeConfig(16, 4, 1)
 # What ``fa-lab bench decode --tune`` times on the GPU.
@@ -228,8 +230,6 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     """
     import torch
 
-    from ...block_info import BlockInfo
-    from ...kvcache import DECODE_ROWS
     from .. import interpreting
     from ..common import check_triton_inputs, head_dim_bucket, on_device
 
@@ -278,52 +278,38 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
 
 
 def pages_ahead(layout, splits: int, config: DecodeConfig) -> int:
-    """The kernel's PAGES_AHEAD for a paged call: the block-table entries one split can touch
-    (:func:`fa_lab.kvcache.split_page_span` on the config's key tiles), or 0 (read them in the loop) past
-    ``kvcache.MAX_PAGES_AHEAD``, or when the call's programs outnumber one wave of the config on an H200's
-    SMs: other programs then hide the loop's table loads, and picking a tile's page from the registers cost
-    more (batch 32 x 16K, pages of 256: 0.83-0.96 of dense read ahead, 0.98 in the loop;
-    docs/experiments/interfaces.md). (A window's splits cut the band, not the cache: the caller leaves it at 0
-    there.)"""
-    from ...kvcache import MAX_PAGES_AHEAD, split_page_span
-
-    if not fits_one_wave(layout, splits, config):
-        return 0
-    span = split_page_span(layout.capacity, layout.page_size, splits, config.block_n)
-    return span if span <= MAX_PAGES_AHEAD else 0
-
-
-def fits_one_wave(layout, splits: int, config: DecodeConfig) -> bool:
-    """Whether a call's programs (``layout.programs`` x ``splits``) all fit on an H200's SMs at once, at
-    ``config.per_sm`` programs per SM."""
-    from ...kvcache import H200_SMS
-
-    return layout.programs * splits <= H200_SMS * config.per_sm
+    """The kernel's PAGES_AHEAD for a paged call with ``config``'s tiles
+    (:func:`fa_lab.kvcache.pages_read_ahead`; a window's splits cut the band, not the cache: the caller
+    leaves it at 0 there)."""
+    return pages_read_ahead(layout.programs, layout.capacity, layout.page_size, splits, config.block_n,
+                            config.per_sm)
 
 
 def decode_config(layout, splits: int) -> DecodeConfig:
     """The H200's config for a call on a CUDA GPU (docs/experiments/interfaces.md, "Decode: one split writes
-    the output, and 64-key tiles past one wave"):
+    the output, and 64-key tiles past one wave", and "Decode: pages of 64 keys read in the loop"):
 
     - SHORT_SPLIT when a dense cache's capacity cut in ``splits`` leaves at most SHORT_SPLIT_KEYS keys per split;
-    - SMALL_TILE when its 64-key tiles can serve the cache (dense, or pages of a multiple of 64 keys whose
-      split's entries it reads ahead: :func:`pages_ahead`) and either the pages are
-      smaller than DECODE_CUDA's tile (64 keys: with it they would be gathered key by key) or the call's
-      programs outnumber the SMs with splits of at most SMALL_TILE_WAVE_KEYS keys (DECODE_CUDA runs one
-      program per SM, so those would take two waves, a tail the short splits do not amortize);
-    - DECODE_CUDA otherwise (its 128-key tiles lie in one page of a multiple of kvcache.SPLIT_BLOCK keys).
+    - SMALL_TILE for pages of 64 keys (a multiple of 64 but not of DECODE_CUDA's 128: a 128-key tile would
+      gather its keys one by one), each tile's page entry read ahead (:func:`pages_ahead`) or in the loop;
+    - SMALL_TILE when its 64-key tiles can serve the cache (dense, or pages of a multiple of 128 keys whose
+      split's entries it reads ahead) and the call's programs outnumber the SMs with splits of at most
+      SMALL_TILE_WAVE_KEYS keys (DECODE_CUDA runs one program per SM, so those would take two waves, a tail
+      the short splits do not amortize);
+    - DECODE_CUDA otherwise (its 128-key tiles lie in one page of a multiple of kvcache.SPLIT_BLOCK keys, or
+      gather the keys of smaller pages one by one).
     """
-    from ...block_info import cdiv
-
     split_keys = cdiv(layout.capacity, splits)
     if not layout.paged and split_keys <= SHORT_SPLIT_KEYS:
         return SHORT_SPLIT
     if layout.paged:
-        if layout.page_size % SMALL_TILE.block_n or not pages_ahead(layout, splits, SMALL_TILE):
+        if layout.page_size % SMALL_TILE.block_n:
             return DECODE_CUDA
         if layout.page_size % DECODE_CUDA.block_n:
             return SMALL_TILE
-    two_waves = not fits_one_wave(layout, splits, DECODE_CUDA)
+        if not pages_ahead(layout, splits, SMALL_TILE):
+            return DECODE_CUDA
+    two_waves = not fits_one_wave(layout.programs, splits, DECODE_CUDA.per_sm)
     return SMALL_TILE if two_waves and split_keys <= SMALL_TILE_WAVE_KEYS else DECODE_CUDA
 
 
