@@ -15,7 +15,9 @@ Case ``moba``: bf16, d = 128, batch 1, 32 heads (MoBA gates per head, so K/V hav
 64K tokens, blocks of 4096 keys, top-3 (the own block and two past ones). Ours is
 ``fa_lab.sparse.moba_attention(impl="triton")`` end to end (the gate, both passes and their merge,
 :mod:`fa_lab.kernels.portable.moba`; on the H200 the passes run on the Gluon FA3 kernels); ``fla_moba`` is
-``fla.ops.moba.parallel_moba`` (which needs the flash-attn 2 package); ``dense`` as above. The rows'
+``fla.ops.moba.parallel_moba``, which calls flash-attn 2's varlen kernels: where only flash-attn-4 is
+installed, as on the H200 here, :mod:`.fa2_api` serves those calls with flash-attn-4's kernels (the file's
+``fla_moba_attention`` says which ran); ``dense`` as above. The rows'
 ``block_k`` and ``selected`` are the block size and top-k.
 
 TFLOP/s count 4 * d FLOPs per visible (query, key) pair per query head (2.5 times that for the
@@ -115,7 +117,11 @@ def ours_moba(q, k, v, _selection):
 
 
 def fla_moba(q, k, v, _selection):
-    """fla's MoBA (gate and both passes) in its (B, T, H, d) layout, one sequence."""
+    """fla's MoBA (gate and both passes) in its (B, T, H, d) layout, one sequence; its flash-attn 2 calls
+    served by flash-attn-4 where flash-attn 2 is absent (:func:`.fa2_api.install_fa2_varlen_api`)."""
+    from .fa2_api import install_fa2_varlen_api
+
+    install_fa2_varlen_api()
     from fla.ops.moba import parallel_moba
 
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
@@ -177,6 +183,8 @@ def run_sparse(json_path=None, seqlens=SEQLENS, impls=IMPLS, timer=None, moba_se
         if json_path:
             save_results(results, json_path)
     moba_makers = {"triton": ours_moba, "fla_moba": fla_moba, "dense": dense}
+    from .fa2_api import install_fa2_varlen_api
+    results["fla_moba_attention"] = install_fa2_varlen_api()
     for seqlen in moba_seqlens:
         tensors = bf16_inputs(MOBA_HEADS, MOBA_HEADS, seqlen, generator)
         with torch.no_grad():
