@@ -138,23 +138,32 @@ def block_sparse_attention(q, k, v, key_tiles, block_q: int, block_k: int, causa
 # ---------------------------------------------------------------- MoBA
 
 @torch.no_grad()  # the selection is discrete: no gradient flows through the scores
-def moba_gate(q, k, block: int, top_k: int) -> torch.Tensor:
+def moba_gate(q, k, block: int, top_k: int, impl: str = "torch") -> torch.Tensor:
     """(B, H, N, top_k) int64: the key blocks each query keeps, own block first, then the best past blocks
-    by q . mean(K_block) (-1 where a query has fewer past blocks than top_k - 1). Causal, self-attention."""
+    by q . mean(K_block) (-1 where a query has fewer past blocks than top_k - 1). Causal, self-attention.
+    impl="triton" (float16/bfloat16): the scores and picks in one kernel that reads q once
+    (:func:`fa_lab.kernels.triton_moba_gate`), up to its limit on blocks; the same picks up to ties of
+    float32 rounding."""
     check_qkv(q, k, k, DTYPES)
+    check_impl(impl)
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"MoBA is self-attention here: q has {q.shape[2]} tokens and k {k.shape[2]}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be an int >= 1 (the own block counts), got {top_k!r}")
     seqlen, blocks = q.shape[2], cdiv(k.shape[2], block)
+    picks = min(top_k - 1, blocks)  # past blocks picked (slots past the number of blocks are dropped)
     dtype = _compute_dtype(q)
     # Mean keys on K's own heads, summed in the compute dtype without a converted copy of K (the padding, a
-    # copy, only when the last block is partial), then expanded to the query heads: (B, H, blocks, d).
+    # copy, only when the last block is partial): (B, H_kv, blocks, d).
     padded = k if seqlen % block == 0 else torch.nn.functional.pad(k, (0, 0, 0, blocks * block - seqlen))
     counts = torch.clamp(seqlen - torch.arange(blocks, device=q.device) * block, max=block)
     pooled = padded.view(*k.shape[:2], blocks, block, k.shape[-1]).sum(3, dtype=dtype) / counts[:, None]
-    pooled = expand_kv(pooled, q.shape[1])
-    scores = torch.matmul(q.to(dtype), pooled.transpose(-2, -1))  # (B, H, N, blocks)
+    if impl == "triton" and dtype == torch.float32:
+        from .kernels import triton_moba_gate
+        chosen = triton_moba_gate(q, pooled, block, picks + 1)
+        if chosen is not None:
+            return chosen
+    scores = torch.matmul(q.to(dtype), expand_kv(pooled, q.shape[1]).transpose(-2, -1))  # (B, H, N, blocks)
     own = torch.arange(seqlen, device=q.device) // block
     past = torch.arange(blocks, device=q.device)[None, :] < own[:, None]  # strictly earlier blocks only
     scores = scores.masked_fill(~past, float("-inf"))
@@ -162,7 +171,7 @@ def moba_gate(q, k, block: int, top_k: int) -> torch.Tensor:
     # The best past blocks one at a time, each then masked out: top_k - 1 passes over the few blocks of a row
     # cost less than a general top-k, which sorts each row (4.3 of the 34.6 ms of MoBA's forward at 64K on the
     # H200, docs/experiments/sparse_kernels.md). Order and result are topk's, up to ties.
-    for _ in range(min(top_k - 1, blocks)):
+    for _ in range(picks):
         value, index = scores.max(dim=-1)
         chosen.append(torch.where(torch.isinf(value), -1, index))
         scores.scatter_(-1, index[..., None], float("-inf"))
@@ -181,7 +190,7 @@ def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None, 
     differentiable in q, k, v (the gate's selection is discrete). impl="triton": both passes on the varlen
     kernels (float16/bfloat16; lse detached)."""
     check_impl(impl)
-    selected = moba_gate(q, k, block, top_k)
+    selected = moba_gate(q, k, block, top_k, impl)
     scale = resolve_scale(scale, q.shape[-1])
     batch, heads, seqlen, head_dim = q.shape
     k, v = expand_kv(k, heads), expand_kv(v, heads)

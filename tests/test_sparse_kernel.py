@@ -301,6 +301,26 @@ def test_mobas_gather_and_dq_add_build_for_sm90_with_wide_loads_and_stores():
         assert build.stack_bytes == 0, build.stack_bytes
 
 
+def test_mobas_gate_builds_for_sm90_on_tensor_cores_without_spills():
+    """moba_gate_kernel (GATE_ROWS bf16 rows of 128 against 16 blocks, top-3) scores on the tensor cores (HMMA or
+    wgmma: no float32 FMA products), loads q 16 bytes at a time and keeps everything in registers."""
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
+
+    load_triton()
+    from fa_lab.kernels.portable.moba import GATE_ROWS, moba_gate_kernel
+
+    signature = {"q_ptr": "*bf16", "means_ptr": "*bf16", "out_ptr": "*i64",
+                 **{name: "i32" for name in ("seqlen", "heads", "group", "blocks", "block", "head_dim", "stride_part",
+                                             "stride_qb", "stride_qh", "stride_qn")}}
+    (build,) = compile_all_for_sm90([dict(kernel=moba_gate_kernel, signature=signature, num_warps=4,
+                                          constants=dict(TOP_K=3, BLOCK_M=GATE_ROWS, BLOCKS=16, HEAD_DIM=128),
+                                          aligned=("q_ptr", "means_ptr", "head_dim", "stride_qb", "stride_qh",
+                                                   "stride_qn", "stride_part"))])
+    assert "HMMA" in build.sass or "HGMMA" in build.sass, build.registers
+    assert build.sass.count("LDG.E.128") >= 1 and build.stack_bytes == 0, (build.registers, build.stack_bytes)
+
+
 # ---------------------------------------------------------------- GPU (device machine)
 
 @pytest.mark.gpu
@@ -342,9 +362,55 @@ def test_gpu_sparse_backward_is_deterministic(generator):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def check_moba_gate(batch, heads, heads_kv, seqlen, head_dim, block, top_k, dtype, device, generator):
+    """The kernel's gate against the PyTorch one: the same own block and the same empty slots, and in every
+    past slot a block whose float64 score equals the one PyTorch picked there (a near-tie may swap two
+    blocks, float32 rounding in another order; a wrong pick differs by far more), none picked twice."""
+    q, k, _ = make_qkv(batch, heads, seqlen, seqlen, head_dim, dtype, device, generator, heads_kv=heads_kv)
+    ours, reference = moba_gate(q, k, block, top_k, impl="triton"), moba_gate(q, k, block, top_k)
+    assert ours.dtype == torch.int64 and ours.shape == reference.shape
+    assert torch.equal(ours[..., 0], reference[..., 0]) and torch.equal(ours < 0, reference < 0)
+    blocks = cdiv(seqlen, block)
+    keys = torch.nn.functional.pad(k.double(), (0, 0, 0, blocks * block - seqlen))
+    counts = torch.clamp(seqlen - torch.arange(blocks, device=device) * block, max=block)
+    means = expand_kv(keys.view(batch, heads_kv, blocks, block, head_dim).sum(3) / counts[:, None], heads)
+    scores = torch.matmul(q.double(), means.transpose(-2, -1))  # (B, H, N, blocks)
+    picked = lambda sel: torch.gather(scores, -1, sel[..., 1:].clamp(min=0))
+    torch.testing.assert_close(picked(ours), picked(reference), rtol=0, atol=1e-5)
+    past = ours[..., 1:]
+    repeats = (past[..., :, None] == past[..., None, :]) & (past[..., :, None] >= 0)
+    assert int(repeats.sum()) == past.ge(0).sum()  # each pick equals itself only
+
+
+@pytest.mark.parametrize("batch, heads, heads_kv, seqlen, head_dim, block, top_k", [
+    (2, 4, 2, 200, 64, 32, 3),  # GQA, a ragged last block
+    (1, 2, 1, 75, 40, 16, 4),  # head_dim padded to the kernel's 64
+    (1, 2, 2, 70, 16, 16, 9),  # more slots than blocks: the slots past them dropped, as PyTorch does
+    (1, 2, 2, 64, 32, 16, 1),  # the own block only
+])
+def test_moba_gate_kernel_picks_what_pytorch_picks(batch, heads, heads_kv, seqlen, head_dim, block, top_k,
+                                                   generator):
+    check_moba_gate(batch, heads, heads_kv, seqlen, head_dim, block, top_k, torch.float16, DEVICE, generator)
+
+
+def test_moba_gate_past_the_kernels_blocks_runs_in_pytorch(generator):
+    from fa_lab.kernels.portable.moba import GATE_BLOCKS
+
+    q, k, _ = make_qkv(1, 1, GATE_BLOCKS + 1, GATE_BLOCKS + 1, 16, torch.float16, DEVICE, generator)
+    assert torch.equal(moba_gate(q, k, 1, 3, impl="triton"), moba_gate(q, k, 1, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, heads_kv, seqlen, block, top_k", [(32, 32, 65536, 4096, 3), (8, 2, 4099, 64, 5)])
+def test_gpu_moba_gate(heads, heads_kv, seqlen, block, top_k, generator):
+    check_moba_gate(1, heads, heads_kv, seqlen, 128, block, top_k, torch.bfloat16, "cuda", generator)
+
+
 def check_moba(batch, heads, heads_kv, seqlen, head_dim, block, top_k, dtype, device, generator):
+    """moba_attention(impl="triton") against dense attention under the mask of the selection it made (its
+    kernel gate's, which test_moba_gate_kernel_picks_what_pytorch_picks holds to PyTorch's)."""
     q, k, v = make_qkv(batch, heads, seqlen, seqlen, head_dim, dtype, device, generator, heads_kv=heads_kv)
-    mask = moba_mask(moba_gate(q.detach(), k.detach(), block, top_k), seqlen, block).to(device)
+    mask = moba_mask(moba_gate(q.detach(), k.detach(), block, top_k, impl="triton"), seqlen, block).to(device)
     run = lambda q, k, v: moba_attention(q, k, v, block, top_k, impl="triton")
     check_against_dense(run, q, k, v, mask, generator)
 

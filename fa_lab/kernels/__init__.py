@@ -109,6 +109,18 @@ def triton_block_select_attention(q, k, v, block_indices, block_k, causal=False,
     return run(q, k, v, block_indices, block_k, causal, scale, block_q=block_q)
 
 
+def triton_moba_gate(q, pooled, block, top_k):
+    """MoBA's selection (:func:`fa_lab.sparse.moba_gate`) from q (B, H, N, d) and the blocks' mean keys
+    (B, H_kv, blocks, d) float32, in one kernel: int64 (B, H, N, top_k), or None past the kernel's limit on
+    blocks (the caller then scores in PyTorch). See :mod:`fa_lab.kernels.portable.moba`."""
+    load_triton()
+    from .common import check_triton_inputs
+    from .portable.moba import GATE_BLOCKS
+    from .portable.moba import triton_moba_gate as run
+    check_triton_inputs(q)
+    return run(q, pooled, block, top_k) if pooled.shape[2] <= GATE_BLOCKS else None
+
+
 def triton_moba_attention(q, k, v, selected, block, scale):
     """Differentiable MoBA (its two passes on chapter 05's kernels, merged by their LSE): returns (out, lse).
     On sm_90 the passes run on impl="triton_hopper"'s Gluon FA3 kernels, elsewhere on the portable ones.

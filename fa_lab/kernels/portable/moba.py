@@ -50,6 +50,9 @@ LOG2E = tl.constexpr(common.LOG2E)
 # first) took 5.8 ms, and the gathers 0.38 ms in the forward and 1.1 in the backward where PyTorch's took 2.3 and
 # 6.9 (docs/experiments/sparse_kernels.md).
 ROWS_PER_PROGRAM = 16
+# moba_gate_kernel: query rows a program, and the most key blocks it scores in registers (a (rows, blocks)
+# float32 tile); fa_lab.sparse.moba_gate keeps longer block lists in PyTorch.
+GATE_ROWS, GATE_BLOCKS = 64, 256
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,14 @@ def own_block_sequences(batch: int, seqlen: int, block: int, device) -> tuple[to
 def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
     """Pass 2's packing of the past-block entries, key-block-major.
 
-    The queries are the (B * H * N) head-major rows of q, the keys those of k. Returns a dict:
-    ``entries``: int64 (E,), which (query, slot) pairs of ``selected[..., 1:]`` (flattened) are packed, in
-    packed order; ``query_rows``: int64 (E,), their rows of q; ``cu_q``, ``cu_k``: int32 (B * H * blocks + 1,),
-    the packed queries and the key rows of each (batch, head, block) sequence; ``bounds``: both as lists.
+    The queries are the (B * H * N) head-major rows of q, the keys those of k. Returns a dict: ``cu_q``,
+    ``cu_k``: int32 (B * H * blocks + 1,), the packed queries and the key rows of each (batch, head, block)
+    sequence; once :func:`packing_bounds` has run, also ``entries``: int64 (E,), which (query, slot) pairs of
+    ``selected[..., 1:]`` (flattened) are packed, in packed order; ``query_rows``: int64 (E,), their rows of q;
+    ``bounds``: cu_q and cu_k as lists, which the varlen kernels take too. ``cu_q`` is copied to the host
+    without waiting here, so that the caller can queue other GPU work (pass 1) before it waits for the copy:
+    the wait then leaves the GPU busy (at 64K on the H200 the forward took 1.7 ms longer than its kernels
+    when it waited before pass 1, docs/experiments/sparse_kernels.md).
     """
     batch, heads, seqlen, top_k = selected.shape
     blocks, past = cdiv(seqlen, block), top_k - 1
@@ -104,14 +111,31 @@ def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
     head_rows = torch.arange(batch * heads, device=device).view(batch, heads, 1, 1)
     sequence = torch.where(selected[..., 1:] >= 0, head_rows * blocks + selected[..., 1:], sequences).flatten()
     counts = torch.bincount(sequence, minlength=sequences + 1)[:sequences]
-    entries = torch.argsort(sequence, stable=True)[:int(counts.sum())]  # unused slots sort past the end
     cu_q = torch.zeros(sequences + 1, dtype=torch.int32, device=device)
     cu_q[1:] = torch.cumsum(counts, 0)
-    starts = torch.arange(batch * heads, device=device)[:, None] * seqlen + \
-        torch.arange(blocks, device=device)[None, :] * block
-    cu_k = torch.cat([starts.flatten(), torch.tensor([batch * heads * seqlen], device=device)]).to(torch.int32)
-    return {"entries": entries, "query_rows": entries // past, "cu_q": cu_q, "cu_k": cu_k,
-            "bounds": (cu_q.tolist(), cu_k.tolist())}
+    entries = torch.argsort(sequence, stable=True)  # unused slots sort past the end: cut at cu_q[-1] on the host
+    starts = (torch.arange(batch * heads)[:, None] * seqlen + torch.arange(blocks)[None, :] * block).flatten()
+    cu_k_host = torch.cat([starts, torch.tensor([batch * heads * seqlen])]).to(torch.int32)
+    cu_q_host = torch.empty(cu_q.shape, dtype=torch.int32, pin_memory=cu_q.is_cuda)
+    cu_q_host.copy_(cu_q, non_blocking=True)
+    copied = torch.cuda.Event() if cu_q.is_cuda else None
+    if copied is not None:
+        copied.record()
+    return {"entries": entries, "past": past, "cu_q": cu_q, "cu_k": cu_k_host.to(device), "cu_q_host": cu_q_host,
+            "cu_k_host": cu_k_host, "copied": copied}
+
+
+def packing_bounds(packing: dict) -> tuple[list[int], list[int]]:
+    """(cu_q, cu_k) of :func:`past_block_sequences` as lists, waiting for cu_q's copy to the host (and for
+    nothing queued after it); on the first call it also cuts ``entries`` to the packed ones and sets
+    ``query_rows``."""
+    if "bounds" not in packing:
+        if packing["copied"] is not None:
+            packing["copied"].synchronize()
+        packing["bounds"] = (packing["cu_q_host"].tolist(), packing["cu_k_host"].tolist())
+        packing["entries"] = packing["entries"][:packing["bounds"][0][-1]]
+        packing["query_rows"] = packing["entries"] // packing["past"]
+    return packing["bounds"]
 
 
 def past_entries(packing: dict, past: int, rows: int) -> torch.Tensor:
@@ -198,6 +222,72 @@ def add_past_rows_kernel(dq_ptr, part_ptr, entry_ptr, rows, past, width, ROWS: t
     tl.store(at, acc.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def moba_gate_kernel(q_ptr, means_ptr, out_ptr, seqlen, heads, group, blocks, block, head_dim, stride_part,
+                     stride_qb, stride_qh, stride_qn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """MoBA's gate for BLOCK_M query rows of one (batch, head), :func:`fa_lab.sparse.moba_gate`'s selection.
+    The scores against every block's mean key come from three tensor-core products in q's dtype, one per
+    piece of the float32 means (means_ptr: (3, B, H_kv, blocks, head_dim) in q's dtype, pieces stride_part
+    apart, summing to the means: :func:`mean_key_pieces`; query head h reads KV head h // group), summed in
+    float32: the float32 scores, as q's products with each piece are exact. Then, in registers: the own block
+    first; then the best strictly earlier block, TOP_K - 1 times, each masked out once taken (-1 once none is
+    left). out_ptr: int64 (B, H, N, TOP_K). q is read once, in its own dtype."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    batch, head = pid_bh // heads, pid_bh % heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seqlen
+    dims = tl.arange(0, HEAD_DIM)
+    dim_ok = dims < head_dim
+    q = tl.load(q_ptr + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+                + rows.to(tl.int64)[:, None] * stride_qn + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    cols = tl.arange(0, BLOCKS)
+    means = (means_ptr + (pid_bh // group).to(tl.int64) * blocks * head_dim  # (batch, head // group)
+             + cols[:, None] * head_dim + dims[None, :])
+    means_ok = (cols < blocks)[:, None] & dim_ok[None, :]
+    scores = tl.zeros([BLOCK_M, BLOCKS], dtype=tl.float32)
+    for piece in tl.static_range(3):
+        scores = tl.dot(q, tl.trans(tl.load(means + piece * stride_part, mask=means_ok, other=0.0)), scores)
+    own = rows // block
+    scores = tl.where(cols[None, :] < own[:, None], scores, float("-inf"))  # strictly earlier blocks only
+    at = out_ptr + (pid_bh.to(tl.int64) * seqlen + rows) * TOP_K
+    tl.store(at, own.to(tl.int64), mask=row_ok)
+    for slot in tl.static_range(1, TOP_K):
+        best = tl.max(scores, axis=1)
+        index = tl.argmax(scores, axis=1)
+        tl.store(at + slot, tl.where(best == float("-inf"), -1, index).to(tl.int64), mask=row_ok)
+        scores = tl.where(cols[None, :] == index[:, None], float("-inf"), scores)
+
+
+def mean_key_pieces(means: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 means (B, H_kv, blocks, d) as three pieces in ``dtype`` (3, B, H_kv, blocks, d) that sum to
+    them: each piece is the rest of the one before, rounded (about 8 more mantissa bits each in bfloat16)."""
+    pieces, rest = [], means
+    for _ in range(3):
+        pieces.append(rest.to(dtype))
+        rest = rest - pieces[-1].float()
+    return torch.stack(pieces)
+
+
+def triton_moba_gate(q: torch.Tensor, means: torch.Tensor, block: int, top_k: int) -> torch.Tensor:
+    """:func:`moba_gate_kernel` over q (B, H, N, d) (last dim contiguous) and the blocks' float32 mean keys
+    (B, H_kv, blocks, d): int64 (B, H, N, top_k). At most :data:`GATE_BLOCKS` blocks (the caller checks); the
+    gate in PyTorch took 2.7 ms at 64K, most of it a float32 copy of q and its max passes
+    (docs/experiments/sparse_kernels.md)."""
+    batch, heads, seqlen, head_dim = q.shape
+    blocks = means.shape[2]
+    pieces = mean_key_pieces(means, q.dtype)
+    out = torch.empty((batch, heads, seqlen, top_k), dtype=torch.int64, device=q.device)
+    block_m = GATE_ROWS if seqlen >= GATE_ROWS else 16
+    with on_device(q):
+        moba_gate_kernel[(triton.cdiv(seqlen, block_m), batch * heads)](
+            q, pieces, out, seqlen, heads, heads // means.shape[1], blocks, block, head_dim, pieces.stride(0),
+            q.stride(0), q.stride(1), q.stride(2), TOP_K=top_k, BLOCK_M=block_m,
+            BLOCKS=max(16, triton.next_power_of_2(blocks)), HEAD_DIM=head_dim_bucket(head_dim))
+    return out
+
+
 def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t[index] for t (R, ..., w) contiguous and index int64 (E,) on t's device: (E, ..., w), gathered by
     :func:`gather_rows_kernel` (PyTorch's gather of these 256-byte rows ran at about a quarter of the H200's
@@ -226,9 +316,9 @@ class MobaFunction(torch.autograd.Function):
         as_heads = seqlen % block == 0  # pass 1 on the dense kernel, each block a head
         cu_own, own_bounds = (None, None) if as_heads else own_block_sequences(batch, seqlen, block, q.device)
         past = selected.shape[-1] - 1  # slots after the own block
-        packing = past_block_sequences(selected, block) if past else None
         rows, stride_part = batch * heads * seqlen, q.shape[-1]
         with on_device(q):
+            packing = past_block_sequences(selected, block) if past else None
             # Pass 1's results as rows of (B, H, N): the dense kernel's are already; the varlen kernel's are
             # token-major and are copied to that order.
             if as_heads:
@@ -240,9 +330,10 @@ class MobaFunction(torch.autograd.Function):
                 own_lse = own_lse.view(heads, batch, seqlen).transpose(0, 1).contiguous()
             past_out, past_lse, entries = own_out, own_lse, own_lse  # (not read when past is 0)
             if packing is not None:
+                bounds = packing_bounds(packing)  # waits for the packing, not for pass 1
                 past_out, past_lse = kernels.varlen_forward(
                     gather_rows(rows_of(q), packing["query_rows"]), rows_of(k), rows_of(v), packing["cu_q"],
-                    packing["cu_k"], packing["bounds"], False, scale, NO_OPTIONS)
+                    packing["cu_k"], bounds, False, scale, NO_OPTIONS)
                 entries = past_entries(packing, past, rows)
             out = torch.empty((batch, heads, seqlen, head_dim), dtype=q.dtype, device=q.device)
             lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
