@@ -68,6 +68,38 @@ def test_rows_follow_the_schema_and_the_ratios_read_them():
     assert found["softcap forward time / none, triton"] == pytest.approx(1.1)
 
 
+def test_decode_headline_rows_keep_the_median_of_interleaved_rounds():
+    """interleaved times every row once per round, all rows in turn, and keeps each row's median; a refused
+    row stays null."""
+    from fa_lab.bench import decode
+
+    order = []
+    times = {"triton": iter([3.0, 1.0, 2.0]), "sdpa_gqa": iter([5.0, 4.0, 6.0])}
+
+    def timer(fn, return_mode):
+        return fn()
+
+    def make(impl):
+        def call():
+            order.append(impl)
+            return next(times[impl])
+        return [call]
+
+    def refuse(_):
+        raise ValueError("refused")
+
+    nbytes = decode.kv_bytes(8, 4096)
+    entries = [(decode.decode_row(impl, 8, 4096, None, 2, timer="eager"), make, (impl,))
+               for impl in ("triton", "sdpa_gqa")]
+    entries.append((decode.decode_row("fa4", 8, 4096, None, None, timer="eager"), refuse, ("fa4",)))
+    rows = decode.interleaved(entries, 3, timer, 4.0, nbytes)
+    assert order == ["triton", "sdpa_gqa"] * 3
+    assert [r["fwd_ms"] for r in rows] == [2.0, 5.0, None]
+    assert rows[0]["tbps"] == pytest.approx(nbytes / 2e-3 / 1e12) and rows[2]["tbps"] is None
+    validate_results({"device": "test", "torch": torch.__version__, "triton": None, "date": "2026-12-03",
+                      "rows": rows})
+
+
 def test_decode_rows_follow_the_schema_and_the_heuristic_gap_reads_them():
     from fa_lab.bench import decode
 

@@ -11,6 +11,9 @@ check_values=True, dense); ``sdpa_gqa`` (SDPA with ``enable_gqa=True`` on the de
 ``attention_varlen``'s forward on the same shapes (``triton`` with the default value check, which
 reads back once, and ``triton_unchecked`` without it).
 
+Our rows with the chosen count (dense and paged) and SDPA's are timed in :data:`ROUNDS` interleaved rounds,
+each keeping its median (:func:`interleaved`); the forced counts, the checked call and flash-attn-4 once.
+
 How decode is timed. A decode step is a few microseconds of GPU work, so a timer that launches one
 call at a time measures the host (Python, the launch, any read-back) as much as the GPU. Serving
 systems capture their decode steps in CUDA graphs, and so does this benchmark (``timer:
@@ -40,6 +43,7 @@ SPLIT_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFILL_QUERIES, PREFILL_CACHE, PREFILL_BATCH = 512, 16384, 4
 L2_SPAN = 256 << 20  # bytes the captured calls read together: five times an H200's 50 MB L2
 GRAPH_REPEATS = 20
+ROUNDS = 3  # interleaved rounds of the headline rows (ours dense and paged, SDPA): their median is kept
 
 
 def kv_bytes(batch: int, seqlen_k: int, heads_kv: int = HEADS_KV, head_dim: int = HEAD_DIM, item: int = 2) -> int:
@@ -200,7 +204,7 @@ def chunked_prefill_rows(timer) -> list[dict]:
     return rows
 
 
-def run_decode(json_path=None, timer=None, with_fa4: bool = True) -> dict:
+def run_decode(json_path=None, timer=None, with_fa4: bool = True, rounds: int = ROUNDS) -> dict:
     """Every row of the module docstring; saved to ``json_path`` after each shape."""
     if timer is None:
         from triton.testing import do_bench as timer
@@ -213,11 +217,12 @@ def run_decode(json_path=None, timer=None, with_fa4: bool = True) -> dict:
             nbytes = kv_bytes(batch, cache)
             copy = copy_tbps(timer, nbytes)
             copies = copies_for(nbytes)
-            for page_size in PAGE_SIZES:
-                caches = [make_cache(batch, cache, page_size) for _ in range(copies)]
+            layouts = {page_size: [make_cache(batch, cache, page_size) for _ in range(copies)]
+                       for page_size in PAGE_SIZES}
+            headline = []  # (row, make, args): the rows timed again in interleaved rounds
+            for page_size, caches in layouts.items():
                 chosen = choose_num_splits(batch, HEADS_KV, cache, page_size=page_size)
-                rows.append(measure(decode_row("triton", batch, cache, page_size, chosen), ours, (caches, 0),
-                                    timer, copy, nbytes))
+                headline.append((decode_row("triton", batch, cache, page_size, chosen), ours, (caches, 0)))
                 if page_size in (None, 256):  # the heuristic's check: every forced count
                     for splits in SPLIT_SWEEP:
                         rows.append(measure(decode_row("triton_forced", batch, cache, page_size, splits), ours,
@@ -225,19 +230,40 @@ def run_decode(json_path=None, timer=None, with_fa4: bool = True) -> dict:
                 if page_size is None:
                     rows.append(measure(decode_row("triton_checked", batch, cache, None, chosen, timer="eager"),
                                         ours, (caches, 0, True), timer, copy, nbytes))
-                    rows.append(measure(decode_row("sdpa_gqa", batch, cache, None, None), sdpa_gqa, (caches,),
-                                        timer, copy, nbytes))
+                    headline.append((decode_row("sdpa_gqa", batch, cache, None, None), sdpa_gqa, (caches,)))
                 if with_fa4 and page_size in (None, 256):
                     rows.append(measure(decode_row("fa4" if page_size is None else "fa4_paged", batch, cache,
                                                    page_size, None), fa4, (caches,), timer, copy, nbytes))
-                del caches
-                torch.cuda.empty_cache()
+            rows += interleaved(headline, rounds, timer, copy, nbytes)
+            del layouts
+            torch.cuda.empty_cache()
             if json_path:
                 save_results(results, json_path)
     rows += chunked_prefill_rows(timer)
     if json_path:
         save_results(results, json_path)
     return results
+
+
+def interleaved(entries: list, rounds: int, timer, copy: float, nbytes: int) -> list[dict]:
+    """The rows of ``entries`` ((row, make, args) as :func:`measure` takes them), each timed once per round,
+    all of them in turn each round; each row keeps its median time. Drift of the GPU's speed over a shape's
+    few seconds then shifts every impl alike, where timing one impl after another shifted one against the
+    other by up to 2% (docs/experiments/interfaces.md, "Decode: pages of 64 keys read in the loop")."""
+    times = [[] for _ in entries]
+    for _ in range(rounds):
+        for (row, make, args), kept in zip(entries, times):
+            timed = measure(dict(row), make, args, timer, copy, nbytes)
+            if timed["fwd_ms"] is not None:
+                kept.append(timed["fwd_ms"])
+                row["timer"] = timed["timer"]
+    out = []
+    for (row, _, _), kept in zip(entries, times):
+        if kept:
+            ms = statistics.median(kept)
+            row.update(fwd_ms=ms, bytes=nbytes, tbps=nbytes / (ms * 1e-3) / 1e12, copy_tbps=copy)
+        out.append(row)
+    return out
 
 
 TUNING_SHAPES = ((1, 4096), (1, 65536), (8, 4096), (32, 4096), (8, 16384), (32, 16384))
