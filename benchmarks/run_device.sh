@@ -28,6 +28,8 @@
 #            benchmarks/fa3_backward.py dq)
 #   persistent-bf16 - the bf16 Gluon forward, one CTA per work tile against the persistent kernel, on the protocol's
 #            shapes, three rounds (h200_persistent_bf16.json, by benchmarks/persistent_bf16_ab.py)
+#   moba-gate - MoBA's gate, PyTorch's against the kernel's, and the kernel at two tile heights and warp counts
+#            (h200_moba_gate.json, by benchmarks/moba_gate_variants.py)
 #   nsa-dq-warps - NSA's selected-blocks backward with its dQ kernel at 8, 4 and 2 warps (h200_nsa_dq_warps.json,
 #            by benchmarks/nsa_dq_warps.py)
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
@@ -98,11 +100,12 @@ case "$step" in
          python3 benchmarks/training_memory.py plot "$out/h200_training_memory.json" "$out/h200_training_memory.png" ;;
   backward-dq) python3 benchmarks/fa3_backward.py dq "$out" 2>&1 | tee "$out/backward_dq.log" ;;
   persistent-bf16) python3 benchmarks/persistent_bf16_ab.py "$out" 2>&1 | tee "$out/persistent_bf16.log" ;;
+  moba-gate) python3 benchmarks/moba_gate_variants.py "$out/h200_moba_gate.json" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
          tests=(python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=30 "${targets[@]}")
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|fp8-quant|training-memory|backward-dq|persistent-bf16|nsa-dq-warps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|fp8-quant|training-memory|backward-dq|persistent-bf16|moba-gate|nsa-dq-warps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
