@@ -97,7 +97,9 @@ def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
 
     The queries are the (B * H * N) head-major rows of q, the keys those of k. Returns a dict: ``cu_q``,
     ``cu_k``: int32 (B * H * blocks + 1,), the packed queries and the key rows of each (batch, head, block)
-    sequence; once :func:`packing_bounds` has run, also ``entries``: int64 (E,), which (query, slot) pairs of
+    sequence; ``order``: int64, the (query, slot) pairs of ``selected[..., 1:]`` (flattened) sorted by
+    sequence, the unused ones last; ``past``: the slots per query. Once :func:`packing_bounds` has run, also
+    ``entries``: int64 (E,), which (query, slot) pairs of
     ``selected[..., 1:]`` (flattened) are packed, in packed order; ``query_rows``: int64 (E,), their rows of q;
     ``bounds``: cu_q and cu_k as lists, which the varlen kernels take too. ``cu_q`` is copied to the host
     without waiting here, so that the caller can queue other GPU work (pass 1) before it waits for the copy:
@@ -113,7 +115,7 @@ def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
     counts = torch.bincount(sequence, minlength=sequences + 1)[:sequences]
     cu_q = torch.zeros(sequences + 1, dtype=torch.int32, device=device)
     cu_q[1:] = torch.cumsum(counts, 0)
-    entries = torch.argsort(sequence, stable=True)  # unused slots sort past the end: cut at cu_q[-1] on the host
+    order = torch.argsort(sequence, stable=True)  # unused slots sort past the end: cut at cu_q[-1] on the host
     starts = (torch.arange(batch * heads)[:, None] * seqlen + torch.arange(blocks)[None, :] * block).flatten()
     cu_k_host = torch.cat([starts, torch.tensor([batch * heads * seqlen])]).to(torch.int32)
     cu_q_host = torch.empty(cu_q.shape, dtype=torch.int32, pin_memory=cu_q.is_cuda)
@@ -121,26 +123,27 @@ def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
     copied = torch.cuda.Event() if cu_q.is_cuda else None
     if copied is not None:
         copied.record()
-    return {"entries": entries, "past": past, "cu_q": cu_q, "cu_k": cu_k_host.to(device), "cu_q_host": cu_q_host,
+    return {"order": order, "past": past, "cu_q": cu_q, "cu_k": cu_k_host.to(device), "cu_q_host": cu_q_host,
             "cu_k_host": cu_k_host, "copied": copied}
 
 
 def packing_bounds(packing: dict) -> tuple[list[int], list[int]]:
     """(cu_q, cu_k) of :func:`past_block_sequences` as lists, waiting for cu_q's copy to the host (and for
-    nothing queued after it); on the first call it also cuts ``entries`` to the packed ones and sets
-    ``query_rows``."""
+    nothing queued after it); on the first call it also sets ``entries`` (the sorted entries cut to the
+    packed ones) and ``query_rows``."""
     if "bounds" not in packing:
         if packing["copied"] is not None:
             packing["copied"].synchronize()
         packing["bounds"] = (packing["cu_q_host"].tolist(), packing["cu_k_host"].tolist())
-        packing["entries"] = packing["entries"][:packing["bounds"][0][-1]]
+        packing["entries"] = packing["order"][:packing["bounds"][0][-1]]
         packing["query_rows"] = packing["entries"] // packing["past"]
     return packing["bounds"]
 
 
-def past_entries(packing: dict, past: int, rows: int) -> torch.Tensor:
+def past_entries(packing: dict, rows: int) -> torch.Tensor:
     """int32 (past, rows): for slot s of query row r (rows of (B, H, N)), the row of pass 2's packed results
     that holds it, -1 where the query selected nothing there (the inverse of ``packing["entries"]``)."""
+    past = packing["past"]
     inverse = torch.full((past, rows), -1, dtype=torch.int32, device=packing["entries"].device)
     slots = packing["entries"] % past
     inverse.view(-1)[slots * rows + packing["query_rows"]] = torch.arange(
@@ -334,7 +337,7 @@ class MobaFunction(torch.autograd.Function):
                 past_out, past_lse = kernels.varlen_forward(
                     gather_rows(rows_of(q), packing["query_rows"]), rows_of(k), rows_of(v), packing["cu_q"],
                     packing["cu_k"], bounds, False, scale, NO_OPTIONS)
-                entries = past_entries(packing, past, rows)
+                entries = past_entries(packing, rows)
             out = torch.empty((batch, heads, seqlen, head_dim), dtype=q.dtype, device=q.device)
             lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
             moba_merge_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
