@@ -192,32 +192,39 @@ def test_appending_leaves_every_other_byte_of_the_pool_alone(generator):
     assert not torch.equal(k_cache[written], k_before[written])
 
 
-def _refused(generator):
-    """(change, error, words): calls that must raise before anything is written."""
+def _refused(generator, dtype):
+    """(change, error, words): calls that must raise before anything is written, on tensors of ``dtype``."""
+    other = torch.float16 if dtype == torch.float32 else torch.float32
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     return [
         ({"cache_seqlens": torch.tensor([15, 3], dtype=torch.int32)}, ValueError, ["sequence 0", "more than"]),
         ({"block_table": torch.tensor([[1, 0], [1, 3]], dtype=torch.int32)}, ValueError, ["page 1", "share"]),
         ({"block_table": torch.tensor([[9, 1], [2, 3]], dtype=torch.int32)}, ValueError, ["block_table[0, 0] = 9"]),
-        ({"k_new": torch.randn(2, 4, 2, 8, generator=generator).half()}, TypeError, ["k_new", "float16"]),
+        ({"k_new": torch.randn(2, 4, 2, 8, generator=generator).to(other)}, TypeError, ["k_new", str(other)[6:]]),
         ({"v_new": None}, ValueError, ["k_new and v_new"]),
         ({"cache_seqlens": torch.tensor([1, 2])}, ValueError, ["int32"]),
-        ({"q": torch.randn(2, 1, 3, 8, generator=generator)}, ValueError, ["heads"]),
+        ({"q": torch.randn(2, 1, 3, 8, generator=generator).to(dtype)}, ValueError, ["heads"]),
         ({"num_splits": -1}, ValueError, ["num_splits"]),
         ({"block_table": table, "impl": "naive"}, ValueError, ["impl"]),
-        ({"k_cache": torch.randn(4, 16, 2, 8, generator=generator)[:, :8]}, ValueError, ["contiguous"]),
+        ({"k_cache": torch.randn(4, 16, 2, 8, generator=generator).to(dtype)[:, :8]}, ValueError, ["contiguous"]),
         ({"check_values": None}, TypeError, ["check_values"]),
     ]
 
 
-def test_a_refused_call_leaves_the_cache_untouched(generator):
-    k_cache, v_cache = (torch.randn(4, 8, 2, 8, generator=generator) for _ in range(2))  # 4 pages of 8
-    base = {"q": torch.randn(2, 1, 4, 8, generator=generator), "k_cache": k_cache, "v_cache": v_cache,
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_refused_call_leaves_the_cache_untouched(impl, generator):
+    """impl="torch" refuses before writing; impl="triton" decides on the device, writes nothing and raises
+    once its kernels are queued: the same errors, and the same bytes in the cache."""
+    dtype = torch.float32 if impl == "torch" else torch.float16  # the kernels take half precision only
+    if impl == "triton":
+        pytest.importorskip("triton")
+    k_cache, v_cache = (torch.randn(4, 8, 2, 8, generator=generator).to(dtype) for _ in range(2))  # 4 pages of 8
+    base = {"q": torch.randn(2, 1, 4, 8, generator=generator).to(dtype), "k_cache": k_cache, "v_cache": v_cache,
             "cache_seqlens": torch.tensor([3, 9], dtype=torch.int32),
-            "k_new": torch.randn(2, 4, 2, 8, generator=generator),
-            "v_new": torch.randn(2, 4, 2, 8, generator=generator),
-            "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)}
-    for change, error, words in _refused(generator):
+            "k_new": torch.randn(2, 4, 2, 8, generator=generator).to(dtype),
+            "v_new": torch.randn(2, 4, 2, 8, generator=generator).to(dtype),
+            "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), "impl": impl}
+    for change, error, words in _refused(generator, dtype):
         k_before, v_before = k_cache.clone(), v_cache.clone()
         with pytest.raises(error) as raised:
             fa_lab.attention_with_kvcache(**{**base, **change})
@@ -511,3 +518,33 @@ def test_gpu_decode(page_size, seqlen_q, splits, generator):
                                          ("lse", lse, reference[1], baseline[1], LSE_FLOOR)):
         result = compare(name, got, want, base, dtype, floor=floor)
         assert result.ok, str(result)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_gpu_refused_triton_call_writes_nothing_and_leaves_the_gpu_usable(page_size, generator):
+    """The device-side check on CUDA: a sequence past its capacity, a page outside the pool and a page that two
+    sequences share raise a ValueError naming it, the cache keeps its bytes, and the next call still runs (no
+    kernel read out of bounds, which would have left the CUDA context unusable)."""
+    dtype, batch, capacity, heads, heads_kv, head_dim = torch.bfloat16, 2, 256, 8, 2, 64
+    k_cache, v_cache, table = make_cache(generator, batch, capacity, heads_kv, head_dim, dtype, page_size)
+    k_cache, v_cache = k_cache.cuda(), v_cache.cuda()
+    table = None if table is None else table.cuda()
+    q = torch.randn(batch, 3, heads, head_dim, generator=generator).to("cuda", dtype)
+    k_new, v_new = (torch.randn(batch, 3, heads_kv, head_dim, generator=generator).to("cuda", dtype) for _ in range(2))
+    good = torch.tensor([10, 200], dtype=torch.int32, device="cuda")
+    bad = [({"cache_seqlens": torch.tensor([10, capacity - 2], dtype=torch.int32, device="cuda")}, "sequence 1")]
+    if page_size is not None:
+        outside, shared = table.clone(), table.clone()
+        outside[1, 0] = 10_000_000
+        shared[1, 0] = table[0, 0]
+        bad += [({"block_table": outside}, "not a page of the pool"), ({"block_table": shared}, "share")]
+    for change, words in bad:
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        call = {"cache_seqlens": good, "block_table": table, **change}
+        with pytest.raises(ValueError, match=words):
+            fa_lab.attention_with_kvcache(q, k_cache, v_cache, k_new=k_new, v_new=v_new, impl="triton", **call)
+        torch.cuda.synchronize()
+        assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before), change
+    out = fa_lab.attention_with_kvcache(q, k_cache, v_cache, good, k_new, v_new, block_table=table, impl="triton")
+    assert torch.isfinite(out).all()
