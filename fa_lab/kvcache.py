@@ -152,16 +152,6 @@ def check_cache_values(layout: CacheLayout, cache_seqlens, block_table, num_page
     return lengths
 
 
-def cache_values_fit(layout: CacheLayout, cache_seqlens, block_table, num_pages: int) -> torch.Tensor:
-    """:func:`check_cache_values`' verdict as a 0-d bool tensor on the device, read back by nobody here:
-    True when every sequence fits its capacity (or pages) and, paged, its pages in use are its own."""
-    n = cache_seqlens.long()
-    fits = ((n >= 0) & (n + layout.seqlen_new <= layout.capacity)).all()
-    if layout.paged:
-        fits = fits & (_block_table_is_bad(layout, cache_seqlens, block_table, num_pages) == 0)
-    return fits
-
-
 def _block_table_is_bad(layout: CacheLayout, cache_seqlens, block_table, num_pages: int) -> torch.Tensor:
     """A 0-d int64 tensor, 1 when a page in use is out of the pool or used twice (computed on the device)."""
     used = (cache_seqlens.long().clamp(min=0) + layout.seqlen_new + layout.page_size - 1) // layout.page_size
@@ -202,26 +192,15 @@ def cache_rows(layout: CacheLayout, block_table, batch_index, positions: torch.T
     return pages * layout.page_size + positions % layout.page_size
 
 
-def append_kv(layout: CacheLayout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-              allowed: torch.Tensor | None = None) -> None:
+def append_kv(layout: CacheLayout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table) -> None:
     """Write k_new, v_new into the cache at each sequence's cache_seqlens, in place (through the pages):
-    one scatter for the whole batch, with no value read back from the device.
-
-    allowed: a 0-d bool tensor (:func:`cache_values_fit`) decided on the device. Where it is False the
-    scatter writes the cache's first row onto itself, so that the bytes stay as they were and no index
-    computed from bad values is ever used."""
+    one scatter for the whole batch, with no value read back from the device."""
     flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
     batch, seqlen_new = k_new.shape[:2]
     positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k_cache.device)
-    if allowed is not None:
-        positions = torch.where(allowed, positions, 0)  # inside the block table, whatever cache_seqlens holds
     rows = cache_rows(layout, block_table, torch.arange(batch, device=k_cache.device)[:, None], positions).flatten()
-    k_rows, v_rows = k_new.reshape(-1, *k_new.shape[2:]), v_new.reshape(-1, *v_new.shape[2:])
-    if allowed is not None:
-        rows = torch.where(allowed, rows, 0)
-        k_rows, v_rows = torch.where(allowed, k_rows, flat_k[:1]), torch.where(allowed, v_rows, flat_v[:1])
-    flat_k.index_copy_(0, rows, k_rows)
-    flat_v.index_copy_(0, rows, v_rows)
+    flat_k.index_copy_(0, rows, k_new.reshape(-1, *k_new.shape[2:]))
+    flat_v.index_copy_(0, rows, v_new.reshape(-1, *v_new.shape[2:]))
 
 
 def gather_kv(layout: CacheLayout, cache, block_table, batch_index: int, length: int) -> torch.Tensor:
@@ -382,15 +361,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     Returns out (batch, seqlen_q, heads, d), or (out, lse) with lse (batch, heads, seqlen_q) float32.
     A refused call raises before anything is written.
 
-    check_values: refuse a sequence that would overflow, or a page outside the pool or shared, without
-    writing anything. impl="torch" reads the values back first (:func:`check_cache_values`). impl="triton"
-    decides on the device (:func:`cache_values_fit`): a refused call's append writes nothing and its kernel
-    sees sequences of no key, and the verdict is read back once every kernel is queued, so the GPU never
-    waits for the host in between; then the ValueError names the offender. That one read still waits for
-    the queue to drain. A serving loop that guarantees those values, or captures decode steps in a CUDA graph
-    (which cannot hold a read-back), passes False: impl="triton" then reads nothing from the device
-    (flash-attn never checks them). impl="triton" chooses an automatic split count for the cache's
-    capacity either way; impl="torch" always reads the values and splits the longest sequence.
+    check_values: read cache_seqlens (and the block table's verdict) back from the device to refuse a
+    sequence that would overflow or a bad page before writing (:func:`check_cache_values`). That one
+    read waits for the GPU's queue to drain. A serving loop that guarantees those values, or captures
+    decode steps in a CUDA graph (which cannot hold a read-back), passes False: impl="triton" then
+    reads nothing from the device (flash-attn never checks them), and an automatic split count is
+    chosen for the cache's capacity instead of the longest sequence. impl="torch" always reads them.
     """
     layout = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     causal, scale, window, softcap = check_options(layout.head_dim, causal, scale, window, softcap)
@@ -400,26 +376,18 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         raise ValueError(f"impl must be 'torch' or 'triton' for attention_with_kvcache, got {impl!r}")
     if not isinstance(check_values, bool):
         raise TypeError(f"check_values must be True or False, got {check_values!r}")
-    num_pages = k_cache.shape[0]
-    if impl == "torch":
-        lengths = check_cache_values(layout, cache_seqlens, block_table, num_pages)
-    allowed = cache_values_fit(layout, cache_seqlens, block_table, num_pages) if check_values and impl == "triton" \
-        else None
+    if check_values or impl == "torch":
+        lengths = check_cache_values(layout, cache_seqlens, block_table, k_cache.shape[0])
     if k_new is not None:
-        append_kv(layout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, allowed)
-    longest = max(lengths) if impl == "torch" else layout.capacity
+        append_kv(layout, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    longest = max(lengths) if check_values or impl == "torch" else layout.capacity
     splits = num_splits or choose_num_splits(layout.batch, layout.heads_kv, longest, row_tiles=layout.row_tiles,
                                              page_size=layout.page_size if layout.paged else None)
     if impl == "triton":
         from .kernels import triton_decode
         keys = (cache_seqlens + layout.seqlen_new if layout.seqlen_new else cache_seqlens).contiguous()
-        if allowed is not None:
-            keys = torch.where(allowed, keys, 0)  # a refused call's kernel reads no key
         out, lse = triton_decode(q, k_cache, v_cache, keys, block_table, layout, causal, scale, window,
                                  softcap, splits)
-        if allowed is not None and not bool(allowed):
-            check_cache_values(layout, cache_seqlens, block_table, num_pages)  # raises, naming the offender
-            raise ValueError("cache_seqlens or block_table failed the cache's check")
         return (out, lse) if return_lse else out
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((layout.batch, layout.heads, layout.seqlen_q), float("-inf"), device=q.device)
