@@ -239,6 +239,34 @@ def test_varlen_kernels_check_the_offsets_before_any_launch(change, words, monke
         assert word in str(raised.value)
 
 
+@pytest.mark.parametrize("by_keys", [False, True])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (5, 2)), (True, (9, -1)),
+                                            (False, (-1, 0)), (False, (0, 7))])
+def test_tile_schedule_orders_the_tiles_by_their_work(by_keys, causal, window, generator):
+    """The varlen schedule, built with tensor operations, against a loop over BlockInfo: every (sequence, start)
+    tile once, sorted by its work (the keys a query tile visits, the query rows a key tile meets), largest first,
+    ties in (sequence, start) order. Random lengths, some 0, queries longer and shorter than keys."""
+    from fa_lab.block_info import BlockInfo
+    from fa_lab.kernels.portable.attention import tile_schedule
+
+    block = 8
+    lengths = torch.randint(0, 40, (2, 9), generator=generator)
+    lengths[:, 3] = 0
+    bounds_q, bounds_k = ([0] + torch.cumsum(row, 0).tolist() for row in lengths)
+    expected = []
+    for sequence, (q0, q1, k0, k1) in enumerate(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])):
+        info = BlockInfo(q1 - q0, k1 - k0, causal, window)
+        for start in range(0, (k1 - k0) if by_keys else (q1 - q0), block):
+            if by_keys:
+                work = max(info.seqlen_q - info.first_query(start), 0)
+            else:
+                begin, end = info.key_range(start, start + block)
+                work = max(end - begin, 0)
+            expected.append((-work, sequence, start))
+    expected = [[sequence, start] for _, sequence, start in sorted(expected)]
+    assert tile_schedule(bounds_q, bounds_k, block, by_keys, causal, window).tolist() == expected
+
+
 def test_varlen_reads_a_cu_seqlens_tensor_once_per_version(monkeypatch, generator):
     """A model passes one cu_seqlens to every layer: the offsets are read once and kept with the tensor
     (fa_lab.varlen.PackedBounds). A write by a torch operation makes the next call read them again, so a

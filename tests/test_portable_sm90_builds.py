@@ -125,6 +125,7 @@ def sparse_jobs() -> list[tuple[str, dict]]:
     jobs = []
     for rows in (16, 64):
         tile = dict(BLOCK_M=rows, BLOCK_N=64, HEAD_DIM=128, CAUSAL=True)
+        gather = sparse.gather_config(rows, 64, 128)  # the launcher's: 32 rows at 4 warps for 16, 64 at 8 for 64
         jobs += [
             (f"forward, {rows} rows", sparse.block_select_fwd_kernel,
              {**_pointers("q_ptr k_ptr v_ptr o_ptr"), "index_ptr": INT_PTR, "lse_ptr": F32, **shapes, "slots": I32},
@@ -134,7 +135,7 @@ def sparse_jobs() -> list[tuple[str, dict]]:
              {**tile, "ONE_CHUNK": True}, 8),
             (f"dK/dV gather, {rows} rows", sparse.block_select_bwd_dkdv_kernel,
              {**rows_in, **_pointers("offsets_ptr selectors_ptr", INT_PTR), **_pointers("dk_ptr dv_ptr"), **shapes,
-              "scale": "fp32"}, {**tile, "BLOCK_M": 64, "STACK": 64 // rows}, 8),
+              "scale": "fp32"}, {**tile, "BLOCK_M": gather.block_m, "STACK": gather.block_m // rows}, gather.num_warps),
         ]
     dq_16 = next(job for job in jobs if job[0] == "dQ, 16 rows")  # and at block_select_backward's other dq_warps:
     jobs += [(f"dQ, 16 rows, {warps} warps", *dq_16[1:4], warps) for warps in (4, 2)]

@@ -18,8 +18,8 @@ from ..fp8 import E4M3_MAX, P_SCALE
 from . import interpreting
 
 __all__ = ["E4M3_MAX", "LN2", "LOG2E", "P_SCALE", "SUPPORTED", "cdiv", "check_triton_inputs", "descriptor",
-           "gluon_descriptor", "gluon_fp8_key_order", "head_dim_bucket", "kernel_operand", "on_device",
-           "shared_layout"]
+           "gluon_descriptor", "gluon_fp8_key_order", "grouped_entries", "head_dim_bucket", "kernel_operand",
+           "on_device", "shared_layout"]
 
 LOG2E = math.log2(math.e)  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2E)
 LN2 = math.log(2.0)  # and their lse comes back from base 2: lse = LN2 * (m + log2 l)
@@ -115,3 +115,21 @@ def gluon_fp8_key_order(seqlen_k: int, device=None) -> torch.Tensor:
     r = position % 32
     h, c, a, b = r // 16, r % 16 // 4, r % 4 // 2, r % 2
     return position - r + 16 * h + 8 * a + 2 * c + b
+
+
+def grouped_entries(keys: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries grouped by key, as compressed sparse rows: keys integer (E,) in [0, groups], ``groups`` meaning
+    "in no group". Returns (order int64 (E,), offsets int32 (groups + 1,)): the entries of group g are
+    ``order[offsets[g]:offsets[g + 1]]``, in increasing entry order (a stable sort), and the ungrouped ones
+    follow ``offsets[groups]``.
+
+    Nothing waits for the GPU: the offsets come from the sorted keys by binary search. (``torch.bincount``
+    on CUDA reads the keys' minimum and maximum back to the host first: at 64K tokens MoBA's forward waited
+    there with the GPU idle, docs/experiments/sparse_kernels.md.)
+    """
+    if groups < 2 ** 31:  # half the bytes for the radix sort to move
+        keys = keys.to(torch.int32)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    starts = torch.arange(groups + 1, dtype=keys.dtype, device=keys.device)
+    return order, torch.searchsorted(sorted_keys, starts).to(torch.int32)
+

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ...block_info import cdiv
 from .. import common
-from ..common import head_dim_bucket, kernel_operand, on_device
+from ..common import grouped_entries, head_dim_bucket, kernel_operand, on_device
 from .attention import NO_OPTIONS, triton_backward, triton_forward, triton_varlen_backward, triton_varlen_forward
 
 LOG2E = tl.constexpr(common.LOG2E)
@@ -92,6 +92,16 @@ def own_block_sequences(batch: int, seqlen: int, block: int, device) -> tuple[to
     return torch.tensor(bounds, dtype=torch.int32, device=device), bounds
 
 
+def key_block_bounds(rows: int, seqlen: int, block: int, device) -> torch.Tensor:
+    """int32 (rows * blocks + 1,): the offsets of every key block of ``rows`` head rows of ``seqlen`` keys,
+    packed one after another (pass 2's cu_seqlens_k), built where they are used: a copy from the host would
+    wait for the GPU."""
+    blocks = cdiv(seqlen, block)
+    index = torch.arange(rows * blocks + 1, dtype=torch.int64, device=device)
+    starts = (index // blocks) * seqlen + (index % blocks) * block  # the last one: (rows, 0) = the total
+    return starts.to(torch.int32)
+
+
 def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
     """Pass 2's packing of the past-block entries, key-block-major.
 
@@ -112,19 +122,15 @@ def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
     sequences = batch * heads * blocks
     head_rows = torch.arange(batch * heads, device=device).view(batch, heads, 1, 1)
     sequence = torch.where(selected[..., 1:] >= 0, head_rows * blocks + selected[..., 1:], sequences).flatten()
-    counts = torch.bincount(sequence, minlength=sequences + 1)[:sequences]
-    cu_q = torch.zeros(sequences + 1, dtype=torch.int32, device=device)
-    cu_q[1:] = torch.cumsum(counts, 0)
-    order = torch.argsort(sequence, stable=True)  # unused slots sort past the end: cut at cu_q[-1] on the host
-    starts = (torch.arange(batch * heads)[:, None] * seqlen + torch.arange(blocks)[None, :] * block).flatten()
-    cu_k_host = torch.cat([starts, torch.tensor([batch * heads * seqlen])]).to(torch.int32)
+    order, cu_q = grouped_entries(sequence, sequences)  # unused slots sort past the end: cut at cu_q[-1] on the host
+    cu_k_host = key_block_bounds(batch * heads, seqlen, block, "cpu")
     cu_q_host = torch.empty(cu_q.shape, dtype=torch.int32, pin_memory=cu_q.is_cuda)
     cu_q_host.copy_(cu_q, non_blocking=True)
     copied = torch.cuda.Event() if cu_q.is_cuda else None
     if copied is not None:
         copied.record()
-    return {"order": order, "past": past, "cu_q": cu_q, "cu_k": cu_k_host.to(device), "cu_q_host": cu_q_host,
-            "cu_k_host": cu_k_host, "copied": copied}
+    return {"order": order, "past": past, "cu_q": cu_q, "cu_k": key_block_bounds(batch * heads, seqlen, block, device),
+            "cu_q_host": cu_q_host, "cu_k_host": cu_k_host, "copied": copied}
 
 
 def packing_bounds(packing: dict) -> tuple[list[int], list[int]]:

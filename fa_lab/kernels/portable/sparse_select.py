@@ -41,7 +41,7 @@ import triton.language as tl
 from ...inputs import check_block_size, check_qkv, resolve_scale
 from ...sparse import check_key_tiles
 from .. import interpreting
-from ..common import LOG2E, cdiv, check_triton_inputs, head_dim_bucket, on_device
+from ..common import LOG2E, cdiv, check_triton_inputs, grouped_entries, head_dim_bucket, on_device
 from .backward import attention_bwd_preprocess_kernel
 from .block_range import row_key_end
 from .configs import TileConfig
@@ -311,7 +311,12 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
 
 # ---- launchers -------------------------------------------------------------------------------------
 
-GATHER_ROWS = 64  # the dK/dV gather's tile rows: several selecting rows' packed rows stacked (capped below)
+# The dK/dV gather's tile: the packed rows of several selecting rows stacked up to GATHER_ROWS rows (capped
+# below), at GATHER_WARPS warps where the tile has at most that many rows and head_dim <= 128. On the H200
+# (benchmarks/h200_nsa_dkdv_variants.json, NSA's case) the backward took 40.9 ms at 64K with 32 rows and 4
+# warps, 56.4 with 64 rows and 8 (the 32-row tile at 8 warps 63.3): the 64-row tile needs 255 registers a
+# thread at 8 warps, one CTA an SM; 64 rows at 4 warps spill (docs/experiments/sparse_kernels.md).
+GATHER_ROWS, GATHER_WARPS = 32, 4
 
 
 def tile_config(rows: int, block_k: int, head_dim: int, backward: bool) -> TileConfig:
@@ -334,6 +339,15 @@ def tile_config(rows: int, block_k: int, head_dim: int, backward: bool) -> TileC
     block_n = min(max(16, triton.next_power_of_2(block_k)), cap_n)
     large = (backward and padded >= 128) or block_m * padded >= 128 * 64
     return TileConfig(block_m, block_n, num_warps=8 if large else 4)
+
+
+def gather_config(rows: int, block_k: int, head_dim: int) -> TileConfig:
+    """The dK/dV gather's tile and launch for selection rows of ``rows`` packed rows: several of them stacked
+    into GATHER_ROWS rows (one taller row takes its own tiles), at GATHER_WARPS warps where that fits."""
+    config = tile_config(max(rows, GATHER_ROWS), block_k, head_dim, backward=True)
+    if config.block_m <= GATHER_ROWS and head_dim_bucket(head_dim) <= 128:
+        config = replace(config, num_warps=GATHER_WARPS)
+    return config
 
 
 def launch_meta(config: TileConfig, head_dim: int, causal: bool) -> dict:
@@ -365,8 +379,8 @@ def selection_csr(indices: torch.Tensor, blocks: int) -> tuple[torch.Tensor, tor
     indices: int32 (B, Hkv, R, S), -1 for an unused slot; blocks: key blocks per sequence. Returns
     (offsets int32 (B * Hkv * blocks + 1,), selectors int32 (the listed entries,)): the rows that select
     block b of KV head row bkv (bkv = batch * Hkv + kv_head) are
-    ``selectors[offsets[bkv * blocks + b] : offsets[bkv * blocks + b + 1]]``, in increasing order. A
-    stable sort of the entries by (bkv, block), the unused slots sorted past the end.
+    ``selectors[offsets[bkv * blocks + b] : offsets[bkv * blocks + b + 1]]``, in increasing order
+    (:func:`grouped_entries` by (bkv, block), the unused slots past the end).
     """
     batch, heads_kv, rows, slots = indices.shape
     lists = batch * heads_kv * blocks
@@ -374,10 +388,7 @@ def selection_csr(indices: torch.Tensor, blocks: int) -> tuple[torch.Tensor, tor
     owner = torch.arange(batch * heads_kv, device=indices.device)[:, None] * blocks
     key = torch.where(flat >= 0, flat + owner, lists).flatten()
     selector = torch.arange(rows, device=indices.device).repeat_interleave(slots).repeat(batch * heads_kv)
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=lists + 1)[:lists]
-    offsets = torch.zeros(lists + 1, dtype=torch.int32, device=indices.device)
-    offsets[1:] = torch.cumsum(counts, 0)
+    order, offsets = grouped_entries(key, lists)
     return offsets, selector[order].to(torch.int32).contiguous()
 
 
@@ -389,14 +400,15 @@ SHORT_DQ_TILE_ROWS, SHORT_DQ_TILE_WARPS = 16, 2
 
 
 def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, block_k: int, causal: bool,
-                          scale: float, dq_warps: int | None = None):
+                          scale: float, dq_warps: int | None = None, gather: TileConfig | None = None):
     """Backward on the forward's operands and outputs; grad_out like out. Returns (dq, dk, dv) in
     q.dtype, shaped like q, k, v (dk, dv summed over the group's query heads and the selecting rows).
 
     Two kernels: dQ over the forward's grid, and dK, dV per key block over the selection inverted
     (:func:`selection_csr`), as notebook 03's dense backward splits them, so no program adds into
     another's rows. dq_warps: the dQ kernel's warps; by default :func:`tile_config`'s, but
-    ``SHORT_DQ_TILE_WARPS`` for tiles of at most ``SHORT_DQ_TILE_ROWS`` rows.
+    ``SHORT_DQ_TILE_WARPS`` for tiles of at most ``SHORT_DQ_TILE_ROWS`` rows. gather: the dK/dV kernel's tile
+    and launch (block_m a multiple of ``group * block_q`` or below it); by default :func:`gather_config`'s.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
@@ -418,8 +430,7 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
         **launch_meta(config, head_dim, causal))
     blocks = cdiv(seqlen_k, block_k)
     offsets, selectors = selection_csr(indices, blocks)
-    # The gather stacks selecting rows into tiles as tall as the backward's cap (GATHER_ROWS), not one row's.
-    gather = tile_config(max(group * block_q, GATHER_ROWS), block_k, head_dim, backward=True)
+    gather = gather or gather_config(group * block_q, block_k, head_dim)
     stack = gather.block_m // (group * block_q)  # 0: a selection row takes several tiles
     block_select_bwd_dkdv_kernel[(blocks * cdiv(block_k, gather.block_n), batch * heads_kv)](
         q, k, v, grad_out, lse2, delta, offsets, selectors, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q,
