@@ -9,7 +9,9 @@ and dV compared with the default's. The committed setting is the first. Offline 
 (registers a thread, spilled bytes) are printed by ``--offline`` on any machine.
 
 On the H200, after fla-core is on PYTHONPATH (the device README):
-``PYTHONPATH=. python3 benchmarks/nsa_dkdv_variants.py $OUT`` writes $OUT/h200_nsa_dkdv_variants.json (a log).
+``PYTHONPATH=. python3 benchmarks/nsa_dkdv_variants.py $OUT`` writes $OUT/h200_nsa_dkdv_variants.json (a log); the
+sweep's programs run one head row's blocks after another's, the order of that run. ``... --order $OUT`` writes
+$OUT/h200_nsa_gather_order.json: the committed tile with the programs heads innermost against that order.
 """
 import functools
 import os
@@ -18,6 +20,9 @@ import sys
 # (block_m, block_n, num_warps, num_stages): the committed gather first
 SETTINGS = ((64, 64, 8, 2), (64, 64, 8, 3), (32, 64, 8, 2), (32, 64, 4, 2), (16, 64, 4, 2), (128, 32, 8, 2),
             (64, 32, 8, 2), (64, 32, 4, 2))
+# The gather's program order at the committed tile: heads innermost (block_select_bwd_dkdv_kernel's HEADS_INNER),
+# then one head row's blocks after another's, two rounds each (``--order``).
+ORDER_SETTING = (32, 64, 4, 2)
 SEQLENS = (16384, 65536)
 
 
@@ -45,10 +50,10 @@ def nsa_part(log: list, out_path: str) -> None:
         grad = torch.randn_like(out)
         operands = (q, k, v, out, lse, grad, indices, 1, BLOCK_K, True, scale)
         entry = {"seqlen": seqlen, "ms": {}, "max_diff_vs_first": {}}
-        _, dk0, dv0 = block_select_backward(*operands, gather=TileConfig(*SETTINGS[0]))
+        _, dk0, dv0 = block_select_backward(*operands, gather=TileConfig(*SETTINGS[0]), heads_inner=False)
         for setting in SETTINGS:
             try:
-                _, dk, dv = block_select_backward(*operands, gather=TileConfig(*setting))
+                _, dk, dv = block_select_backward(*operands, gather=TileConfig(*setting), heads_inner=False)
                 entry["max_diff_vs_first"][label(setting)] = max(
                     float((dk.float() - dk0.float()).abs().max()), float((dv.float() - dv0.float()).abs().max()))
             except Exception as exc:  # a setting the compiler refuses
@@ -57,13 +62,49 @@ def nsa_part(log: list, out_path: str) -> None:
             for setting in SETTINGS:
                 if isinstance(entry["max_diff_vs_first"][label(setting)], str):
                     continue
-                ms = do_bench(functools.partial(block_select_backward, *operands, gather=TileConfig(*setting)),
-                              rep=500, return_mode="median")
+                ms = do_bench(functools.partial(block_select_backward, *operands, gather=TileConfig(*setting),
+                                                heads_inner=False), rep=500, return_mode="median")
                 entry["ms"].setdefault(label(setting), []).append(round(ms, 3))
         log.append(entry)
         print(entry, flush=True)
         write_log({**environment("cuda"), "log": log}, out_path)
         del q, k, v, out, lse, grad
+        torch.cuda.empty_cache()
+
+
+def order_part(out_dir: str) -> None:
+    """The gather at ORDER_SETTING with its programs heads innermost and head row by head row, at SEQLENS, two
+    interleaved rounds, and the two dK, dV compared (the order changes no sum: they must be equal)."""
+    import torch
+    from triton.testing import do_bench
+
+    from fa_lab.bench.schema import environment, write_log
+    from fa_lab.bench.sparse import BLOCK_K, HEAD_DIM, HEADS, HEADS_KV, bf16_inputs, nsa_selection
+    from fa_lab.kernels.portable.configs import TileConfig
+    from fa_lab.kernels.portable.sparse_select import block_select_backward, block_select_forward
+    from fa_lab.sparse import check_key_tiles
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    log = []
+    for seqlen in SEQLENS:
+        q, k, v = (t.detach() for t in bf16_inputs(HEADS, HEADS_KV, seqlen, generator))
+        indices = check_key_tiles(nsa_selection(seqlen, generator), q, k, 1, BLOCK_K, True,
+                                  name="selection").to(torch.int32).contiguous()
+        out, lse = block_select_forward(q, k, v, indices, 1, BLOCK_K, True, HEAD_DIM ** -0.5)
+        operands = (q, k, v, out, lse, torch.randn_like(out), indices, 1, BLOCK_K, True, HEAD_DIM ** -0.5)
+        calls = {f"heads_inner_{inner}": functools.partial(block_select_backward, *operands,
+                                                           gather=TileConfig(*ORDER_SETTING), heads_inner=inner)
+                 for inner in (True, False)}
+        grads = [call() for call in calls.values()]
+        entry = {"seqlen": seqlen, "setting": label(ORDER_SETTING), "ms": {},
+                 "equal": all(torch.equal(a, b) for a, b in zip(*grads))}
+        for _round in (1, 2):
+            for name, call in calls.items():
+                entry["ms"].setdefault(name, []).append(round(do_bench(call, rep=500, return_mode="median"), 3))
+        log.append(entry)
+        print(entry, flush=True)
+        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_nsa_gather_order.json"))
+        del q, k, v, out, lse, operands, grads
         torch.cuda.empty_cache()
 
 
@@ -150,7 +191,8 @@ def offline() -> None:
                  **builds._ints("group seqlen_q seqlen_k head_dim block_q block_k"), "qk_scale": "fp32",
                  "scale": "fp32"}
     jobs = [{**builds._job(sparse_select.block_select_bwd_dkdv_kernel, signature,
-                           dict(BLOCK_M=m, BLOCK_N=n, HEAD_DIM=128, CAUSAL=True, STACK=m // 16), warps),
+                           dict(BLOCK_M=m, BLOCK_N=n, HEAD_DIM=128, CAUSAL=True, STACK=m // 16, HEADS_INNER=False),
+                           warps),
              "num_stages": stages} for m, n, warps, stages in SETTINGS]
     for setting, build in zip(SETTINGS, compile_all_for_sm90(jobs)):
         print(label(setting), f"registers {build.registers}, stack {build.stack_bytes} B, "
@@ -169,4 +211,12 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    offline() if sys.argv[1] == "--offline" else main(sys.argv[1])
+    if sys.argv[1] == "--offline":
+        offline()
+    elif sys.argv[1] == "--order":
+        from fa_lab.kernels import load_triton
+
+        load_triton()
+        order_part(sys.argv[2])
+    else:
+        main(sys.argv[1])

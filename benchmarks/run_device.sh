@@ -39,6 +39,8 @@
 #   nsa-dkdv-variants - NSA's dK/dV gather at other tiles, warps and stages, fla's NSA backward kernel by kernel,
 #            MoBA's forward wall time against its kernels' (h200_nsa_dkdv_variants.json, by
 #            benchmarks/nsa_dkdv_variants.py; fla-core on PYTHONPATH as for sparse)
+#   nsa-gather-order - the dK/dV gather's programs heads innermost against head row by head row
+#            (h200_nsa_gather_order.json, by benchmarks/nsa_dkdv_variants.py --order)
 #   moba-gaps - where MoBA's forward at 64K leaves the GPU idle between kernels (h200_moba_forward_gaps.json, by
 #            benchmarks/moba_forward_gaps.py)
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
@@ -115,10 +117,11 @@ case "$step" in
   window-variants) python3 benchmarks/window_variants.py "$out" 2>&1 | tee "$out/window_variants.log" ;;
   moba-gaps) python3 benchmarks/moba_forward_gaps.py "$out" 2>&1 | tee "$out/moba_forward_gaps.log" ;;
   nsa-dkdv-variants) python3 benchmarks/nsa_dkdv_variants.py "$out" 2>&1 | tee "$out/nsa_dkdv_variants.log" ;;
+  nsa-gather-order) python3 benchmarks/nsa_dkdv_variants.py --order "$out" 2>&1 | tee "$out/nsa_gather_order.log" ;;
   tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
          tests=(python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=30 "${targets[@]}")
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|fp8-quant|training-memory|backward-dq|persistent-bf16|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|nsa-dkdv-variants|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|fp8-quant|training-memory|backward-dq|persistent-bf16|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

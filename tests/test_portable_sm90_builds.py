@@ -135,7 +135,9 @@ def sparse_jobs() -> list[tuple[str, dict]]:
              {**tile, "ONE_CHUNK": True}, 8),
             (f"dK/dV gather, {rows} rows", sparse.block_select_bwd_dkdv_kernel,
              {**rows_in, **_pointers("offsets_ptr selectors_ptr", INT_PTR), **_pointers("dk_ptr dv_ptr"), **shapes,
-              "scale": "fp32"}, {**tile, "BLOCK_M": gather.block_m, "STACK": gather.block_m // rows}, gather.num_warps),
+              "scale": "fp32"},
+             {**tile, "BLOCK_M": gather.block_m, "STACK": gather.block_m // rows, "HEADS_INNER": True},
+             gather.num_warps),
         ]
     dq_16 = next(job for job in jobs if job[0] == "dQ, 16 rows")  # and at block_select_backward's other dq_warps:
     jobs += [(f"dQ, 16 rows, {warps} warps", *dq_16[1:4], warps) for warps in (4, 2)]

@@ -261,10 +261,15 @@ def tile_dkdv(dk, dv, k, v, keys, stop, q_ptr, do_ptr, lse2_ptr, delta_ptr, rows
 @triton.jit
 def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, offsets_ptr, selectors_ptr,
                                  dk_ptr, dv_ptr, group, seqlen_q, seqlen_k, head_dim, block_q, block_k, qk_scale,
-                                 scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                 CAUSAL: tl.constexpr, STACK: tl.constexpr):
+                                 scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, STACK: tl.constexpr,
+                                 HEADS_INNER: tl.constexpr):
     """dK, dV of one chunk of BLOCK_N keys of one key block of one KV head, gathered from every selection row
-    that selected the block. Grid ``(blocks * cdiv(block_k, BLOCK_N), B * H_kv)``.
+    that selected the block. Grid ``(B * H_kv, blocks * cdiv(block_k, BLOCK_N))`` with HEADS_INNER, else the
+    two axes swapped. The GPU starts programs in the order of their first axis fastest: with HEADS_INNER in
+    block order across every KV head row (under a causal selection the first blocks have the longest lists,
+    as every later query may pick them, so the longest start first everywhere), else one head row's blocks
+    after another's.
 
     The selection inverted: the rows that selected block b of KV head row bkv are
     ``selectors[offsets[bkv * blocks + b] : offsets[bkv * blocks + b + 1]]`` (int32, CSR, from
@@ -275,8 +280,11 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
     stacks selecting queries the same way), and the loop over them is the only loop, which the compiler
     pipelines; STACK = 0: a selection row takes several tiles, one step each.
     """
-    pid, pid_bkv = tl.program_id(0), tl.program_id(1)
     per_block = tl.cdiv(block_k, BLOCK_N)
+    if HEADS_INNER:
+        pid_bkv, pid = tl.program_id(0), tl.program_id(1)
+    else:
+        pid, pid_bkv = tl.program_id(0), tl.program_id(1)
     block = pid // per_block
     start_n = block * block_k + (pid % per_block) * BLOCK_N
     stop = tl.minimum(block * block_k + block_k, seqlen_k)
@@ -400,7 +408,8 @@ SHORT_DQ_TILE_ROWS, SHORT_DQ_TILE_WARPS = 16, 2
 
 
 def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, block_k: int, causal: bool,
-                          scale: float, dq_warps: int | None = None, gather: TileConfig | None = None):
+                          scale: float, dq_warps: int | None = None, gather: TileConfig | None = None,
+                          heads_inner: bool = True):
     """Backward on the forward's operands and outputs; grad_out like out. Returns (dq, dk, dv) in
     q.dtype, shaped like q, k, v (dk, dv summed over the group's query heads and the selecting rows).
 
@@ -409,6 +418,7 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
     another's rows. dq_warps: the dQ kernel's warps; by default :func:`tile_config`'s, but
     ``SHORT_DQ_TILE_WARPS`` for tiles of at most ``SHORT_DQ_TILE_ROWS`` rows. gather: the dK/dV kernel's tile
     and launch (block_m a multiple of ``group * block_q`` or below it); by default :func:`gather_config`'s.
+    heads_inner: the gather programs' order (:func:`block_select_bwd_dkdv_kernel`'s HEADS_INNER).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
@@ -432,9 +442,10 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
     offsets, selectors = selection_csr(indices, blocks)
     gather = gather or gather_config(group * block_q, block_k, head_dim)
     stack = gather.block_m // (group * block_q)  # 0: a selection row takes several tiles
-    block_select_bwd_dkdv_kernel[(blocks * cdiv(block_k, gather.block_n), batch * heads_kv)](
+    gather_grid = (batch * heads_kv, blocks * cdiv(block_k, gather.block_n))
+    block_select_bwd_dkdv_kernel[gather_grid if heads_inner else gather_grid[::-1]](
         q, k, v, grad_out, lse2, delta, offsets, selectors, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q,
-        block_k, scale * LOG2E, scale, STACK=stack, **launch_meta(gather, head_dim, causal))
+        block_k, scale * LOG2E, scale, STACK=stack, HEADS_INNER=heads_inner, **launch_meta(gather, head_dim, causal))
     return dq, dk, dv
 
 
