@@ -240,6 +240,29 @@ def test_the_inverted_selection_lists_each_blocks_rows_in_order():
     assert int(offsets[-1]) == int((indices >= 0).sum())
 
 
+def test_the_gather_programs_order_changes_no_gradient(generator, monkeypatch):
+    """The dK/dV gather with the KV head rows innermost, with the key blocks first, and falling back to the
+    latter when the key blocks exceed a grid's second axis (MAX_GRID_Y, lowered here): each program sums its
+    own list in the same order, so dQ, dK and dV agree bit for bit."""
+    pytest.importorskip("triton")
+    from fa_lab.kernels.portable import sparse_select
+
+    q, k, v = make_qkv(1, 4, 96, 96, 32, torch.float16, "cpu", generator, heads_kv=2)
+    blocks = cdiv(96, 16)
+    indices = torch.full((1, 2, 96, 3), -1, dtype=torch.int32)
+    for query in range(96):
+        past = torch.randperm(query // 16 + 1, generator=generator)[:3]
+        indices[0, :, query, :len(past)] = past.to(torch.int32)
+    out, lse = sparse_select.block_select_forward(q, k, v, indices, 1, 16, True, 32 ** -0.5)
+    operands = (q, k, v, out, lse, torch.randn(out.shape, generator=generator).half(), indices, 1, 16, True,
+                32 ** -0.5)
+    inner, outer = (sparse_select.block_select_backward(*operands, heads_inner=flag) for flag in (True, False))
+    monkeypatch.setattr(sparse_select, "MAX_GRID_Y", blocks - 1)
+    fallback = sparse_select.block_select_backward(*operands)
+    for a, b, c in zip(inner, outer, fallback):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_short_dq_tiles_take_the_warps_the_recorded_h200_run_timed_fastest():
     """NSA's 16-row dQ tiles launch at SHORT_DQ_TILE_WARPS, the count whose whole backward was fastest in both
     rounds at every length of benchmarks/h200_nsa_dq_warps.json, and tile_config would give them another."""

@@ -325,6 +325,7 @@ def block_select_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_pt
 # warps, 56.4 with 64 rows and 8 (the 32-row tile at 8 warps 63.3): the 64-row tile needs 255 registers a
 # thread at 8 warps, one CTA an SM; 64 rows at 4 warps spill (docs/experiments/sparse_kernels.md).
 GATHER_ROWS, GATHER_WARPS = 32, 4
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 
 
 def tile_config(rows: int, block_k: int, head_dim: int, backward: bool) -> TileConfig:
@@ -443,6 +444,9 @@ def block_select_backward(q, k, v, out, lse, grad_out, indices, block_q: int, bl
     gather = gather or gather_config(group * block_q, block_k, head_dim)
     stack = gather.block_m // (group * block_q)  # 0: a selection row takes several tiles
     gather_grid = (batch * heads_kv, blocks * cdiv(block_k, gather.block_n))
+    # A grid's second axis holds at most 65535 programs (DSA's blocks of one key pass that at 64K tokens): the
+    # key blocks go first then, in the other order.
+    heads_inner = heads_inner and gather_grid[1] <= MAX_GRID_Y
     block_select_bwd_dkdv_kernel[gather_grid if heads_inner else gather_grid[::-1]](
         q, k, v, grad_out, lse2, delta, offsets, selectors, dk, dv, group, seqlen_q, seqlen_k, head_dim, block_q,
         block_k, scale * LOG2E, scale, STACK=stack, HEADS_INNER=heads_inner, **launch_meta(gather, head_dim, causal))
