@@ -35,20 +35,13 @@ def nsa_part(log: list, out_path: str) -> None:
     from triton.testing import do_bench
 
     from fa_lab.bench.schema import environment, write_log
-    from fa_lab.bench.sparse import BLOCK_K, HEAD_DIM, HEADS, HEADS_KV, bf16_inputs, nsa_selection
+    from fa_lab.bench.sparse import nsa_backward_operands
     from fa_lab.kernels.portable.configs import TileConfig
-    from fa_lab.kernels.portable.sparse_select import block_select_backward, block_select_forward
-    from fa_lab.sparse import check_key_tiles
+    from fa_lab.kernels.portable.sparse_select import block_select_backward
 
     generator = torch.Generator(device="cuda").manual_seed(0)
-    scale = HEAD_DIM ** -0.5
     for seqlen in SEQLENS:
-        q, k, v = (t.detach() for t in bf16_inputs(HEADS, HEADS_KV, seqlen, generator))
-        indices = check_key_tiles(nsa_selection(seqlen, generator), q, k, 1, BLOCK_K, True,
-                                  name="selection").to(torch.int32).contiguous()
-        out, lse = block_select_forward(q, k, v, indices, 1, BLOCK_K, True, scale)
-        grad = torch.randn_like(out)
-        operands = (q, k, v, out, lse, grad, indices, 1, BLOCK_K, True, scale)
+        operands = nsa_backward_operands(seqlen, generator)
         entry = {"seqlen": seqlen, "ms": {}, "max_diff_vs_first": {}}
         _, dk0, dv0 = block_select_backward(*operands, gather=TileConfig(*SETTINGS[0]), heads_inner=False)
         for setting in SETTINGS:
@@ -68,7 +61,7 @@ def nsa_part(log: list, out_path: str) -> None:
         log.append(entry)
         print(entry, flush=True)
         write_log({**environment("cuda"), "log": log}, out_path)
-        del q, k, v, out, lse, grad
+        del operands
         torch.cuda.empty_cache()
 
 
@@ -79,19 +72,14 @@ def order_part(out_dir: str) -> None:
     from triton.testing import do_bench
 
     from fa_lab.bench.schema import environment, write_log
-    from fa_lab.bench.sparse import BLOCK_K, HEAD_DIM, HEADS, HEADS_KV, bf16_inputs, nsa_selection
+    from fa_lab.bench.sparse import nsa_backward_operands
     from fa_lab.kernels.portable.configs import TileConfig
-    from fa_lab.kernels.portable.sparse_select import block_select_backward, block_select_forward
-    from fa_lab.sparse import check_key_tiles
+    from fa_lab.kernels.portable.sparse_select import block_select_backward
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     log = []
     for seqlen in SEQLENS:
-        q, k, v = (t.detach() for t in bf16_inputs(HEADS, HEADS_KV, seqlen, generator))
-        indices = check_key_tiles(nsa_selection(seqlen, generator), q, k, 1, BLOCK_K, True,
-                                  name="selection").to(torch.int32).contiguous()
-        out, lse = block_select_forward(q, k, v, indices, 1, BLOCK_K, True, HEAD_DIM ** -0.5)
-        operands = (q, k, v, out, lse, torch.randn_like(out), indices, 1, BLOCK_K, True, HEAD_DIM ** -0.5)
+        operands = nsa_backward_operands(seqlen, generator)
         calls = {f"heads_inner_{inner}": functools.partial(block_select_backward, *operands,
                                                            gather=TileConfig(*ORDER_SETTING), heads_inner=inner)
                  for inner in (True, False)}
@@ -104,7 +92,7 @@ def order_part(out_dir: str) -> None:
         log.append(entry)
         print(entry, flush=True)
         write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_nsa_gather_order.json"))
-        del q, k, v, out, lse, operands, grads
+        del operands, grads
         torch.cuda.empty_cache()
 
 

@@ -18,23 +18,16 @@ def main(out_dir: str) -> None:
     from triton.testing import do_bench
 
     from fa_lab.bench.schema import environment, write_log
-    from fa_lab.bench.sparse import BLOCK_K, HEAD_DIM, HEADS, HEADS_KV, SEQLENS, bf16_inputs, nsa_selection
+    from fa_lab.bench.sparse import SEQLENS, nsa_backward_operands
     from fa_lab.kernels import load_triton
-    from fa_lab.kernels.portable.sparse_select import block_select_backward, block_select_forward
-    from fa_lab.sparse import check_key_tiles
+    from fa_lab.kernels.portable.sparse_select import block_select_backward
 
     load_triton()
     generator = torch.Generator(device="cuda").manual_seed(0)
-    scale = HEAD_DIM ** -0.5
     log = []
     for seqlen in SEQLENS:
-        q, k, v = (t.detach() for t in bf16_inputs(HEADS, HEADS_KV, seqlen, generator))
-        indices = check_key_tiles(nsa_selection(seqlen, generator), q, k, 1, BLOCK_K, True,
-                                  name="selection").to(torch.int32).contiguous()
-        out, lse = block_select_forward(q, k, v, indices, 1, BLOCK_K, True, scale)
-        grad = torch.randn_like(out)
         entry = {"seqlen": seqlen}
-        operands = (q, k, v, out, lse, grad, indices, 1, BLOCK_K, True, scale)
+        operands = nsa_backward_operands(seqlen, generator)
         for _round in (1, 2):
             for warps in WARPS:
                 ms = do_bench(functools.partial(block_select_backward, *operands, dq_warps=warps),

@@ -85,11 +85,31 @@ def sparse_row(impl: str, seqlen: int, case: str = "nsa_select", selected: int =
     return row
 
 
-def ours(q, k, v, selection):
-    from ..kernels.portable.sparse_select import BlockSelectFunction
+def kernel_indices(selection: torch.Tensor, q, k) -> torch.Tensor:
+    """The NSA case's selection (one query per row, blocks of BLOCK_K, causal) checked against q and k, as the
+    kernels take it: int32, contiguous."""
     from ..sparse import check_key_tiles
 
-    indices = check_key_tiles(selection, q, k, 1, BLOCK_K, True, name="selection").to(torch.int32).contiguous()
+    return check_key_tiles(selection, q, k, 1, BLOCK_K, True, name="selection").to(torch.int32).contiguous()
+
+
+def nsa_backward_operands(seqlen: int, generator: torch.Generator) -> tuple:
+    """The positional operands of ``block_select_backward`` for the NSA case at ``seqlen``: detached bf16
+    q, k, v, the forward's out and lse, a random grad_out, the checked selection, block_q = 1, BLOCK_K,
+    causal and the scale (what the scripts that time the backward alone share)."""
+    from ..kernels.portable.sparse_select import block_select_forward
+
+    q, k, v = (t.detach() for t in bf16_inputs(HEADS, HEADS_KV, seqlen, generator))
+    indices = kernel_indices(nsa_selection(seqlen, generator), q, k)
+    scale = HEAD_DIM ** -0.5
+    out, lse = block_select_forward(q, k, v, indices, 1, BLOCK_K, True, scale)
+    return q, k, v, out, lse, torch.randn_like(out), indices, 1, BLOCK_K, True, scale
+
+
+def ours(q, k, v, selection):
+    from ..kernels.portable.sparse_select import BlockSelectFunction
+
+    indices = kernel_indices(selection, q, k)
     scale = HEAD_DIM ** -0.5
     return (lambda: BlockSelectFunction.apply(q, k, v, indices, 1, BLOCK_K, True, scale)[0]), (q, k, v)
 

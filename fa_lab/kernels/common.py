@@ -131,5 +131,5 @@ def grouped_entries(keys: torch.Tensor, groups: int) -> tuple[torch.Tensor, torc
         keys = keys.to(torch.int32)
     sorted_keys, order = torch.sort(keys, stable=True)
     starts = torch.arange(groups + 1, dtype=keys.dtype, device=keys.device)
-    return order, torch.searchsorted(sorted_keys, starts).to(torch.int32)
+    return order, torch.searchsorted(sorted_keys, starts, out_int32=True)
 
