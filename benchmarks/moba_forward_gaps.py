@@ -1,76 +1,143 @@
-"""Where MoBA's forward time goes beyond its kernels': the sparse benchmark's MoBA case at 64K (bf16, d = 128,
-32 heads, blocks of 4096, top-3, inputs requiring grad as in the benchmark), timed the way triton's do_bench
-times it (L2 flushed by a 256 MB fill, then events around the call), and the same loop under torch.profiler.
+"""Where MoBA's forward time goes beyond its kernels', with the gate and packing beside pass 1 and without.
 
-From the profile: each call's span on the GPU (from the end of its flush to the end of its last kernel), the sum
-of its kernels' times, and every idle stretch longer than 5 microseconds with the kernels on either side. The
-event-timed medians, with and without the flush, go beside them.
+The sparse benchmark's MoBA case at 64K (bf16, d = 128, 32 heads, blocks of 4096, top-3, inputs requiring grad
+as in the benchmark), in two arrangements of the same kernels:
+
+- ``side_stream``: what the forward does (:class:`fa_lab.kernels.common.SideWork`): pass 1 queued first, the
+  gate, the packing and pass 2's gather on a high-priority second stream beside it;
+- ``one_stream``: the same calls in the same order on one stream (SideWork made a no-op), so that the host's
+  wait for the packing's offsets also waits for pass 1;
+
+and, beside the stream, the Gluon kernel's options for each pass (``MOBA_PASS_OPTIONS`` in
+fa_lab/kernels/hopper/attention.py, one tile per CTA in both): pass 1 (causal blocks as heads) persistent, pass 2
+(packed, no mask) with three K/V stages, and both.
+
+Each is timed as the sparse benchmark times it (``triton.testing.do_bench``, median, L2 flushed before each call;
+1 s of calls rather than its 0.1 s) in ROUNDS interleaved rounds beside dense causal attention (the benchmark's
+``dense``), and profiled: each call's span on the GPU (from the end of its flush to the end of its last kernel),
+the sum of its kernels' times, and every idle stretch longer than 5 microseconds (no kernel of either stream
+running) with the kernel after it. The two arrangements' outputs are compared to the bit.
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/moba_forward_gaps.py $OUT`` writes $OUT/h200_moba_forward_gaps.json.
 """
+import contextlib
 import os
 import statistics
 import sys
+from dataclasses import replace
 
-SEQLEN, CALLS, MIN_GAP_US = 65536, 5, 5.0
+SEQLEN, CALLS, ROUNDS, MIN_GAP_US = 65536, 5, 3, 5.0
 
 
-def main(out_dir: str) -> None:
+class InOrder:
+    """SideWork's interface with the body queued on the current stream."""
+
+    def __init__(self, device):
+        pass
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+    def join(self, *tensors):
+        pass
+
+
+def profile_calls(run, flush) -> dict:
+    """Span, kernel sum and idle gaps of CALLS flushed calls of ``run`` under torch.profiler."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from fa_lab.bench.schema import environment, write_log
-    from fa_lab.bench.sparse import MOBA_HEADS, bf16_inputs, ours_moba
-    from fa_lab.kernels import load_triton
-
-    load_triton()
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    run, _ = ours_moba(*bf16_inputs(MOBA_HEADS, MOBA_HEADS, SEQLEN, generator), None)
-    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")
-
-    def timed_loop(flushed: bool) -> list[float]:
-        starts, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(CALLS)] for _ in range(2))
-        for start, end in zip(starts, ends):
-            if flushed:
-                flush.zero_()
-            start.record()
-            run()
-            end.record()
-        torch.cuda.synchronize()
-        return [start.elapsed_time(end) for start, end in zip(starts, ends)]
-
-    for _ in range(2):
-        timed_loop(True)
-    entry = {"seqlen": SEQLEN, "calls": CALLS,
-             "event_median_ms_flushed": round(statistics.median(timed_loop(True)), 3),
-             "event_median_ms_unflushed": round(statistics.median(timed_loop(False)), 3)}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed_loop(True)
+        for _ in range(CALLS):
+            flush.zero_()
+            run()
+        torch.cuda.synchronize()
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == DeviceType.CUDA)
-    # a call's kernels: those after a flush fill (the only int8 fill of the loop) up to the next one
-    is_flush = ["FillFunctor<signed char>" in name or "FillFunctor<char>" in name for _, _, name in kernels]
     calls, current = [], None
-    for kernel, flushing in zip(kernels, is_flush):
-        if flushing:
+    for kernel in kernels:  # a call's kernels: those after a flush fill (the only int8 fill) up to the next one
+        if "FillFunctor<signed char>" in kernel[2] or "FillFunctor<char>" in kernel[2]:
             current = [(kernel[1], kernel[1], "the flush")]  # the call starts where its flush ends
             calls.append(current)
         elif current is not None:
             current.append(kernel)
     calls = [call for call in calls if len(call) > 1]
-    gaps = []
+    gaps, spans, sums = [], [], []
     for call in calls:
-        gaps += [{"us": round(b[0] - a[1], 1), "after": a[2][:70], "before": b[2][:70]}
-                 for a, b in zip(call, call[1:]) if b[0] - a[1] > MIN_GAP_US]
-    spans = [(call[-1][1] - call[0][0]) / 1000 for call in calls]
-    sums = [sum(end - start for start, end, _ in call) / 1000 for call in calls]
-    entry.update(profiled_calls=len(spans), kernels_per_call=[len(call) - 1 for call in calls],
-                 span_ms=[round(s, 3) for s in spans], kernel_sum_ms=[round(s, 3) for s in sums],
-                 idle_ms_per_call=round(sum(g["us"] for g in gaps) / 1000 / len(spans), 3),
-                 gaps=sorted(gaps, key=lambda g: -g["us"])[:20])
-    print(entry, flush=True)
-    write_log({**environment("cuda"), "log": [entry]}, os.path.join(out_dir, "h200_moba_forward_gaps.json"))
+        ends = [call[0][1]]  # streams overlap: a gap is time after every earlier kernel has ended
+        for start, end, name in call[1:]:
+            if start - max(ends) > MIN_GAP_US:
+                gaps.append({"us": round(start - max(ends), 1), "before": name[:70]})
+            ends.append(end)
+        spans.append((max(ends) - call[0][0]) / 1000)
+        sums.append(sum(end - start for start, end, _ in call[1:]) / 1000)
+    return {"profiled_calls": len(spans), "kernels_per_call": [len(call) - 1 for call in calls],
+            "span_ms": [round(s, 3) for s in spans], "kernel_sum_ms": [round(s, 3) for s in sums],
+            "idle_ms_per_call": round(sum(g["us"] for g in gaps) / 1000 / max(len(spans), 1), 3),
+            "gaps": sorted(gaps, key=lambda g: -g["us"])[:10]}
+
+
+def main(out_dir: str) -> None:
+    import torch
+    from triton.testing import do_bench
+
+    from fa_lab.bench.schema import environment, write_log
+    from fa_lab.bench.sparse import MOBA_HEADS, bf16_inputs, dense, ours_moba
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.portable import moba
+
+    load_triton()
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    tensors = bf16_inputs(MOBA_HEADS, MOBA_HEADS, SEQLEN, generator)
+    run_moba, _ = ours_moba(*tensors, None)
+    run_dense, _ = dense(*tensors, None)
+    from fa_lab.kernels.hopper import attention as hopper
+
+    side_work, pass_options = moba.SideWork, hopper.MOBA_PASS_OPTIONS
+    own, past = pass_options
+    variants = {"side_stream": (side_work, pass_options), "one_stream": (InOrder, pass_options),
+                "side_stream, pass 1 persistent": (side_work, (replace(own, persistent=True), past)),
+                "side_stream, pass 2 3 stages": (side_work, (own, replace(past, stages=3))),
+                "side_stream, both": (side_work, (replace(own, persistent=True), replace(past, stages=3)))}
+
+    @contextlib.contextmanager
+    def arrangement(name):
+        moba.SideWork, hopper.MOBA_PASS_OPTIONS = variants.get(name, (side_work, pass_options))
+        try:
+            yield
+        finally:
+            moba.SideWork, hopper.MOBA_PASS_OPTIONS = side_work, pass_options
+
+    log = [{"variants": {name: [work.__name__, [vars(o) for o in options]]
+                         for name, (work, options) in variants.items()}}]
+    with torch.no_grad():
+        with arrangement("side_stream"):
+            expected = run_moba()
+        for name in variants:
+            with arrangement(name):
+                log.append({"check": f"{name}: output equal to side_stream's to the bit",
+                            "equal": bool(torch.equal(run_moba(), expected))})
+    del expected
+    times = {name: [] for name in (*variants, "dense")}
+    for _ in range(ROUNDS):
+        for name in times:
+            with arrangement(name):
+                times[name].append(round(do_bench(run_dense if name == "dense" else run_moba,
+                                                  return_mode="median", rep=1000), 3))
+        print(times, flush=True)
+    log.append({"seqlen": SEQLEN, "forward_ms_per_round": times,
+                "dense_over_moba": {name: round(statistics.median(times["dense"]) / statistics.median(times[name]), 3)
+                                    for name in variants}})
+    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")
+    for name in ("side_stream", "one_stream"):
+        with arrangement(name):
+            log.append({"arrangement": name, **profile_calls(run_moba, flush)})
+        print(log[-1], flush=True)
+    write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_moba_forward_gaps.json"))
 
 
 if __name__ == "__main__":

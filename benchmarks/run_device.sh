@@ -41,7 +41,8 @@
 #            benchmarks/nsa_dkdv_variants.py; fla-core on PYTHONPATH as for sparse)
 #   nsa-gather-order - the dK/dV gather's programs heads innermost against head row by head row
 #            (h200_nsa_gather_order.json, by benchmarks/nsa_dkdv_variants.py --order)
-#   moba-gaps - where MoBA's forward at 64K leaves the GPU idle between kernels (h200_moba_forward_gaps.json, by
+#   moba-gaps - MoBA's forward at 64K with its gate beside pass 1 and on one stream, beside dense, and its idle GPU
+#            time (h200_moba_forward_gaps.json, by
 #            benchmarks/moba_forward_gaps.py)
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
 #            H200 they take about 11 minutes: `tests tests/test_hopper.py` and the like run a part (the

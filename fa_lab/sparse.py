@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .block_info import BlockInfo, cdiv
-from .inputs import SUPPORTED_DTYPES, check_qkv, resolve_scale
+from .inputs import SUPPORTED_DTYPES, check_block_size, check_qkv, resolve_scale
 from .online_softmax import merge_splits
 from .reference import expand_kv, softmax_with_lse
 
@@ -138,18 +138,24 @@ def block_sparse_attention(q, k, v, key_tiles, block_q: int, block_k: int, causa
 # ---------------------------------------------------------------- MoBA
 
 @torch.no_grad()  # the selection is discrete: no gradient flows through the scores
+def check_moba_gate(q, k, block: int, top_k: int, impl: str) -> None:
+    """Refuse what :func:`moba_gate` cannot select from, before anything is computed."""
+    check_qkv(q, k, k, DTYPES)
+    check_impl(impl)
+    check_block_size("block", block)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"MoBA is self-attention here: q has {q.shape[2]} tokens and k {k.shape[2]}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an int >= 1 (the own block counts), got {top_k!r}")
+
+
 def moba_gate(q, k, block: int, top_k: int, impl: str = "torch") -> torch.Tensor:
     """(B, H, N, top_k) int64: the key blocks each query keeps, own block first, then the best past blocks
     by q . mean(K_block) (-1 where a query has fewer past blocks than top_k - 1). Causal, self-attention.
     impl="triton" (float16/bfloat16): the scores and picks in one kernel that reads q once
     (:func:`fa_lab.kernels.triton_moba_gate`), up to its limit on blocks; the same picks up to ties of
     float32 rounding."""
-    check_qkv(q, k, k, DTYPES)
-    check_impl(impl)
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"MoBA is self-attention here: q has {q.shape[2]} tokens and k {k.shape[2]}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be an int >= 1 (the own block counts), got {top_k!r}")
+    check_moba_gate(q, k, block, top_k, impl)
     seqlen, blocks = q.shape[2], cdiv(k.shape[2], block)
     picks = min(top_k - 1, blocks)  # past blocks picked (slots past the number of blocks are dropped)
     dtype = _compute_dtype(q)
@@ -189,14 +195,15 @@ def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None, 
     """MoBA's output and LSE in two passes merged by their LSE. Returns (out (B, H, N, d), lse (B, H, N)),
     differentiable in q, k, v (the gate's selection is discrete). impl="triton": both passes on the varlen
     kernels (float16/bfloat16; lse detached)."""
-    check_impl(impl)
-    selected = moba_gate(q, k, block, top_k, impl)
+    check_moba_gate(q, k, block, top_k, impl)
     scale = resolve_scale(scale, q.shape[-1])
     batch, heads, seqlen, head_dim = q.shape
-    k, v = expand_kv(k, heads), expand_kv(v, heads)
-    if impl == "triton":
+    if impl == "triton":  # the kernels call the gate once their first pass is queued (it needs no selection)
         from .kernels import triton_moba_attention
-        return triton_moba_attention(q, k, v, selected, block, scale)
+        return triton_moba_attention(q, expand_kv(k, heads), expand_kv(v, heads),
+                                     lambda: moba_gate(q, k, block, top_k, impl), block, scale)
+    selected = moba_gate(q, k, block, top_k, impl)
+    k, v = expand_kv(k, heads), expand_kv(v, heads)
     # Pass 1: every query over its own block, causally, all blocks at once in plain PyTorch. Not through
     # attention_varlen: its LSE is detached (as flash-attn's is), and the merge below differentiates
     # through the LSE. The kernel path gets the same gradients another way: it runs each pass's

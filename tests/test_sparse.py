@@ -75,6 +75,22 @@ def test_bad_selections_are_refused(change, words):
         block_sparse_attention(q, k, v, args["tiles"], 16, 16, args["causal"])
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("change, words", [
+    ({"block": 0}, "block must be a positive int"),
+    ({"block": 16.0}, "block must be a positive int"),
+    ({"top_k": 0}, "top_k must be an int >= 1"),
+    ({"keys": 48}, "self-attention"),
+])
+def test_bad_moba_arguments_are_refused_before_any_pass(impl, change, words):
+    """The kernel path calls the gate only once its first pass is queued: its arguments are checked first."""
+    args = {"block": 16, "top_k": 3, "keys": 64, **change}
+    q, _, _ = make_qkv(1, 2, 64, 64, 16, requires_grad=False, dtype=torch.bfloat16)
+    _, k, v = make_qkv(1, 2, args["keys"], args["keys"], 16, requires_grad=False, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=words):
+        moba_attention(q, k, v, args["block"], args["top_k"], impl=impl)
+
+
 @pytest.mark.parametrize("top_k", [3, 8])
 def test_moba_keeps_its_own_block_and_the_best_past_blocks(top_k, generator):
     """Own block first, then the best past blocks best first (-1 where a query has fewer past blocks; 8 asks for

@@ -14,6 +14,7 @@ learner never sets an environment variable.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -121,8 +122,9 @@ def triton_moba_gate(q, pooled, block, top_k):
     return run(q, pooled, block, top_k) if pooled.shape[2] <= GATE_BLOCKS else None
 
 
-def triton_moba_attention(q, k, v, selected, block, scale):
+def triton_moba_attention(q, k, v, select, block, scale):
     """Differentiable MoBA (its two passes on chapter 05's kernels, merged by their LSE): returns (out, lse).
+    select: () -> the gate's selection (B, H, N, top_k), called once the first pass is queued.
     On sm_90 the passes run on impl="triton_hopper"'s Gluon FA3 kernels, elsewhere on the portable ones.
     See :mod:`fa_lab.kernels.portable.moba`."""
     load_triton()
@@ -132,9 +134,11 @@ def triton_moba_attention(q, k, v, selected, block, scale):
     check_triton_inputs(q)
     kernels = PassKernels()
     if hopper.uses_gluon(q, hopper.HopperOptions()):
-        kernels = PassKernels(hopper.hopper_forward, hopper.hopper_backward, hopper.hopper_varlen_forward,
+        own, past = hopper.MOBA_PASS_OPTIONS
+        kernels = PassKernels(functools.partial(hopper.hopper_forward, options=own), hopper.hopper_backward,
+                              functools.partial(hopper.hopper_varlen_forward, hopper=past),
                               hopper.hopper_varlen_backward)
-    return MobaFunction.apply(q, k, v, selected, block, scale, kernels)
+    return MobaFunction.apply(q, k, v, select, block, scale, kernels)
 
 
 def triton_chunk_linear_attention(q, k, v, g, initial_state, scale, chunk_size):

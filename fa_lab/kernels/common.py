@@ -17,7 +17,7 @@ from ..block_info import cdiv
 from ..fp8 import E4M3_MAX, P_SCALE
 from . import interpreting
 
-__all__ = ["E4M3_MAX", "LN2", "LOG2E", "P_SCALE", "SUPPORTED", "cdiv", "check_triton_inputs", "descriptor",
+__all__ = ["E4M3_MAX", "LN2", "LOG2E", "P_SCALE", "SUPPORTED", "SideWork", "cdiv", "check_triton_inputs", "descriptor",
            "gluon_descriptor", "gluon_fp8_key_order", "grouped_entries", "head_dim_bucket", "kernel_operand",
            "on_device", "shared_layout"]
 
@@ -71,6 +71,43 @@ def kernel_operand(t: torch.Tensor) -> torch.Tensor:
 def on_device(t: torch.Tensor):
     """The CUDA device context of t (Triton launches on the current device); a no-op on CPU."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One high-priority stream per GPU for :class:`SideWork` (its blocks are dispatched before pending
+    blocks of the default priority)."""
+    return torch.cuda.Stream(device=device, priority=-1)
+
+
+class SideWork:
+    """GPU work queued beside the current stream: ``with side:`` queues its body on a second, high-priority
+    stream that starts where the current stream stands when ``SideWork`` is made, so that the body runs while
+    the current stream works through what was queued on it since (MoBA's gate and packing beside its first
+    pass, :mod:`fa_lab.kernels.portable.moba`: the host then waits for the gate's few kernels, not for the pass).
+    :meth:`join` makes the current stream wait for the body and hands it the body's tensors. On the CPU the
+    body runs in order and both are no-ops."""
+
+    def __init__(self, device: torch.device):
+        self.main = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.side = _side_stream(device) if self.main is not None else None
+        if self.side is not None:
+            self.side.wait_stream(self.main)
+
+    def __enter__(self):
+        self._context = torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+        return self._context.__enter__()
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+    def join(self, *tensors: torch.Tensor) -> None:
+        """The current stream waits for the body; ``tensors`` (made by the body, read later on the current
+        stream) keep their memory until the current stream's reads are done (``record_stream``)."""
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+            for t in tensors:
+                t.record_stream(self.main)
 
 
 def descriptor(t: torch.Tensor, block_rows: int, block_cols: int | None = None):

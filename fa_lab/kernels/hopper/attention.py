@@ -66,6 +66,12 @@ class HopperOptions:
     backward_dq: str = "turns"  # the Gluon backward's dQ: "turns" (whole tiles, the consumers in turn) or "partial"
 
 
+# MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
+# each block a head), and pass 2, its past blocks (packed, no mask), both one tile per CTA. A persistent pass 1
+# keeps every SM until it ends, so the gate queued beside it (SideWork) waits for it: the forward took 19.9 ms at
+# 64K against 19.2 (benchmarks/h200_moba_forward_gaps.json); three K/V stages in pass 2, 19.35.
+MOBA_PASS_OPTIONS = (HopperOptions(), HopperOptions())
+
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
 # many keys, per (head_dim, causal), the H200 measured it faster than the portable backward
 # (benchmarks/h200_backward.json; a CPU test holds this table to that file). At d = 128 it is 1.08-1.16x from 1K

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .. import common
@@ -30,6 +31,16 @@ def descriptor_blocks(head_dim: int, fp8: bool) -> dict[str, list[int]]:
     rows, keys = ROWS_PER_CONSUMER.value, KV_BLOCK.value
     v_block = [1, 1, head_dim, keys] if fp8 else [1, 1, keys, head_dim]
     return {"q": [1, 1, rows, head_dim], "k": [1, 1, keys, head_dim], "v": v_block, "o": [1, 1, rows, head_dim]}
+
+
+SM90_SHARED_MEMORY = 232448  # bytes of shared memory one CTA may allocate on sm_90 (227 KB)
+BARRIER_ALLOWANCE = 1024  # bytes kept for the mbarriers and the allocator's alignment
+
+
+@gluon.constexpr_function
+def separate_o_fits(q_bytes, kv_bytes, o_bytes) -> bool:
+    """Whether O's own buffers (o_bytes) fit in shared memory beside Q's and the K/V ring's."""
+    return q_bytes + kv_bytes + o_bytes + BARRIER_ALLOWANCE <= SM90_SHARED_MEMORY
 
 
 SM90_REGISTERS_PER_SM = 65536  # 32-bit registers an SM holds, for all its resident CTAs

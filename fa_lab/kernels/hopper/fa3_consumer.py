@@ -25,9 +25,10 @@ from .fa3_softmax import ScoreMods, carried_p, fp8_tile_scales, p_operand, softm
 @gluon.jit
 def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
              PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr,
-             ALIBI: gl.constexpr):
+             ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Consumer warpgroup CONSUMER: its 64 rows of every work tile of this CTA (one tile, or its share of the
-    schedule when persistent). state: the :class:`.fa3_state.KernelState`."""
+    schedule when persistent). state: the :class:`.fa3_state.KernelState`; SEPARATE_O: O has buffers of its
+    own (else it goes out through the consumer's Q buffer)."""
     BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
     CONSUMERS: gl.constexpr = state.q.bufs.type.shape[0]
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
@@ -39,20 +40,21 @@ def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.c
                                    WINDOW=WINDOW, VARLEN=VARLEN)
             _consumer_tile(state, tile, kv_count, k - first, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG,
                            FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP,
-                           ALIBI=ALIBI)
+                           ALIBI=ALIBI, SEPARATE_O=SEPARATE_O)
             kv_count += tile.n_iter
     else:
         tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
                                WINDOW=WINDOW, VARLEN=VARLEN)
         _consumer_tile(state, tile, 0, 0, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG, FP8=FP8,
-                       PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
+                       PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                       SEPARATE_O=SEPARATE_O)
     tma.store_wait(0)  # this consumer's last O store
 
 
 @gluon.jit
 def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
                    PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr,
-                   VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+                   VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Rows [start_m + 64 * CONSUMER, +64) of one WorkTile through its K/V tiles, then the epilogue.
 
     kv_count: K/V tiles this CTA consumed before this work tile (step j takes ring tile kv_count + j);
@@ -158,7 +160,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         v_tile.release()
         p = carried_p(p, dtype, p_layout, FP8=FP8)
 
-    if PERSISTENT and FP8:  # every Q K^T of this tile is done: the producer may load the next tile's Q
+    if PERSISTENT and SEPARATE_O:  # every Q K^T of this tile is done: the producer may load the next tile's Q
         state.q.release()
     v_last = state.v.at(kv_count + tile.n_iter - 1)
     v_last.wait_ready()
@@ -176,7 +178,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         l_safe = l_safe * (P_SCALE / v_descale_max)
     o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
     o_smem = state.o_bufs.index(CONSUMER)
-    if PERSISTENT and FP8:  # the previous tile's O store from this buffer must have left it
+    if PERSISTENT and SEPARATE_O:  # the previous tile's O store from this buffer must have left it
         tma.store_wait(0)
     if VARLEN:
         if row0 + ROWS_PER_CONSUMER > seqlen_q:  # the TMA box would write into the next sequence
@@ -185,7 +187,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
             _store_tile(state, o.to(out_dtype), o_smem, tile, row0)
     else:
         _store_tile(state, o.to(out_dtype), o_smem, tile, row0)
-    if PERSISTENT and not FP8:  # O went out through the Q buffer: free it for the next tile's Q once stored
+    if PERSISTENT and not SEPARATE_O:  # O went out through the Q buffer: free it for the next tile's Q once stored
         tma.store_wait(0)
         state.q.release()
 

@@ -59,7 +59,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .fa3_config import PRODUCER_REGS, ROWS_PER_CONSUMER
+from .fa3_config import PRODUCER_REGS, ROWS_PER_CONSUMER, separate_o_fits
 from .fa3_consumer import consumer
 from .fa3_producer import producer
 from .fa3_state import KernelState, QSlot, Ring, Turns, WorkList
@@ -106,9 +106,15 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    if FP8:  # O (16-bit) does not fit in the e4m3 Q buffers
+    # O's own buffers: in FP8 (16-bit O does not fit in the e4m3 Q buffers), and in a persistent CTA where they
+    # fit beside the rest, so that the next tile's Q loads while this tile's O is written and stored. Otherwise a
+    # consumer's Q tile, dead after its last Q K^T, takes O.
+    SEPARATE_O: gl.constexpr = FP8 or (PERSISTENT and separate_o_fits(
+        CONSUMERS * q_desc.block_type.nbytes, STAGES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes),
+        CONSUMERS * o_desc.block_type.nbytes))
+    if SEPARATE_O:
         o_bufs = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
-    else:  # a consumer's Q tile is dead after its last Q K^T: O reuses its shared memory
+    else:
         o_bufs = q_bufs
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -140,14 +146,14 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
             (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
-            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
+            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
             (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW, VARLEN)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ...block_info import cdiv
 from .. import common
-from ..common import grouped_entries, head_dim_bucket, kernel_operand, on_device
+from ..common import SideWork, grouped_entries, head_dim_bucket, kernel_operand, on_device
 from .attention import NO_OPTIONS, triton_backward, triton_forward, triton_varlen_backward, triton_varlen_forward
 
 LOG2E = tl.constexpr(common.LOG2E)
@@ -112,9 +112,9 @@ def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
     ``entries``: int64 (E,), which (query, slot) pairs of
     ``selected[..., 1:]`` (flattened) are packed, in packed order; ``query_rows``: int64 (E,), their rows of q;
     ``bounds``: cu_q and cu_k as lists, which the varlen kernels take too. ``cu_q`` is copied to the host
-    without waiting here, so that the caller can queue other GPU work (pass 1) before it waits for the copy:
-    the wait then leaves the GPU busy (at 64K on the H200 the forward took 1.7 ms longer than its kernels
-    when it waited before pass 1, docs/experiments/sparse_kernels.md).
+    without waiting here: the forward queues this beside pass 1 and then waits for the copy alone, with the
+    GPU busy on pass 1 (at 64K on the H200 the forward took 1.7 ms longer than its kernels when it waited
+    before pass 1, docs/experiments/sparse_kernels.md).
     """
     batch, heads, seqlen, top_k = selected.shape
     blocks, past = cdiv(seqlen, block), top_k - 1
@@ -319,15 +319,17 @@ class MobaFunction(torch.autograd.Function):
     lse (B, H, N) float32, detached)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, selected, block, scale, kernels=PassKernels()):
+    def forward(ctx, q, k, v, select, block, scale, kernels=PassKernels()):
+        """select: () -> selected, called once pass 1 is queued (it needs none of pass 1's results)."""
         batch, heads, seqlen, head_dim = q.shape
         q, k, v = (kernel_operand(t.contiguous()) for t in (q, k, v))  # (B, H, N, d8), contiguous
         as_heads = seqlen % block == 0  # pass 1 on the dense kernel, each block a head
         cu_own, own_bounds = (None, None) if as_heads else own_block_sequences(batch, seqlen, block, q.device)
-        past = selected.shape[-1] - 1  # slots after the own block
         rows, stride_part = batch * heads * seqlen, q.shape[-1]
         with on_device(q):
-            packing = past_block_sequences(selected, block) if past else None
+            # The gate and pass 2's packing run beside pass 1 (SideWork), which does not depend on them: the
+            # host waits for the packing's offsets while the GPU computes pass 1.
+            side = SideWork(q.device)
             # Pass 1's results as rows of (B, H, N): the dense kernel's are already; the varlen kernel's are
             # token-major and are copied to that order.
             if as_heads:
@@ -337,13 +339,20 @@ class MobaFunction(torch.autograd.Function):
                                                           (own_bounds, own_bounds), True, scale, NO_OPTIONS)
                 own_out = head_major(own_out, batch).contiguous()
                 own_lse = own_lse.view(heads, batch, seqlen).transpose(0, 1).contiguous()
-            past_out, past_lse, entries = own_out, own_lse, own_lse  # (not read when past is 0)
+            past_out, past_lse = own_out, own_lse  # (not read when past is 0)
+            entries = torch.empty(1, dtype=torch.int32, device=q.device)
+            with side:
+                selected = select()
+                past = selected.shape[-1] - 1  # slots after the own block
+                packing = past_block_sequences(selected, block) if past else None
+                if packing is not None:
+                    bounds = packing_bounds(packing)  # waits for the packing, not for pass 1
+                    past_q = gather_rows(rows_of(q), packing["query_rows"])
+                    entries = past_entries(packing, rows)
             if packing is not None:
-                bounds = packing_bounds(packing)  # waits for the packing, not for pass 1
-                past_out, past_lse = kernels.varlen_forward(
-                    gather_rows(rows_of(q), packing["query_rows"]), rows_of(k), rows_of(v), packing["cu_q"],
-                    packing["cu_k"], bounds, False, scale, NO_OPTIONS)
-                entries = past_entries(packing, rows)
+                side.join(past_q, entries, packing["order"], packing["query_rows"], packing["cu_q"], packing["cu_k"])
+                past_out, past_lse = kernels.varlen_forward(past_q, rows_of(k), rows_of(v), packing["cu_q"],
+                                                            packing["cu_k"], bounds, False, scale, NO_OPTIONS)
             out = torch.empty((batch, heads, seqlen, head_dim), dtype=q.dtype, device=q.device)
             lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
             moba_merge_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
