@@ -13,6 +13,8 @@ from fa_lab.flash_torch import _Tiles, flash_attention
 from fa_lab.reference import reference_attention
 from fa_lab.testing import LSE_FLOOR, check_attention, compare, make_qkv
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter
+
 
 def attention_by_definition(q, k, v, causal, scale, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     """(out, lse) in float64 from flash-attn's definitions, one (batch, head, query, key) at a time."""
@@ -265,6 +267,40 @@ def test_tile_schedule_orders_the_tiles_by_their_work(by_keys, causal, window, g
             expected.append((-work, sequence, start))
     expected = [[sequence, start] for _, sequence, start in sorted(expected)]
     assert tile_schedule(bounds_q, bounds_k, block, by_keys, causal, window).tolist() == expected
+
+
+def check_device_tiles(launch, head_dim, device, generator):
+    """A packed forward scheduled from offsets left on the device (DeviceTiles: an upper bound of tiles, the
+    rest of an empty sequence) computes what the host-scheduled launch computes, to the bit, on every packed row;
+    rows past the packed total are there and are not read."""
+    from fa_lab.kernels.common import kernel_operand
+    from fa_lab.kernels.portable.attention import NO_OPTIONS, DeviceTiles
+
+    lengths_q, lengths_k = [1, 70, 0, 129, 5, 0], [3, 200, 17, 128, 0, 0]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 2, 1, head_dim, torch.bfloat16, generator)
+    spare = torch.randn(37, 2, head_dim, generator=generator).to(q.dtype)  # rows past cu_q[-1]
+    q, k, v = (kernel_operand(t.to(device).contiguous()) for t in (torch.cat([q, spare]), k, v))
+    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
+    total = sum(lengths_q)
+    want_out, want_lse = launch(q, k, v, cu_q, cu_k, (cu_q.tolist(), cu_k.tolist()), False, 0.3, NO_OPTIONS)
+    got_out, got_lse = launch(q, k, v, cu_q, cu_k, DeviceTiles(cu_q, cu_k, len(q)), False, 0.3, NO_OPTIONS)
+    assert torch.equal(got_out[:total], want_out[:total]) and torch.equal(got_lse[:, :total], want_lse[:, :total])
+    with pytest.raises(ValueError, match="without a mask"):
+        launch(q, k, v, cu_q, cu_k, DeviceTiles(cu_q, cu_k, len(q)), True, 0.3, NO_OPTIONS)
+
+
+def test_device_tiles_schedule_what_the_host_schedules(generator):
+    pytest.importorskip("triton")
+    from fa_lab.kernels.portable.attention import triton_varlen_forward
+
+    check_device_tiles(triton_varlen_forward, 32, DEVICE, generator)
+
+
+@pytest.mark.gpu
+def test_gpu_device_tiles_on_the_gluon_kernel(generator):
+    from fa_lab.kernels.hopper.attention import gluon_varlen_forward
+
+    check_device_tiles(gluon_varlen_forward, 128, "cuda", generator)
 
 
 def test_varlen_reads_a_cu_seqlens_tensor_once_per_version(monkeypatch, generator):

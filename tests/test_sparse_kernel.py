@@ -324,6 +324,31 @@ def test_mobas_gather_and_dq_add_build_for_sm90_with_wide_loads_and_stores():
         assert build.stack_bytes == 0, build.stack_bytes
 
 
+def test_mobas_count_and_place_build_for_sm90_with_wide_row_copies():
+    """moba_place_kernel (64 bf16 rows of 128 against 16 blocks, top-3) copies each query row 16 bytes a load and
+    a store to its packed places, and both packing kernels keep everything in registers."""
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
+
+    load_triton()
+    from fa_lab.kernels.portable.moba import moba_count_kernel, moba_place_kernel, place_tile
+
+    rows, blocks = place_tile(16)
+
+    count, place = compile_all_for_sm90([
+        dict(kernel=moba_count_kernel, signature={"selected_ptr": "*i64", "counts_ptr": "*i32", "seqlen": "i32",
+                                                  "blocks": "i32"},
+             num_warps=4, constants=dict(TOP_K=3, ROWS=rows, BLOCKS=blocks)),
+        dict(kernel=moba_place_kernel, signature={
+            "selected_ptr": "*i64", "first_ptr": "*i32", "q_ptr": "*bf16", "packed_q_ptr": "*bf16",
+            "query_rows_ptr": "*i64", "inverse_ptr": "*i32", "seqlen": "i32", "blocks": "i32", "rows_total": "i32",
+            "width": "i32"},
+             num_warps=4, constants=dict(TOP_K=3, ROWS=rows, BLOCKS=blocks, WIDTH=128),
+             aligned=("q_ptr", "packed_q_ptr", "width"))])
+    assert place.sass.count("LDG.E.128") >= 1 and place.sass.count("STG.E.128") >= 1, place.registers
+    assert count.stack_bytes == 0 and place.stack_bytes == 0, (count.stack_bytes, place.stack_bytes)
+
+
 def test_mobas_gate_builds_for_sm90_on_tensor_cores_without_spills():
     """moba_gate_kernel (GATE_ROWS bf16 rows of 128 against 16 blocks, top-3) scores on the tensor cores (HMMA or
     wgmma: no float32 FMA products), loads q 16 bytes at a time and keeps everything in registers."""
@@ -421,6 +446,45 @@ def test_moba_gate_past_the_kernels_blocks_runs_in_pytorch(generator):
 
     q, k, _ = make_qkv(1, 1, GATE_BLOCKS + 1, GATE_BLOCKS + 1, 16, torch.float16, DEVICE, generator)
     assert torch.equal(moba_gate(q, k, 1, 3, impl="triton"), moba_gate(q, k, 1, 3))
+
+
+def sorted_packing(selected, block):
+    """Pass 2's packing by a stable sort of the entries' (batch, head, block) keys: (cu_q, query_rows (E,),
+    entries (past, rows)), E = cu_q[-1]; the reference of the count-and-place kernels."""
+    from fa_lab.kernels.common import grouped_entries
+
+    batch, heads, seqlen, top_k = selected.shape
+    blocks, past, rows = cdiv(seqlen, block), top_k - 1, batch * heads * seqlen
+    sequences = batch * heads * blocks
+    head_rows = torch.arange(batch * heads, device=selected.device).view(batch, heads, 1, 1)
+    key = torch.where(selected[..., 1:] >= 0, head_rows * blocks + selected[..., 1:], sequences).flatten()
+    order, cu_q = grouped_entries(key, sequences)
+    packed = order[:int(cu_q[-1])]
+    entries = torch.full((past, rows), -1, dtype=torch.int32, device=selected.device)
+    entries.view(-1)[(packed % past) * rows + packed // past] = torch.arange(len(packed), dtype=torch.int32,
+                                                                           device=selected.device)
+    return cu_q, packed // past, entries
+
+
+@pytest.mark.parametrize("batch, heads, seqlen, block, top_k", [
+    (2, 3, 77, 16, 3),  # a ragged last block, unused slots in the first blocks
+    (1, 2, 130, 8, 5),  # more slots, queries spread over 17 blocks
+    (1, 1, 300, 1, 2),  # 300 blocks: 16-row tiles
+    (1, 2, 64, 16, 1),  # no past slot: nothing packed
+])
+def test_moba_count_and_place_pack_as_a_stable_sort_does(batch, heads, seqlen, block, top_k, generator):
+    from fa_lab.kernels.portable.moba import packing_bounds, past_block_sequences
+
+    q, k, _ = make_qkv(batch, heads, seqlen, seqlen, 16, torch.float16, DEVICE, generator)
+    selected = moba_gate(q, k, block, top_k)
+    selected[0, 0, seqlen // 2:, -1] = -1  # slots left unused by choice, not only by a short past
+    cu_q, query_rows, entries = sorted_packing(selected, block)
+    packing = past_block_sequences(selected, block, q)
+    total = packing_bounds(packing)[0][-1]
+    assert torch.equal(packing["cu_q"], cu_q) and total == int(cu_q[-1])
+    assert torch.equal(packing["query_rows"][:total], query_rows)
+    assert torch.equal(packing["entries"], entries)
+    assert torch.equal(packing["q"][:total, 0], q.reshape(-1, 16)[query_rows])
 
 
 @pytest.mark.gpu

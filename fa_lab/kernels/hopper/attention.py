@@ -26,6 +26,7 @@ from ..portable.attention import (
     heads_view,
     host_bounds,
     pipelined_forward,
+    query_tiles,
     triton_backward,
     triton_forward,
     triton_varlen_backward,
@@ -139,7 +140,8 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
 def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: ScoreOptions,
                          hopper: HopperOptions = HopperOptions()):
     """The Gluon FA3 forward of a packed batch on prepared operands q: (total_q, H, d8), k, v:
-    (total_k, Hkv, d8), cu_q, cu_k int32 offsets, bounds their values as :func:`host_bounds` takes them:
+    (total_k, Hkv, d8), cu_q, cu_k int32 offsets, bounds their values as :func:`host_bounds` takes them (or
+    ``DeviceTiles``, no mask):
     (out (total_q, H, d8), lse (H, total_q) float32). One work tile per (sequence, query tile) of
     ``varlen_schedule`` (longest first) and head; nothing is padded to the longest sequence."""
     from .fa3_config import ROWS_PER_CONSUMER
@@ -149,7 +151,7 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
     block_m = ROWS_PER_CONSUMER.value * hopper.consumers
     descriptors = _descriptors(*(heads_view(t) for t in (q, k, v, out)), fp8=False)
-    tiles = varlen_schedule(*host_bounds(bounds), block_m, False, causal, options.window, q.device)
+    tiles, cu_q, cu_k = query_tiles(bounds, cu_q, cu_k, block_m, causal, options.window, q.device)
     if not len(tiles):
         return out, lse
     work = (heads, heads // k.shape[1], total_q, k.shape[0], tiles, cu_q, cu_k)

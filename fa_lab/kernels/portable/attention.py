@@ -260,6 +260,44 @@ def tile_schedule(bounds_q, bounds_k, block: int, by_keys: bool, causal: bool, w
     return torch.stack([sequence[order], start[order]], dim=1).to(torch.int32)
 
 
+@dataclass(frozen=True)
+class DeviceTiles:
+    """A packed batch whose offsets stay on the device, for a forward without a mask whose caller knows only how
+    many query rows it packed at most (MoBA's second pass: a kernel counts its sequences, and reading them back
+    would wait for the GPU). cu_q, cu_k: int32 (S + 1,) on the device; max_rows: at least cu_q[-1].
+
+    :meth:`schedule` gives every launch an upper bound of tiles: each sequence's, in order, then tiles of an empty
+    sequence appended after the last (no keys and no rows: the kernel reads nothing of it and stores nothing), so
+    the grid is sized without reading the offsets."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_rows: int
+
+    def schedule(self, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tiles (T, 2) int32 (sequence, first row), cu_q, cu_k with the empty sequence) for tiles of ``block``
+        query rows; T = cdiv(max_rows, block) + S, at least the tiles the sequences need."""
+        sequences = len(self.cu_q) - 1
+        lengths = (self.cu_q[1:] - self.cu_q[:-1]).long()
+        ends = torch.cumsum(-(-lengths // block), 0)  # each sequence's tiles end here
+        tile = torch.arange(cdiv(self.max_rows, block) + sequences, device=self.cu_q.device)
+        sequence = torch.searchsorted(ends, tile, right=True)  # `sequences` past the last: the empty one
+        first = torch.cat([ends.new_zeros(1), ends])[sequence]
+        start = torch.where(sequence < sequences, (tile - first) * block, 0)
+        tiles = torch.stack([sequence, start], dim=1).to(torch.int32)
+        return tiles, torch.cat([self.cu_q, self.cu_q[-1:]]), torch.cat([self.cu_k, self.cu_k[-1:]])
+
+
+def query_tiles(bounds, cu_q, cu_k, block: int, causal: bool, window, device):
+    """(tiles, cu_q, cu_k) of a packed forward's launch over tiles of ``block`` query rows: ``bounds`` as
+    :func:`host_bounds` takes them (:func:`varlen_schedule`), or :class:`DeviceTiles` (no mask)."""
+    if isinstance(bounds, DeviceTiles):
+        if causal or tuple(window) != (-1, -1):
+            raise ValueError("DeviceTiles packs batches without a mask: causal and window are not taken")
+        return bounds.schedule(block)
+    return varlen_schedule(*host_bounds(bounds), block, False, causal, window, device), cu_q, cu_k
+
+
 def host_bounds(bounds) -> tuple[list[int], list[int]]:
     """(cu_seqlens_q, cu_seqlens_k) as lists: ``bounds`` is that pair, or an object whose ``lists()`` gives it
     (:class:`fa_lab.varlen.PackedBounds`, which waits there for its copy to the host: a launcher calls this
@@ -276,7 +314,8 @@ def triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: floa
                           config: TileConfig | None = None):
     """Forward of a packed batch on prepared operands q: (total_q, H, d8), k, v: (total_k, Hkv, d8).
 
-    bounds: (cu_seqlens_q, cu_seqlens_k) as lists, or as :func:`host_bounds` takes them. Returns
+    bounds: (cu_seqlens_q, cu_seqlens_k) as lists, as :func:`host_bounds` takes them, or :class:`DeviceTiles`
+    (no mask). Returns
     (out: (total_q, H, d8), lse: (H, total_q) float32).
     """
     from .forward import attention_fwd_kernel
@@ -285,7 +324,7 @@ def triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: floa
     config = config or forward_config(head_dim, causal, interpreting())
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
-    tiles = varlen_schedule(*host_bounds(bounds), config.block_m, False, causal, options.window, q.device)
+    tiles, cu_q, cu_k = query_tiles(bounds, cu_q, cu_k, config.block_m, causal, options.window, q.device)
     if not len(tiles):
         return out, lse
     qv, kv, vv = heads_view(q), heads_view(k), heads_view(v)

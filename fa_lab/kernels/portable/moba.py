@@ -8,20 +8,21 @@ in two varlen passes merged by their LSE, as flash-attn-based MoBA does:
    a head of its own: q viewed as (B, H * N / block, block, d) goes through the dense causal kernel with no
    copy (:func:`block_heads`); otherwise varlen attention with one sequence per block
    (:func:`own_block_sequences`) on token-major copies;
-2. *past blocks*, key-block-major: the (query, selected block) entries are sorted by (batch, head,
+2. *past blocks*, key-block-major: the (query, selected block) entries are grouped by (batch, head,
    block), so that the queries that chose one block of one head form one packed sequence against that
-   block's keys, all of them in a single launch with one head per sequence (:func:`past_block_sequences`).
+   block's keys, all of them in a single launch with one head per sequence (:func:`past_block_sequences`:
+   a count per block and tile of queries, then a kernel that writes each query's row of q to its packed places).
    Every key of a past block lies before the query, so this pass needs no mask.
 
 The partial results are merged by their LSE in one kernel, :func:`moba_merge_kernel`, a jit copy of
 :func:`fa_lab.online_softmax.merge_splits` that reads pass 1's rows in place and pass 2's through the
-packing's inverse (:func:`past_entries`), so that no partial result is copied or scattered first, a block of
+packing's inverse (``entries``), so that no partial result is copied or scattered first, a block of
 rows a program (decoding's merge, one row a program, suits a few rows of many splits, not millions of rows of
 a few). The backward runs each pass's backward with the *merged* output and LSE (P = exp(S - lse) is then the
 final softmax, so each pass yields its exact share of the gradients, as ring attention's steps do) and adds
 the shares; a query's dQ from its past blocks is added back through the same inverse
-(:func:`add_past_rows_kernel`). Pass 2's packed operands (q in the forward; q, O and dO in the backward) are
-gathered by :func:`gather_rows`.
+(:func:`add_past_rows_kernel`). The backward's packed operands (q, O and dO) are gathered by
+:func:`gather_rows`.
 
 The kernels are chapter 05's, on prepared operands (:class:`PassKernels`): the portable ones by default;
 :func:`fa_lab.kernels.triton_moba_attention` gives impl="triton_hopper"'s Gluon FA3 forward and backward
@@ -41,8 +42,15 @@ import triton.language as tl
 
 from ...block_info import cdiv
 from .. import common
-from ..common import SideWork, grouped_entries, head_dim_bucket, kernel_operand, on_device
-from .attention import NO_OPTIONS, triton_backward, triton_forward, triton_varlen_backward, triton_varlen_forward
+from ..common import SideWork, head_dim_bucket, kernel_operand, on_device
+from .attention import (
+    NO_OPTIONS,
+    DeviceTiles,
+    triton_backward,
+    triton_forward,
+    triton_varlen_backward,
+    triton_varlen_forward,
+)
 
 LOG2E = tl.constexpr(common.LOG2E)
 # Rows a program of moba_merge_kernel, gather_rows_kernel and add_past_rows_kernel. On the H200 at 64K this merge
@@ -50,6 +58,8 @@ LOG2E = tl.constexpr(common.LOG2E)
 # first) took 5.8 ms, and the gathers 0.38 ms in the forward and 1.1 in the backward where PyTorch's took 2.3 and
 # 6.9 (docs/experiments/sparse_kernels.md).
 ROWS_PER_PROGRAM = 16
+# moba_count_kernel and moba_place_kernel: at most this many query rows a program, and (rows, blocks) counts.
+PLACE_ROWS, PLACE_ELEMENTS = 64, 4096
 # moba_gate_kernel: query rows a program, and the most key blocks it scores in registers (a (rows, blocks)
 # float32 tile); fa_lab.sparse.moba_gate keeps longer block lists in PyTorch.
 GATE_ROWS, GATE_BLOCKS = 64, 256
@@ -102,59 +112,122 @@ def key_block_bounds(rows: int, seqlen: int, block: int, device) -> torch.Tensor
     return starts.to(torch.int32)
 
 
-def past_block_sequences(selected: torch.Tensor, block: int) -> dict:
-    """Pass 2's packing of the past-block entries, key-block-major.
+@triton.jit
+def _tile_hits(selected_ptr, query, row_ok, TOP_K: tl.constexpr, BLOCKS: tl.constexpr):
+    """(ROWS, BLOCKS) int32: for each of a tile's query rows (query: their rows of (B * H * N)), which key blocks
+    it chose in a past slot (selected_ptr as :func:`moba_count_kernel`)."""
+    cols = tl.arange(0, BLOCKS)
+    hits = tl.zeros([query.shape[0], BLOCKS], dtype=tl.int32)
+    for slot in tl.static_range(1, TOP_K):
+        chosen = tl.load(selected_ptr + query * TOP_K + slot, mask=row_ok, other=-1)
+        hits += (chosen[:, None] == cols[None, :]).to(tl.int32)
+    return hits
 
-    The queries are the (B * H * N) head-major rows of q, the keys those of k. Returns a dict: ``cu_q``,
-    ``cu_k``: int32 (B * H * blocks + 1,), the packed queries and the key rows of each (batch, head, block)
-    sequence; ``order``: int64, the (query, slot) pairs of ``selected[..., 1:]`` (flattened) sorted by
-    sequence, the unused ones last; ``past``: the slots per query. Once :func:`packing_bounds` has run, also
-    ``entries``: int64 (E,), which (query, slot) pairs of
-    ``selected[..., 1:]`` (flattened) are packed, in packed order; ``query_rows``: int64 (E,), their rows of q;
-    ``bounds``: cu_q and cu_k as lists, which the varlen kernels take too. ``cu_q`` is copied to the host
-    without waiting here: the forward queues this beside pass 1 and then waits for the copy alone, with the
-    GPU busy on pass 1 (at 64K on the H200 the forward took 1.7 ms longer than its kernels when it waited
-    before pass 1, docs/experiments/sparse_kernels.md).
+
+@triton.jit
+def moba_count_kernel(selected_ptr, counts_ptr, seqlen, blocks, TOP_K: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCKS: tl.constexpr):
+    """counts_ptr[bh, t, b] (int32 (B * H, tiles, blocks)): how many (query, past slot) entries of query rows
+    [t * ROWS, +ROWS) of head row bh chose key block b (BLOCKS >= blocks). selected_ptr: int64 (B * H, seqlen,
+    TOP_K), the own block in slot 0, -1 for an unused slot. Program (t, bh)."""
+    pid_t, bh = tl.program_id(0), tl.program_id(1)
+    rows = pid_t * ROWS + tl.arange(0, ROWS)
+    hits = _tile_hits(selected_ptr, bh.to(tl.int64) * seqlen + rows, rows < seqlen, TOP_K, BLOCKS)
+    cols = tl.arange(0, BLOCKS)
+    tl.store(counts_ptr + (bh.to(tl.int64) * tl.num_programs(0) + pid_t) * blocks + cols, tl.sum(hits, axis=0),
+             mask=cols < blocks)
+
+
+@triton.jit
+def moba_place_kernel(selected_ptr, first_ptr, q_ptr, packed_q_ptr, query_rows_ptr, inverse_ptr, seqlen, blocks,
+                      rows_total, width, TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
+                      WIDTH: tl.constexpr):
+    """Pass 2's packing of query rows [t * ROWS, +ROWS) of head row bh (program (t, bh)): entry (row, slot s) with
+    key block b goes to packed row first_ptr[bh, t, b] (where the tile's first entry of block b goes) plus the
+    entries of block b in the tile's earlier rows, so that each block's queries stay in row order (the order of
+    a stable sort by block). There it writes the query's row of q (q_ptr: (rows_total, width), packed_q_ptr the
+    same width), its index (query_rows_ptr, int64), and the packed row into inverse_ptr[s - 1, row] (int32
+    (TOP_K - 1, rows_total), -1 for an unused slot). selected_ptr and BLOCKS as :func:`moba_count_kernel`."""
+    pid_t, bh = tl.program_id(0), tl.program_id(1)
+    rows = pid_t * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < seqlen
+    query = bh.to(tl.int64) * seqlen + rows  # rows of (B * H * N)
+    hits = _tile_hits(selected_ptr, query, row_ok, TOP_K, BLOCKS)
+    before = tl.cumsum(hits, axis=0) - hits  # each block's entries in the tile's earlier rows
+    blocks_at = tl.arange(0, BLOCKS)
+    first = tl.load(first_ptr + (bh.to(tl.int64) * tl.num_programs(0) + pid_t) * blocks + blocks_at,
+                    mask=blocks_at < blocks, other=0)
+    cols = tl.arange(0, WIDTH)
+    col_ok = cols < width
+    tile = tl.load(q_ptr + query[:, None] * width + cols[None, :], mask=row_ok[:, None] & col_ok[None, :])
+    for slot in tl.static_range(1, TOP_K):
+        chosen = tl.load(selected_ptr + query * TOP_K + slot, mask=row_ok, other=-1)
+        packed = tl.sum(tl.where(chosen[:, None] == blocks_at[None, :], first[None, :] + before, 0), axis=1)
+        used = row_ok & (chosen >= 0)
+        tl.store(inverse_ptr + (slot - 1) * rows_total + query, tl.where(used, packed, -1), mask=row_ok)
+        tl.store(query_rows_ptr + packed, query, mask=used)
+        tl.store(packed_q_ptr + packed.to(tl.int64)[:, None] * width + cols[None, :], tile,
+                 mask=used[:, None] & col_ok[None, :])
+
+
+def place_tile(blocks: int) -> tuple[int, int]:
+    """(ROWS, BLOCKS) of :func:`moba_count_kernel` and :func:`moba_place_kernel` for ``blocks`` key blocks: a
+    (ROWS, BLOCKS) tile of at most PLACE_ELEMENTS counts, at least 16 rows."""
+    padded = max(16, triton.next_power_of_2(blocks))
+    return max(16, min(PLACE_ROWS, PLACE_ELEMENTS // padded)), padded
+
+
+def past_block_sequences(selected: torch.Tensor, block: int, q: torch.Tensor) -> dict:
+    """Pass 2's packing of the past-block entries, key-block-major, by :func:`moba_count_kernel` and
+    :func:`moba_place_kernel`: the queries that chose one block of one head form one packed sequence against that
+    block's keys, in row order.
+
+    q: (B, H, N, d8) contiguous, the queries. Returns a dict: ``cu_q``, ``cu_k``: int32 (B * H * blocks + 1,),
+    the packed queries and the key rows of each (batch, head, block) sequence (the keys as the (B * H * N) rows
+    of k); ``q``: (E, 1, d8), the packed queries, E = B * H * N * past rows of which the first cu_q[-1] are used;
+    ``query_rows``: int64 (E,), each packed row's row of q (the same cut); ``entries``: int32 (past, B * H * N),
+    for slot s of query row r the packed row that holds it, -1 where the query chose nothing; ``past``: the slots
+    per query. Nothing waits for the GPU: the forward schedules pass 2 from the offsets on the device
+    (``DeviceTiles``), and cu_q is copied to the host without a wait for the backward (:func:`packing_bounds`). The sort this replaces
+    (:func:`fa_lab.kernels.common.grouped_entries`) gives the same packing; a test holds them equal.
     """
+    selected = selected.contiguous()
     batch, heads, seqlen, top_k = selected.shape
     blocks, past = cdiv(seqlen, block), top_k - 1
-    device = selected.device
-    sequences = batch * heads * blocks
-    head_rows = torch.arange(batch * heads, device=device).view(batch, heads, 1, 1)
-    sequence = torch.where(selected[..., 1:] >= 0, head_rows * blocks + selected[..., 1:], sequences).flatten()
-    order, cu_q = grouped_entries(sequence, sequences)  # unused slots sort past the end: cut at cu_q[-1] on the host
-    cu_k_host = key_block_bounds(batch * heads, seqlen, block, "cpu")
+    device, head_rows, rows = selected.device, batch * heads, batch * heads * seqlen
+    tile_rows, padded_blocks = place_tile(blocks)
+    tiles = cdiv(seqlen, tile_rows)
+    counts = torch.empty((head_rows, tiles, blocks), dtype=torch.int32, device=device)
+    moba_count_kernel[(tiles, head_rows)](selected, counts, seqlen, blocks, TOP_K=top_k, ROWS=tile_rows,
+                                          BLOCKS=padded_blocks)
+    cu_q = torch.zeros(head_rows * blocks + 1, dtype=torch.int32, device=device)
+    torch.cumsum(counts.sum(1, dtype=torch.int32).flatten(), 0, out=cu_q[1:])
+    first = cu_q[:-1].view(head_rows, 1, blocks) + torch.cumsum(counts, 1, dtype=torch.int32) - counts
+    width = q.shape[-1]
+    packed_q = q.new_empty((rows * past, 1, width))
+    query_rows = torch.empty(rows * past, dtype=torch.int64, device=device)
+    entries = torch.empty((past, rows), dtype=torch.int32, device=device)
+    moba_place_kernel[(tiles, head_rows)](selected, first, q, packed_q, query_rows, entries, seqlen, blocks, rows,
+                                          width, TOP_K=top_k, ROWS=tile_rows, BLOCKS=padded_blocks,
+                                          WIDTH=head_dim_bucket(width))
     cu_q_host = torch.empty(cu_q.shape, dtype=torch.int32, pin_memory=cu_q.is_cuda)
     cu_q_host.copy_(cu_q, non_blocking=True)
     copied = torch.cuda.Event() if cu_q.is_cuda else None
     if copied is not None:
         copied.record()
-    return {"order": order, "past": past, "cu_q": cu_q, "cu_k": key_block_bounds(batch * heads, seqlen, block, device),
-            "cu_q_host": cu_q_host, "cu_k_host": cu_k_host, "copied": copied}
+    return {"past": past, "cu_q": cu_q, "cu_k": key_block_bounds(head_rows, seqlen, block, device), "q": packed_q,
+            "query_rows": query_rows, "entries": entries, "cu_q_host": cu_q_host,
+            "cu_k_host": key_block_bounds(head_rows, seqlen, block, "cpu"), "copied": copied}
 
 
 def packing_bounds(packing: dict) -> tuple[list[int], list[int]]:
     """(cu_q, cu_k) of :func:`past_block_sequences` as lists, waiting for cu_q's copy to the host (and for
-    nothing queued after it); on the first call it also sets ``entries`` (the sorted entries cut to the
-    packed ones) and ``query_rows``."""
+    nothing queued after it)."""
     if "bounds" not in packing:
         if packing["copied"] is not None:
             packing["copied"].synchronize()
         packing["bounds"] = (packing["cu_q_host"].tolist(), packing["cu_k_host"].tolist())
-        packing["entries"] = packing["order"][:packing["bounds"][0][-1]]
-        packing["query_rows"] = packing["entries"] // packing["past"]
     return packing["bounds"]
-
-
-def past_entries(packing: dict, rows: int) -> torch.Tensor:
-    """int32 (past, rows): for slot s of query row r (rows of (B, H, N)), the row of pass 2's packed results
-    that holds it, -1 where the query selected nothing there (the inverse of ``packing["entries"]``)."""
-    past = packing["past"]
-    inverse = torch.full((past, rows), -1, dtype=torch.int32, device=packing["entries"].device)
-    slots = packing["entries"] % past
-    inverse.view(-1)[slots * rows + packing["query_rows"]] = torch.arange(
-        len(slots), dtype=torch.int32, device=inverse.device)
-    return inverse
 
 
 @triton.jit
@@ -327,8 +400,7 @@ class MobaFunction(torch.autograd.Function):
         cu_own, own_bounds = (None, None) if as_heads else own_block_sequences(batch, seqlen, block, q.device)
         rows, stride_part = batch * heads * seqlen, q.shape[-1]
         with on_device(q):
-            # The gate and pass 2's packing run beside pass 1 (SideWork), which does not depend on them: the
-            # host waits for the packing's offsets while the GPU computes pass 1.
+            # The gate and pass 2's packing run beside pass 1 (SideWork, a second stream): neither needs the other.
             side = SideWork(q.device)
             # Pass 1's results as rows of (B, H, N): the dense kernel's are already; the varlen kernel's are
             # token-major and are copied to that order.
@@ -344,15 +416,15 @@ class MobaFunction(torch.autograd.Function):
             with side:
                 selected = select()
                 past = selected.shape[-1] - 1  # slots after the own block
-                packing = past_block_sequences(selected, block) if past else None
-                if packing is not None:
-                    bounds = packing_bounds(packing)  # waits for the packing, not for pass 1
-                    past_q = gather_rows(rows_of(q), packing["query_rows"])
-                    entries = past_entries(packing, rows)
+                packing = past_block_sequences(selected, block, q) if past else None
             if packing is not None:
-                side.join(past_q, entries, packing["order"], packing["query_rows"], packing["cu_q"], packing["cu_k"])
-                past_out, past_lse = kernels.varlen_forward(past_q, rows_of(k), rows_of(v), packing["cu_q"],
-                                                            packing["cu_k"], bounds, False, scale, NO_OPTIONS)
+                entries = packing["entries"]
+                side.join(packing["q"], entries, packing["query_rows"], packing["cu_q"], packing["cu_k"])
+                # The offsets stay on the device (DeviceTiles): nothing here waits for the GPU.
+                tiles = DeviceTiles(packing["cu_q"], packing["cu_k"], len(packing["q"]))
+                past_out, past_lse = kernels.varlen_forward(packing["q"], rows_of(k), rows_of(v), packing["cu_q"],
+                                                            packing["cu_k"], tiles, False, scale, NO_OPTIONS)
+                del packing["q"]  # (the backward gathers its own)
             out = torch.empty((batch, heads, seqlen, head_dim), dtype=q.dtype, device=q.device)
             lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
             moba_merge_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
@@ -380,11 +452,12 @@ class MobaFunction(torch.autograd.Function):
                     *(token_major(t) for t in (q, k, v, out)), lse_rows, token_major(grad_out), cu_own, cu_own,
                     (own_bounds, own_bounds), True, scale, NO_OPTIONS))
             if packing is not None:
-                rows = packing["query_rows"]
+                bounds = packing_bounds(packing)  # the backward's schedules are built on the host
+                rows = packing["query_rows"][:bounds[0][-1]]
                 dq_g, dk_p, dv_p = kernels.varlen_backward(
                     gather_rows(rows_of(q), rows), rows_of(k), rows_of(v), gather_rows(rows_of(out), rows),
                     lse.reshape(1, -1)[:, rows].contiguous(), gather_rows(rows_of(grad_out), rows),
-                    packing["cu_q"], packing["cu_k"], packing["bounds"], False, scale, NO_OPTIONS)
+                    packing["cu_q"], packing["cu_k"], bounds, False, scale, NO_OPTIONS)
                 dq = dq.contiguous()
                 past, query_rows = entries.shape
                 add_past_rows_kernel[(triton.cdiv(query_rows, ROWS_PER_PROGRAM),)](
