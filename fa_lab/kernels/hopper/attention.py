@@ -69,8 +69,9 @@ class HopperOptions:
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
 # each block a head), and pass 2, its past blocks (packed, no mask), both one tile per CTA. A persistent pass 1
-# keeps every SM until it ends, so the gate queued beside it (SideWork) waits for it: the forward took 19.9 ms at
-# 64K against 19.2 (benchmarks/h200_moba_forward_gaps.json); three K/V stages in pass 2, 19.35.
+# keeps every SM until it ends, so the gate queued beside it (SideWork) waits for it: 19.9 against 19.2 ms at 64K
+# while the host waited for pass 2's offsets (git show 01a8b23:benchmarks/h200_moba_forward_gaps.json), 19.6
+# against 19.75 once nothing waited (benchmarks/h200_moba_forward_gaps.json), within the spread of the rounds.
 MOBA_PASS_OPTIONS = (HopperOptions(), HopperOptions())
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how

@@ -188,8 +188,9 @@ def past_block_sequences(selected: torch.Tensor, block: int, q: torch.Tensor) ->
     ``query_rows``: int64 (E,), each packed row's row of q (the same cut); ``entries``: int32 (past, B * H * N),
     for slot s of query row r the packed row that holds it, -1 where the query chose nothing; ``past``: the slots
     per query. Nothing waits for the GPU: the forward schedules pass 2 from the offsets on the device
-    (``DeviceTiles``), and cu_q is copied to the host without a wait for the backward (:func:`packing_bounds`). The sort this replaces
-    (:func:`fa_lab.kernels.common.grouped_entries`) gives the same packing; a test holds them equal.
+    (``DeviceTiles``), and cu_q is copied to the host without a wait for the backward (:func:`packing_bounds`).
+    The sort this replaces (:func:`fa_lab.kernels.common.grouped_entries`) gives the same packing; a test holds
+    them equal.
     """
     selected = selected.contiguous()
     batch, heads, seqlen, top_k = selected.shape
