@@ -137,7 +137,6 @@ def block_sparse_attention(q, k, v, key_tiles, block_q: int, block_k: int, causa
 
 # ---------------------------------------------------------------- MoBA
 
-@torch.no_grad()  # the selection is discrete: no gradient flows through the scores
 def check_moba_gate(q, k, block: int, top_k: int, impl: str) -> None:
     """Refuse what :func:`moba_gate` cannot select from, before anything is computed."""
     check_qkv(q, k, k, DTYPES)
@@ -149,6 +148,7 @@ def check_moba_gate(q, k, block: int, top_k: int, impl: str) -> None:
         raise ValueError(f"top_k must be an int >= 1 (the own block counts), got {top_k!r}")
 
 
+@torch.no_grad()  # the selection is discrete: no gradient flows through the scores
 def moba_gate(q, k, block: int, top_k: int, impl: str = "torch") -> torch.Tensor:
     """(B, H, N, top_k) int64: the key blocks each query keeps, own block first, then the best past blocks
     by q . mean(K_block) (-1 where a query has fewer past blocks than top_k - 1). Causal, self-attention.

@@ -84,7 +84,7 @@ class SideWork:
     """GPU work queued beside the current stream: ``with side:`` queues its body on a second, high-priority
     stream that starts where the current stream stands when ``SideWork`` is made, so that the body runs while
     the current stream works through what was queued on it since (MoBA's gate and packing beside its first
-    pass, :mod:`fa_lab.kernels.portable.moba`: the host then waits for the gate's few kernels, not for the pass).
+    pass, :mod:`fa_lab.kernels.portable.moba`: neither needs the other).
     :meth:`join` makes the current stream wait for the body and hands it the body's tensors. On the CPU the
     body runs in order and both are no-ops."""
 

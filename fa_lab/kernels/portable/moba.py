@@ -412,8 +412,6 @@ class MobaFunction(torch.autograd.Function):
                                                           (own_bounds, own_bounds), True, scale, NO_OPTIONS)
                 own_out = head_major(own_out, batch).contiguous()
                 own_lse = own_lse.view(heads, batch, seqlen).transpose(0, 1).contiguous()
-            past_out, past_lse = own_out, own_lse  # (not read when past is 0)
-            entries = torch.empty(1, dtype=torch.int32, device=q.device)
             with side:
                 selected = select()
                 past = selected.shape[-1] - 1  # slots after the own block
@@ -426,6 +424,9 @@ class MobaFunction(torch.autograd.Function):
                 past_out, past_lse = kernels.varlen_forward(packing["q"], rows_of(k), rows_of(v), packing["cu_q"],
                                                             packing["cu_k"], tiles, False, scale, NO_OPTIONS)
                 del packing["q"]  # (the backward gathers its own)
+            else:  # the merge reads pass 1's results alone (placeholders, not read)
+                past_out, past_lse = own_out, own_lse
+                entries = torch.empty(1, dtype=torch.int32, device=q.device)
             out = torch.empty((batch, heads, seqlen, head_dim), dtype=q.dtype, device=q.device)
             lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=q.device)
             moba_merge_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
