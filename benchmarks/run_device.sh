@@ -28,6 +28,8 @@
 #            benchmarks/fa3_backward.py dq)
 #   persistent-bf16 - the bf16 Gluon forward, one CTA per work tile against the persistent kernel, on the protocol's
 #            shapes, three rounds (h200_persistent_bf16.json, by benchmarks/persistent_bf16_ab.py)
+#   persistent-host - the bf16 forward at 1K-4K one tile per CTA and persistent: do_bench's time, the kernel's and
+#            the host's per call (h200_persistent_host_bound.log, by benchmarks/persistent_host_bound.py)
 #   moba-gate - MoBA's gate, PyTorch's against the kernel's, and the kernel at two tile heights and warp counts
 #            (h200_moba_gate.json, by benchmarks/moba_gate_variants.py)
 #   nsa-dq-warps - NSA's selected-blocks backward with its dQ kernel at 8, 4 and 2 warps (h200_nsa_dq_warps.json,
@@ -41,8 +43,8 @@
 #            benchmarks/nsa_dkdv_variants.py; fla-core on PYTHONPATH as for sparse)
 #   nsa-gather-order - the dK/dV gather's programs heads innermost against head row by head row
 #            (h200_nsa_gather_order.json, by benchmarks/nsa_dkdv_variants.py --order)
-#   moba-gaps - MoBA's forward at 64K with its gate beside pass 1 and on one stream, beside dense, and its idle GPU
-#            time (h200_moba_forward_gaps.json, by
+#   moba-gaps - MoBA's forward at 64K with its gate beside pass 1, on one stream and precomputed, pass 1 persistent
+#            with SMs spare, beside dense; its idle GPU time and kernels (h200_moba_forward_gaps.json, by
 #            benchmarks/moba_forward_gaps.py)
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
 #            H200 they take about 11 minutes: `tests tests/test_hopper.py` and the like run a part (the
@@ -112,6 +114,7 @@ case "$step" in
          python3 benchmarks/training_memory.py plot "$out/h200_training_memory.json" "$out/h200_training_memory.png" ;;
   backward-dq) python3 benchmarks/fa3_backward.py dq "$out" 2>&1 | tee "$out/backward_dq.log" ;;
   persistent-bf16) python3 benchmarks/persistent_bf16_ab.py "$out" 2>&1 | tee "$out/persistent_bf16.log" ;;
+  persistent-host) python3 benchmarks/persistent_host_bound.py 2>&1 | tee "$out/h200_persistent_host_bound.log" ;;
   moba-gate) python3 benchmarks/moba_gate_variants.py "$out/h200_moba_gate.json" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;
@@ -124,5 +127,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|fp8-quant|training-memory|backward-dq|persistent-bf16|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|fp8-quant|training-memory|backward-dq|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -326,27 +326,31 @@ def test_mobas_gather_and_dq_add_build_for_sm90_with_wide_loads_and_stores():
 
 def test_mobas_count_and_place_build_for_sm90_with_wide_row_copies():
     """moba_place_kernel (64 bf16 rows of 128 against 16 blocks, top-3) copies each query row 16 bytes a load and
-    a store to its packed places, and both packing kernels keep everything in registers."""
+    a store to its packed places, and the three packing kernels keep everything in registers."""
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
 
     load_triton()
-    from fa_lab.kernels.portable.moba import moba_count_kernel, moba_place_kernel, place_tile
+    from fa_lab.kernels.portable.moba import moba_count_kernel, moba_offsets_kernel, moba_place_kernel, place_tile
 
     rows, blocks = place_tile(16)
 
-    count, place = compile_all_for_sm90([
+    count, offsets, place = compile_all_for_sm90([
         dict(kernel=moba_count_kernel, signature={"selected_ptr": "*i64", "counts_ptr": "*i32", "seqlen": "i32",
                                                   "blocks": "i32"},
              num_warps=4, constants=dict(TOP_K=3, ROWS=rows, BLOCKS=blocks)),
+        dict(kernel=moba_offsets_kernel, signature={"counts_ptr": "*i32", "first_ptr": "*i32", "totals_ptr": "*i32",
+                                                    "tiles": "i32", "blocks": "i32"},
+             num_warps=4, constants=dict(CHUNK=rows, BLOCKS=blocks)),
         dict(kernel=moba_place_kernel, signature={
-            "selected_ptr": "*i64", "first_ptr": "*i32", "q_ptr": "*bf16", "packed_q_ptr": "*bf16",
+            "selected_ptr": "*i64", "cu_q_ptr": "*i32", "first_ptr": "*i32", "q_ptr": "*bf16", "packed_q_ptr": "*bf16",
             "query_rows_ptr": "*i64", "inverse_ptr": "*i32", "seqlen": "i32", "blocks": "i32", "rows_total": "i32",
             "width": "i32"},
              num_warps=4, constants=dict(TOP_K=3, ROWS=rows, BLOCKS=blocks, WIDTH=128),
              aligned=("q_ptr", "packed_q_ptr", "width"))])
     assert place.sass.count("LDG.E.128") >= 1 and place.sass.count("STG.E.128") >= 1, place.registers
-    assert count.stack_bytes == 0 and place.stack_bytes == 0, (count.stack_bytes, place.stack_bytes)
+    stacks = [build.stack_bytes for build in (count, offsets, place)]
+    assert stacks == [0, 0, 0], stacks
 
 
 def test_mobas_gate_builds_for_sm90_on_tensor_cores_without_spills():

@@ -63,15 +63,15 @@ class HopperOptions:
     pingpong: bool = False
     consumers: int = 2
     persistent: bool = False  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule)
+    spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
     backward_dq: str = "turns"  # the Gluon backward's dQ: "turns" (whole tiles, the consumers in turn) or "partial"
 
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
-# each block a head), and pass 2, its past blocks (packed, no mask), both one tile per CTA. A persistent pass 1
-# keeps every SM until it ends, so the gate queued beside it (SideWork) waits for it: 19.9 against 19.2 ms at 64K
-# while the host waited for pass 2's offsets (git show 01a8b23:benchmarks/h200_moba_forward_gaps.json), 19.6
-# against 19.75 once nothing waited (benchmarks/h200_moba_forward_gaps.json), within the spread of the rounds.
+# each block a head), and pass 2, its past blocks (packed, no mask), both one tile per CTA. Pass 1 persistent
+# measured 19.36-19.43 ms at 64K against 19.35-19.69, and with SMs left to the gate beside it (spare_sms 8-48)
+# 19.25-19.99 (benchmarks/h200_moba_forward_gaps.json): within the spread of the rounds.
 MOBA_PASS_OPTIONS = (HopperOptions(), HopperOptions())
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
@@ -128,7 +128,7 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     total_tiles = cdiv(seqlen_q, block_m) * batch * heads
     grid, schedule = (total_tiles,), lse  # (lse: a placeholder pointer, not read)
     if options.persistent:
-        grid = (min(total_tiles, _sm_count(q.device)),)
+        grid = (min(total_tiles, max(_sm_count(q.device) - options.spare_sms, 1)),)
         schedule = schedule_tensor(batch * heads, seqlen_q, k.shape[2], block_m, KV_BLOCK.value,
                                    causal and not BlockInfo(seqlen_q, k.shape[2], causal, tuple(window)).banded,
                                    grid[0], q.device)
