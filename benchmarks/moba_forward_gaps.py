@@ -104,11 +104,11 @@ def main(out_dir: str) -> None:
 
     side_work, pass_options = moba.SideWork, hopper.MOBA_PASS_OPTIONS
     own, past = pass_options
+    spare_variants = {f"side_stream, pass 1 persistent, {spare} SMs spare":
+                      (side_work, (replace(own, persistent=True, spare_sms=spare), past)) for spare in SPARE_SMS}
     variants = {"side_stream": (side_work, pass_options), "one_stream": (InOrder, pass_options),
                 "side work precomputed": (side_work, pass_options),
-                "side_stream, pass 1 persistent": (side_work, (replace(own, persistent=True), past)),
-                **{f"side_stream, pass 1 persistent, {spare} SMs spare":
-                   (side_work, (replace(own, persistent=True, spare_sms=spare), past)) for spare in SPARE_SMS}}
+                "side_stream, pass 1 persistent": (side_work, (replace(own, persistent=True), past)), **spare_variants}
     gate, packer = sparse.moba_gate, moba.past_block_sequences
     with torch.no_grad():
         selected = gate(tensors[0], tensors[1], MOBA_BLOCK, MOBA_TOP_K, "triton")
@@ -147,8 +147,7 @@ def main(out_dir: str) -> None:
                 "dense_over_moba": {name: round(statistics.median(times["dense"]) / statistics.median(times[name]), 3)
                                     for name in variants}})
     flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")
-    for name in ("side_stream", "side work precomputed", *(f"side_stream, pass 1 persistent, {spare} SMs spare"
-                                                          for spare in SPARE_SMS)):
+    for name in ("side_stream", "side work precomputed", *spare_variants):
         with arrangement(name):
             log.append({"arrangement": name, **profile_calls(run_moba, flush)})
         print(log[-1], flush=True)
