@@ -235,6 +235,25 @@ def test_the_default_backward_follows_the_recorded_h200_run():
             assert ratio <= 1.02, (head_dim, causal, seqlen, ratio)
 
 
+def test_the_default_persistent_choice_follows_the_recorded_h200_run():
+    """HopperOptions.persistent None takes the persistent kernel exactly where benchmarks/h200_persistent_bf16.json
+    had its median at least 2% ahead of one tile per CTA, at every (head_dim, causal, seqlen) it measured, from
+    PERSISTENT_MIN_KEYS keys on (below, the call's host time hides the kernel's: see the constant's comment)."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    from fa_lab.kernels.hopper.attention import PERSISTENT_MIN_KEYS, persistent_by_default
+
+    log = json.loads((Path(__file__).parent.parent / "benchmarks" / "h200_persistent_bf16.json").read_text())["log"]
+    assert len(log) == 20
+    for shape in log:
+        gain = statistics.median(shape["persistent"]) / statistics.median(shape["one_tile"])
+        chosen = persistent_by_default(shape["head_dim"], shape["causal"], shape["seqlen"], banded=False)
+        assert chosen == (gain >= 1.02 and shape["seqlen"] >= PERSISTENT_MIN_KEYS), (shape, gain)
+        assert not persistent_by_default(shape["head_dim"], shape["causal"], shape["seqlen"], banded=True)
+
+
 def test_packed_batches_and_the_dq_scheme_follow_the_recorded_h200_runs():
     """GLUON_VARLEN_BACKWARD_AUTO is on exactly when the Gluon backward of a packed batch was faster than the
     portable one in every case of benchmarks/h200_varlen_backward.json, and the default dQ scheme is the one that
@@ -397,6 +416,36 @@ def test_gpu_fp8_gluon_matches_the_triton_fp8_kernel(causal, seqlen_q, seqlen_k,
         assert torch.isfinite(out).all()
         errors[kernel] = rmse(out.cpu().double(), reference)
     assert abs(errors["gluon"] - errors["triton"]) <= 0.15 * errors["triton"], errors
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launches_compute_what_ordinary_launches_compute(generator, monkeypatch):
+    """The Gluon forward and backward launched through fa_lab.kernels.launch (each call checked against Triton's
+    binder by the conftest) give the bits of the ordinary launch, over shapes whose lengths, heads and head sizes
+    specialize differently (multiples of 16 or not, grouped K/V, a window, both kernels' grids)."""
+    import fa_lab.kernels.hopper.attention as hopper
+    from fa_lab.kernels.launch import _LAUNCHES
+
+    cases = [(2, 8, 8, 1000, 1000, 128, True, (-1, -1)), (1, 8, 2, 517, 1333, 64, False, (-1, -1)),
+             (3, 4, 4, 2048, 2048, 128, False, (256, 0)), (2, 8, 8, 1024, 1024, 96, True, (-1, -1)),
+             (1, 4, 4, 16, 17, 128, True, (-1, -1)), (2, 4, 2, 4096, 4096, 128, True, (-1, -1))]
+    for batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window in cases:
+        q = torch.randn(batch, heads, seqlen_q, head_dim, generator=generator).bfloat16().cuda().requires_grad_()
+        k, v = (torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=generator).bfloat16().cuda()
+                .requires_grad_() for _ in range(2))
+        grad = torch.randn(q.shape, generator=generator).bfloat16().cuda()
+        results = []
+        for ordinary in (True, False, False):  # the second cached call is the one that skips the binder
+            with monkeypatch.context() as patch:
+                if ordinary:
+                    patch.setattr(hopper, "cached_launch", lambda kernel: kernel)
+                out = fa_lab.attention(q, k, v, causal=causal, impl="triton_hopper", window=window)
+                results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+        for cached in results[1:]:
+            for expected, got in zip(results[0], cached):
+                assert torch.equal(expected, got), (batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal)
+    launched = {kernel.fn.__name__ for kernel, launch in _LAUNCHES.items() if launch._compiled}
+    assert {"attention_fwd_fa3_kernel", "attention_bwd_fa3_kernel"} <= launched, launched
 
 
 @pytest.mark.gpu

@@ -35,6 +35,9 @@ def load_triton():
     Linux wheels only), and RuntimeError when triton was imported before the
     interpreter could be switched on.
     """
+    global _LOADED
+    if _LOADED is not None and not interpreting():  # (every launch path calls this: keep it short)
+        return _LOADED
     imported_before = "triton" in sys.modules
     use_interpreter_without_gpu()
     try:
@@ -59,7 +62,12 @@ def load_triton():
         interpreter_module = importlib.import_module("triton.runtime.interpreter")
         patch_bfloat16(interpreter_module)
         patch_descriptor_reduce(interpreter_module)
+    else:
+        _LOADED = triton
     return triton
+
+
+_LOADED = None  # triton, once load_triton has imported it for compiled kernels
 
 
 def interpreting() -> bool:

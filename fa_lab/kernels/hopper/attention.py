@@ -9,7 +9,7 @@ rest (windows, the soft cap, ALiBi, other head sizes, other GPUs).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +18,7 @@ from ...impls import has_score_options
 from ...reference import expand_kv
 from .. import interpreting, load_triton
 from ..common import LOG2E, cdiv, check_triton_inputs, gluon_descriptor, head_dim_bucket
+from ..launch import cached_launch
 from ..portable.attention import (
     NO_OPTIONS,
     ScoreOptions,
@@ -51,9 +52,10 @@ class HopperOptions:
     with ``pipeline`` (QK^T of tile j+1 issued before the softmax of tile j) and
     ``warp_specialize`` (Triton's own pass).
 
-    The defaults (2 stages, free-running consumers, one tile per CTA) are the bf16 variant the H200
-    measurements chose (docs/experiments/hopper_forward.md). Three consumers (192-row tiles) leave each
-    160 registers, and ptxas spills (see :mod:`fa_lab.kernels.hopper.sm90_offline`).
+    The defaults (2 stages, free-running consumers) are the bf16 variant the H200 measurements chose
+    (docs/experiments/hopper_forward.md); ``persistent=None`` picks by :data:`PERSISTENT_MAX_KEYS`. Three
+    consumers (192-row tiles) leave each 160 registers, and ptxas spills (see
+    :mod:`fa_lab.kernels.hopper.sm90_offline`).
     """
 
     kernel: str = "gluon"
@@ -62,7 +64,7 @@ class HopperOptions:
     stages: int = 2
     pingpong: bool = False
     consumers: int = 2
-    persistent: bool = False  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule)
+    persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
     backward_dq: str = "turns"  # the Gluon backward's dQ: "turns" (whole tiles, the consumers in turn) or "partial"
@@ -72,7 +74,25 @@ class HopperOptions:
 # each block a head), and pass 2, its past blocks (packed, no mask), both one tile per CTA. Pass 1 persistent
 # measured 19.36-19.43 ms at 64K against 19.35-19.69, and with SMs left to the gate beside it (spare_sms 8-48)
 # 19.25-19.99 (benchmarks/h200_moba_forward_gaps.json): within the spread of the rounds.
-MOBA_PASS_OPTIONS = (HopperOptions(), HopperOptions())
+MOBA_PASS_OPTIONS = (HopperOptions(persistent=False), HopperOptions(persistent=False))
+
+# Where the bf16/fp16 Gluon forward runs persistent by default (HopperOptions.persistent None). The A/B of
+# benchmarks/h200_persistent_bf16.json (the FA3-paper shapes, medians of three rounds) had it at least 2% ahead of
+# one tile per CTA up to PERSISTENT_MAX_KEYS keys per (head_dim bucket, causal): causal, its LPT schedule evens out
+# the tiles' unequal lengths (+4 to +24% up to 8K keys, level at 16K); without a mask it pays only where tiles are
+# short (1K-2K keys). Below PERSISTENT_MIN_KEYS a call's host time (0.2-0.3 ms to issue it, more than the kernel's
+# 0.15-0.29 ms at 1K-2K keys causal: benchmarks/h200_persistent_host_bound.log) decides what a caller waits for,
+# and calls timed back to back measured the persistent kernel slower there, so the default takes it from 4K keys.
+# A CPU test holds both to the A/B. Windowed calls stay one tile per CTA (403 against 424 TFLOP/s,
+# benchmarks/h200_window_variants.json), as do packed batches.
+PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 8192, (128, False): 1024, (128, True): 8192}
+PERSISTENT_MIN_KEYS = 4096
+
+
+def persistent_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool) -> bool:
+    """HopperOptions.persistent None's choice for a call with these keys (PERSISTENT_MAX_KEYS and _MIN_KEYS)."""
+    return (not banded and PERSISTENT_MIN_KEYS <= seqlen_k
+            and seqlen_k <= PERSISTENT_MAX_KEYS.get((head_dim_bucket(head_dim), causal), 0))
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
 # many keys, per (head_dim, causal), the H200 measured it faster than the portable backward
@@ -95,9 +115,14 @@ FP8_OPTIONS = HopperOptions(persistent=True)
 
 def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
     """True when the Gluon FA3 kernel runs this input: asked for, on sm_90, head_dim bucket 64 or 128."""
-    return (options.kernel == "gluon" and q.is_cuda and not interpreting()
-            and torch.cuda.get_device_capability(q.device) == (9, 0)
+    return (options.kernel == "gluon" and q.is_cuda and not interpreting() and _capability(q.device) == (9, 0)
             and head_dim_bucket(q.shape[-1]) in (64, 128))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability (cached: asking torch costs microseconds on every launch)."""
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,19 +147,23 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     from .fa3_config import KV_BLOCK, ROWS_PER_CONSUMER
 
     batch, heads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     block_m = ROWS_PER_CONSUMER.value * options.consumers
     total_tiles = cdiv(seqlen_q, block_m) * batch * heads
     grid, schedule = (total_tiles,), lse  # (lse: a placeholder pointer, not read)
-    if options.persistent:
+    info = BlockInfo(seqlen_q, seqlen_k, causal, tuple(window))
+    persistent = options.persistent
+    if persistent is None:  # FP8's default is persistent everywhere (FP8_OPTIONS)
+        persistent = fp8_scales is not None or persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded)
+    if persistent:
         grid = (min(total_tiles, max(_sm_count(q.device) - options.spare_sms, 1)),)
-        schedule = schedule_tensor(batch * heads, seqlen_q, k.shape[2], block_m, KV_BLOCK.value,
-                                   causal and not BlockInfo(seqlen_q, k.shape[2], causal, tuple(window)).banded,
-                                   grid[0], q.device)
-    work = (heads, heads // k.shape[1], seqlen_q, k.shape[2], schedule, lse, lse)
-    _launch_fa3(_descriptors(q, k, v, out, fp8_scales is not None), out, lse, grid, work, causal, scale, options,
-                window, softcap, alibi_slopes, fp8_scales)
+        schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value,
+                                   causal and not info.banded, grid[0], q.device)
+    work = (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse)
+    _launch_fa3(_descriptors(q, k, v, out, fp8_scales is not None), out, lse, grid, work, info, scale, options,
+                persistent, softcap, alibi_slopes, fp8_scales)
     return out, lse
 
 
@@ -156,8 +185,8 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     if not len(tiles):
         return out, lse
     work = (heads, heads // k.shape[1], total_q, k.shape[0], tiles, cu_q, cu_k)
-    _launch_fa3(descriptors, out, lse, (len(tiles) * heads,), work, causal, scale, replace(hopper, persistent=False),
-                options.window, options.softcap, options.alibi_slopes, None, varlen=True)
+    _launch_fa3(descriptors, out, lse, (len(tiles) * heads,), work, BlockInfo(total_q, k.shape[0], causal,
+                tuple(options.window)), scale, hopper, False, options.softcap, options.alibi_slopes, None, varlen=True)
     return out, lse
 
 
@@ -169,23 +198,23 @@ def _descriptors(q, k, v, out, fp8: bool) -> list:
     return [gluon_descriptor(t, blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
 
 
-def _launch_fa3(descriptors, out, lse, grid, work, causal, scale, options: HopperOptions, window, softcap,
-                alibi_slopes, fp8_scales, varlen: bool = False):
+def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, options: HopperOptions, persistent: bool,
+                softcap, alibi_slopes, fp8_scales, varlen: bool = False):
     """Launch :func:`.fa3_kernel.attention_fwd_fa3_kernel`. work: (heads, group, seqlen_q, seqlen_k, schedule,
-    cu_seqlens_q, cu_seqlens_k), the kernel's arguments of those names."""
+    cu_seqlens_q, cu_seqlens_k), the kernel's arguments of those names; info: the call's mask (its causal flag and
+    window); persistent: options.persistent resolved."""
     from .fa3_config import CONSUMER_REGS, launch_maxnreg
     from .fa3_kernel import attention_fwd_fa3_kernel
 
     heads, group, seqlen_q, seqlen_k, schedule, cu_q, cu_k = work
-    info = BlockInfo(seqlen_q, seqlen_k, causal, tuple(window))
     left, right = info.window_bounds() if info.banded else (0, 0)
     qk_scale = (softcap if softcap else scale) * LOG2E
     slopes = lse if alibi_slopes is None else alibi_slopes.float().contiguous()
-    attention_fwd_fa3_kernel[grid](
+    cached_launch(attention_fwd_fa3_kernel)[grid](
         *descriptors, out, lse, *(fp8_scales or (lse,) * 4), heads, group, seqlen_q, seqlen_k, left, right,
         schedule, cu_q, cu_k, qk_scale, scale / softcap if softcap else 0.0, slopes,
-        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal and not info.banded,
-        PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=options.persistent,
+        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=info.causal and not info.banded,
+        PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=persistent,
         CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
         ALIBI=alibi_slopes is not None, num_warps=4, maxnreg=launch_maxnreg(options.consumers))
 
@@ -291,7 +320,7 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
     q, k, v, grad_out, dq = operands
     head_dim = q.shape[-1]
     rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
-    attention_bwd_fa3_kernel[grid](
+    cached_launch(attention_bwd_fa3_kernel)[grid](
         gluon_descriptor(q, rows), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
         gluon_descriptor(grad_out, rows), gluon_descriptor(dq, rows), dk, dv, lse2, delta, heads,
         heads // k.shape[1], seqlen_q, seqlen_k, *(packing or (lse2,) * 3), scale * LOG2E, scale, CAUSAL=causal,

@@ -1,0 +1,62 @@
+"""The host's time to issue one impl="triton_hopper" call, with Triton's ordinary launch and with
+fa_lab.kernels.launch's cached one, next to SDPA's cuDNN backend.
+
+On a (1, 1, 128, 128) bf16 input the kernel is a few microseconds, so back-to-back calls measure the host alone:
+for each variant, 7 rounds of 100 calls after 10 warm-up calls, the median and the fastest round in microseconds
+per call, with and without inputs that require grad; persistent=None is the default choice (one tile per CTA at
+this size), False forces one tile per CTA.
+
+On the H200: ``PYTHONPATH=. python3 benchmarks/launch_overhead.py`` (its output is
+benchmarks/h200_launch_overhead.log).
+"""
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fa_lab.kernels.hopper.attention as hopper
+from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+from fa_lab.kernels.launch import cached_launch
+
+
+def host_us(call, calls: int = 100, rounds: int = 7) -> tuple[float, float]:
+    """(median, fastest) host microseconds per call over ``rounds`` rounds of ``calls`` calls."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(per_call)[rounds // 2], min(per_call)
+
+
+def cudnn(q, k, v):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def main() -> None:
+    for grad in (False, True):
+        q, k, v = (torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+                   for _ in range(3))
+        for variant in ("ordinary", "cached"):
+            hopper.cached_launch = (lambda kernel: kernel) if variant == "ordinary" else cached_launch
+            for persistent in (None, False):
+                call = functools.partial(triton_hopper_attention, q, k, v, True, None,
+                                         options=HopperOptions(persistent=persistent))
+                median, fastest = host_us(call)
+                print(f"grad={grad} {variant} persistent={persistent}: host median {median:.1f} min {fastest:.1f} "
+                      "us/call", flush=True)
+        median, fastest = host_us(functools.partial(cudnn, q, k, v))
+        print(f"grad={grad} sdpa cudnn: host median {median:.1f} min {fastest:.1f} us/call", flush=True)
+    hopper.cached_launch = cached_launch
+
+
+if __name__ == "__main__":
+    main()
