@@ -27,7 +27,7 @@ def main(out_dir: str) -> None:
     from fa_lab.kernels.hopper.attention import HopperOptions
 
     load_triton()
-    variants = {"one_tile": hopper_fn(None, HopperOptions()),
+    variants = {"one_tile": hopper_fn(None, HopperOptions(persistent=False)),
                 "persistent": hopper_fn(None, HopperOptions(persistent=True))}
     log = []
     for shape in protocol_shapes(HOPPER_SEQLENS, (64, 128)):

@@ -29,7 +29,7 @@ def main(out_dir: str) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(BATCH, HEADS, SEQLEN, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     scale = HEAD_DIM ** -0.5
-    variants = {"one_tile": HopperOptions(), "persistent": HopperOptions(persistent=True),
+    variants = {"one_tile": HopperOptions(persistent=False), "persistent": HopperOptions(persistent=True),
                 "pingpong": HopperOptions(pingpong=True), "stages3": HopperOptions(stages=3),
                 "persistent_pingpong": HopperOptions(persistent=True, pingpong=True)}
     i = torch.arange(SEQLEN, device="cuda")
