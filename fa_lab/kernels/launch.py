@@ -56,9 +56,9 @@ _layout_key = _LayoutKeys()
 
 def argument_feature(arg):
     """What the launch key holds of one argument that is not constexpr (module docstring)."""
-    kind = type(arg)
-    if kind is torch.Tensor:
+    if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() & 15 == 0
+    kind = type(arg)
     if kind is int:
         fits = 0 if _INT32[0] <= arg <= _INT32[1] else 1 if _INT64[0] <= arg <= _INT64[1] else 2
         return arg == 1, arg & 15 == 0, fits
@@ -71,8 +71,6 @@ def argument_feature(arg):
     layout = getattr(arg, "layout", None)
     if layout is not None and hasattr(arg, "block_shape"):  # a Gluon TMA descriptor
         return arg.base.dtype, tuple(arg.block_shape), _layout_key(layout)
-    if isinstance(arg, torch.Tensor):  # a subclass (a Parameter)
-        return arg.dtype, arg.data_ptr() & 15 == 0
     raise _Unkeyable(kind)
 
 

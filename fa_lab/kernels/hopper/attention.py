@@ -17,7 +17,7 @@ from ...block_info import BlockInfo
 from ...impls import has_score_options
 from ...reference import expand_kv
 from .. import interpreting, load_triton
-from ..common import LOG2E, cdiv, check_triton_inputs, gluon_descriptor, head_dim_bucket
+from ..common import LOG2E, cdiv, check_triton_inputs, device_capability, gluon_descriptor, head_dim_bucket
 from ..launch import cached_launch
 from ..portable.attention import (
     NO_OPTIONS,
@@ -89,10 +89,11 @@ PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 8192, (128, False): 1024, 
 PERSISTENT_MIN_KEYS = 4096
 
 
-def persistent_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool) -> bool:
-    """HopperOptions.persistent None's choice for a call with these keys (PERSISTENT_MAX_KEYS and _MIN_KEYS)."""
-    return (not banded and PERSISTENT_MIN_KEYS <= seqlen_k
-            and seqlen_k <= PERSISTENT_MAX_KEYS.get((head_dim_bucket(head_dim), causal), 0))
+def persistent_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool, fp8: bool = False) -> bool:
+    """HopperOptions.persistent None's choice for a call with these keys: in bf16/fp16 by PERSISTENT_MAX_KEYS and
+    _MIN_KEYS; in FP8 always (its default, FP8_OPTIONS)."""
+    return fp8 or (not banded and PERSISTENT_MIN_KEYS <= seqlen_k
+                   and seqlen_k <= PERSISTENT_MAX_KEYS.get((head_dim_bucket(head_dim), causal), 0))
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
 # many keys, per (head_dim, causal), the H200 measured it faster than the portable backward
@@ -115,14 +116,8 @@ FP8_OPTIONS = HopperOptions(persistent=True)
 
 def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
     """True when the Gluon FA3 kernel runs this input: asked for, on sm_90, head_dim bucket 64 or 128."""
-    return (options.kernel == "gluon" and q.is_cuda and not interpreting() and _capability(q.device) == (9, 0)
+    return (options.kernel == "gluon" and q.is_cuda and not interpreting() and device_capability(q.device) == (9, 0)
             and head_dim_bucket(q.shape[-1]) in (64, 128))
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The GPU's compute capability (cached: asking torch costs microseconds on every launch)."""
-    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,8 +150,8 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     grid, schedule = (total_tiles,), lse  # (lse: a placeholder pointer, not read)
     info = BlockInfo(seqlen_q, seqlen_k, causal, tuple(window))
     persistent = options.persistent
-    if persistent is None:  # FP8's default is persistent everywhere (FP8_OPTIONS)
-        persistent = fp8_scales is not None or persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded)
+    if persistent is None:
+        persistent = persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8=fp8_scales is not None)
     if persistent:
         grid = (min(total_tiles, max(_sm_count(q.device) - options.spare_sms, 1)),)
         schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value,
@@ -185,8 +180,9 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     if not len(tiles):
         return out, lse
     work = (heads, heads // k.shape[1], total_q, k.shape[0], tiles, cu_q, cu_k)
-    _launch_fa3(descriptors, out, lse, (len(tiles) * heads,), work, BlockInfo(total_q, k.shape[0], causal,
-                tuple(options.window)), scale, hopper, False, options.softcap, options.alibi_slopes, None, varlen=True)
+    info = BlockInfo(total_q, k.shape[0], causal, tuple(options.window))
+    _launch_fa3(descriptors, out, lse, (len(tiles) * heads,), work, info, scale, hopper, False, options.softcap,
+                options.alibi_slopes, None, varlen=True)
     return out, lse
 
 

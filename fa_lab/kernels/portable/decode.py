@@ -231,7 +231,7 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     import torch
 
     from .. import interpreting
-    from ..common import check_triton_inputs, head_dim_bucket, on_device
+    from ..common import check_triton_inputs, device_capability, head_dim_bucket, on_device
 
     check_triton_inputs(q)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -240,7 +240,7 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     batch, seqlen_q, heads, head_dim = q.shape
     group = heads // layout.heads_kv
     config = config or (INTERPRETER if interpreting() else decode_config(layout, splits))
-    pdl = config.pdl and splits > 1 and not interpreting() and torch.cuda.get_device_capability(q.device)[0] >= 9
+    pdl = config.pdl and splits > 1 and not interpreting() and device_capability(q.device)[0] >= 9
     rows = group * seqlen_q
     block_m = min(DECODE_ROWS, max(16, triton.next_power_of_2(rows)))
     if prefills_by_query_tiles(layout, splits):
