@@ -67,7 +67,7 @@ class HopperOptions:
     persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
-    backward_dq: str = "turns"  # the Gluon backward's dQ: "turns" (whole tiles, the consumers in turn) or "partial"
+    backward_dq: str = "turns"  # the Gluon backward's dQ scheme (DQ_MODES): "turns", "partial" or "split"
 
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
@@ -254,7 +254,7 @@ def uses_gluon_backward(q, k, causal, options: ScoreOptions) -> bool:
                                       options.alibi_slopes))
 
 
-DQ_MODES = ("turns", "partial")
+DQ_MODES = ("turns", "partial", "split")  # fa3_backward.DQ_SCHEMES's names; "split" at d = 128 only
 
 
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str = "turns"):
@@ -308,19 +308,30 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
     its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); packing: None, or (schedule,
     cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals."""
-    from .fa3_backward import BWD_BLOCK_M, BWD_BLOCK_N, BWD_CONSUMERS, attention_bwd_fa3_kernel
+    from .fa3_backward import (
+        BWD_BLOCK_M,
+        BWD_BLOCK_N,
+        BWD_CONSUMERS,
+        DQ_SCHEMES,
+        DQ_SPLIT,
+        attention_bwd_fa3_kernel,
+        dq_tile_columns,
+    )
     from .fa3_config import launch_maxnreg
 
-    if dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode must be one of {DQ_MODES}; got {dq_mode!r}")
     q, k, v, grad_out, dq = operands
     head_dim = q.shape[-1]
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode must be one of {DQ_MODES}; got {dq_mode!r}")
+    scheme = DQ_SCHEMES[dq_mode]
+    if scheme == DQ_SPLIT.value and head_dim != 128:
+        raise ValueError(f"dq_mode='split' halves dQ's 128 columns: head_dim 128 only, got {head_dim}")
     rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
     cached_launch(attention_bwd_fa3_kernel)[grid](
         gluon_descriptor(q, rows), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
-        gluon_descriptor(grad_out, rows), gluon_descriptor(dq, rows), dk, dv, lse2, delta, heads,
-        heads // k.shape[1], seqlen_q, seqlen_k, *(packing or (lse2,) * 3), scale * LOG2E, scale, CAUSAL=causal,
-        STAGES=2, VARLEN=packing is not None, DQ_PARTIAL=dq_mode == "partial", num_warps=4,
+        gluon_descriptor(grad_out, rows), gluon_descriptor(dq, [1, 1, BWD_BLOCK_M, dq_tile_columns(head_dim, scheme)]),
+        dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, *(packing or (lse2,) * 3),
+        scale * LOG2E, scale, CAUSAL=causal, STAGES=2, VARLEN=packing is not None, DQ_SCHEME=scheme, num_warps=4,
         maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
 
 

@@ -23,6 +23,10 @@ see it, in FA3's loop order (notebook 04, section 8). Its partitions:
 * **Or partial dQ tiles** (``DQ_PARTIAL``): each consumer multiplies its own 64 keys' dS_i by its own K rows
   every step, a partial dQ_i over half the keys, and the writer adds both partials (two reduce-adds a step,
   one buffer per consumer). No consumer waits for the other's dS; the atomic traffic doubles.
+* **Or dQ's columns split, in FA3's order** (``DQ_SPLIT``, d = 128): both consumers store their dS rows first,
+  meet, and each computes dQ_i's half of the columns over all 128 keys, issued before dK so that the store of
+  its dQ half overlaps the dK product; the writer adds the two halves (one reduce-add's traffic a step). The
+  consumers run in lockstep, each carrying the same work every step.
 
 Grouped-query attention: the steps run over the query tiles of every query head of the K/V head's
 group, so dK and dV are summed over the group in registers. Causal masking skips the query tiles that
@@ -61,6 +65,15 @@ BWD_BLOCK_M = 64  # query rows per step (one WGMMA's M for dQ)
 BWD_BLOCK_N = BWD_CONSUMERS.value * KEYS_PER_CONSUMER.value  # keys per CTA
 BWD_CONSUMER_REGS = gl.constexpr(240)
 BWD_WORKER_REGS = gl.constexpr(24)  # the producer and the dQ writer hold only scalars
+# The dQ schemes (the kernel's DQ_SCHEME; HopperOptions.backward_dq names them): whole tiles by the consumers in
+# turn, a partial tile per consumer over its own keys, or each consumer's half of the columns over all keys.
+DQ_TURNS, DQ_PARTIAL, DQ_SPLIT = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+DQ_SCHEMES = {"turns": DQ_TURNS.value, "partial": DQ_PARTIAL.value, "split": DQ_SPLIT.value}
+
+
+def dq_tile_columns(head_dim: int, scheme: int) -> int:
+    """The columns of one dQ tile a consumer hands the writer (the dQ descriptor's block width)."""
+    return head_dim // 2 if scheme == DQ_SPLIT.value else head_dim
 
 
 @builtin
@@ -96,18 +109,29 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
 
 @gluon.jit
 def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
-                   DQ_PARTIAL: gl.constexpr):
-    """Each step's dQ_i tile from shared memory into the float32 dQ (a TMA reduce-add); with DQ_PARTIAL, the
-    two consumers' partial tiles (buffer c of consumer c)."""
+                   DQ_SCHEME: gl.constexpr):
+    """Each step's dQ_i from shared memory into the float32 dQ (TMA reduce-adds): the whole tile of step i's slot
+    (turns); the two consumers' partial tiles (buffer c of consumer c); or the slot's two column halves (buffer
+    2 * slot + c holds consumer c's columns)."""
     for t in range(group * q_tiles):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, dq_desc.block_type.shape[2])
-        if DQ_PARTIAL:
+        if DQ_SCHEME == DQ_PARTIAL:
             for c in gl.static_range(BWD_CONSUMERS):
                 mbarrier.wait(dq_full.index(c), ring_phase(t, 1))
                 async_reduce_add_shared_to_global(dq_desc, [batch, head, q_start + start_m, 0], dq_bufs.index(c))
             tma.store_wait(0)  # both adds have read their buffers: the consumers may refill them
             for c in gl.static_range(BWD_CONSUMERS):
                 mbarrier.arrive(dq_empty.index(c))
+        elif DQ_SCHEME == DQ_SPLIT:
+            slot = t % 2
+            half: gl.constexpr = dq_desc.block_type.shape[3]
+            for c in gl.static_range(BWD_CONSUMERS):
+                mbarrier.wait(dq_full.index(2 * slot + c), ring_phase(t, 2))
+                async_reduce_add_shared_to_global(dq_desc, [batch, head, q_start + start_m, c * half],
+                                                  dq_bufs.index(2 * slot + c))
+            tma.store_wait(0)
+            for c in gl.static_range(BWD_CONSUMERS):
+                mbarrier.arrive(dq_empty.index(2 * slot + c))
         else:
             slot = t % 2
             mbarrier.wait(dq_full.index(slot), ring_phase(t, 2))
@@ -120,10 +144,10 @@ def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, f
 def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                   lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles,
                   seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, CONSUMER: gl.constexpr,
-                  CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_PARTIAL: gl.constexpr):
+                  CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_SCHEME: gl.constexpr):
     """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
-    it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER), or with
-    DQ_PARTIAL its partial dQ tile of every step. Rows and keys are
+    it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER), or (DQ_PARTIAL) its
+    partial dQ tile of every step, or (DQ_SPLIT) its half of every step's dQ columns. Rows and keys are
     counted within the sequence; q_start, k_start place a packed sequence (VARLEN) in the packed tensors, whose
     lse2 and delta hold lse_rows rows per head (seqlen_q, or total_q packed)."""
     HEAD_DIM: gl.constexpr = k_ring.bufs.type.shape[4]
@@ -185,10 +209,34 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
         pt_back = gl.convert_layout(pt_op, st_layout).to(gl.float32)
         dst = (pt_back * (dpt - delta[None, :])).to(dtype)
         ds_op = gl.convert_layout(dst, op_layout)
-        dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
         slot = t % 2
         ds_slot = ds_bufs.index(slot)
-        if DQ_PARTIAL:  # dS_i over this consumer's keys times their K rows: its own partial dQ_i, no exchange
+        if DQ_SCHEME == DQ_SPLIT:
+            # FA3's order: both consumers' dS rows stored and met first; this consumer's half of dQ_i's columns
+            # (over all 128 keys) issued before dK, so that its store overlaps the dK product.
+            half: gl.constexpr = HEAD_DIM // 2
+            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, half, 16])
+            wait_until_empty(ds_free.index(slot), ring_phase(t, 2))  # both dQ halves of step i - 2 have read it
+            ds_slot.slice(CONSUMER * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(slot))
+            mbarrier.wait(ds_ready.index(slot), ring_phase(t, 2))
+            dq = warpgroup_mma(ds_slot.permute((1, 0)), k_all.slice(CONSUMER * half, half, dim=1),
+                               gl.zeros([BLOCK_M, half], gl.float32, dq_layout), use_acc=False, is_async=True)
+            dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+            dv, dq, pt_op = warpgroup_mma_wait(1, deps=(dv, dq, pt_op))  # dV and dQ done, dK in flight
+            do_tile.release()
+            mbarrier.arrive(ds_free.index(slot))
+            buffer = 2 * slot + CONSUMER
+            wait_until_empty(dq_empty.index(buffer), ring_phase(t, 2))
+            dq_bufs.index(buffer).reshape([BLOCK_M, half]).store(dq * scale)
+            fence_async_shared()
+            mbarrier.arrive(dq_full.index(buffer))
+            dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+            q_tile.release()
+        elif DQ_SCHEME == DQ_PARTIAL:  # dS_i over this consumer's keys times their K rows: its own partial dQ_i
+            dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
             ds_own = ds_slot.slice(CONSUMER * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER)
             ds_own.store(dst)  # (read by this consumer's own dQ product below, within the step)
             fence_async_shared()
@@ -203,6 +251,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
             fence_async_shared()
             mbarrier.arrive(dq_full.index(CONSUMER))
         else:
+            dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
             # This consumer's rows of dS_i^T into the step's slot (free once dQ_{i-2} has read it).
             wait_until_empty(ds_free.index(slot), ring_phase(t, 2))
             ds_slot.slice(CONSUMER * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER).store(dst)
@@ -238,15 +287,16 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
 def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                              heads, group, seqlen_q, seqlen_k, schedule_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale,
                              scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False,
-                             DQ_PARTIAL: gl.constexpr = False):
+                             DQ_SCHEME: gl.constexpr = DQ_TURNS):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k/v_desc over (B, H // group, Nk, d),
-    block (1, 1, 128, d); dq_desc over the float32 dQ (B, H, Nq, d), zeroed, block (1, 1, 64, d);
+    block (1, 1, 128, d); dq_desc over the float32 dQ (B, H, Nq, d), zeroed, block (1, 1, 64, dq_tile_columns(d));
     dk_ptr, dv_ptr: (B, H // group, Nk, d) contiguous; lse2_ptr (lse * log2 e, +inf for rows that see no
     key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64 or 128.
     STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128), B * H // group). schedule_ptr, cu_seqlens_q/k
-    are read only with VARLEN. DQ_PARTIAL: each consumer adds its own partial dQ tile (module docstring).
+    are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL or DQ_SPLIT (d = 128), the module docstring's
+    dQ schemes.
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -285,7 +335,9 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
     ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    # dQ's buffers: two (turns: a slot each; partial: a consumer each), or a column half per slot and consumer.
+    DQ_BUFFERS: gl.constexpr = 4 if DQ_SCHEME == DQ_SPLIT else 2
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS] + dq_desc.block_type.shape, dq_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -296,8 +348,8 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(k_ready.index(0), count=1)
     mbarrier.init(k_empty.index(0), count=BWD_CONSUMERS)
     mbarrier.init(v_ready.index(0), count=1)
@@ -309,7 +361,9 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
         mbarrier.init(do_empty.index(i), count=BWD_CONSUMERS)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=BWD_CONSUMERS)  # both consumers' rows of dS are in
-        mbarrier.init(ds_free.index(i), count=1)  # the slot owner's dQ product has read them
+        # the dQ products that read the slot are done: the slot owner's, or (split) both consumers'
+        mbarrier.init(ds_free.index(i), count=BWD_CONSUMERS if DQ_SCHEME == DQ_SPLIT else 1)
+    for i in gl.static_range(DQ_BUFFERS):
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
     k_ring = Ring(k_bufs, k_ready, k_empty)
@@ -320,13 +374,13 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 0, CAUSAL,
-                         VARLEN, DQ_PARTIAL)),
+                         VARLEN, DQ_SCHEME)),
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 1, CAUSAL,
-                         VARLEN, DQ_PARTIAL)),
+                         VARLEN, DQ_SCHEME)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, batch, kv_head, start_n,
                          group, first_q, q_tiles, q_start, k_start)),
         (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
-                          DQ_PARTIAL)),
+                          DQ_SCHEME)),
     ], [4, 1, 1], [BWD_CONSUMER_REGS, BWD_WORKER_REGS, BWD_WORKER_REGS])
