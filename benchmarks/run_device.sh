@@ -18,6 +18,8 @@
 #            modelled overlap for 2-8 GPUs (h200_ring_model.json)
 #   ring-gpus - ring attention over every GPU of a multi-GPU host (positions per GPU: --tokens), as
 #            fa_lab/bench/ring_gpus.py says (h200x{N}_ring.json); arguments after OUTDIR go to the command
+#   decode-tma - batch 32 in one split over a dense cache: TMA reads at six configs against the shipped kernel and
+#            SDPA, interleaved rounds (h200_decode_tma.json, by benchmarks/decode_tma_probe.py)
 #   decode-tune - the decode kernel's candidate configs x split counts (h200_decode_tuning.json); the
 #            winners go into fa_lab/kernels/portable/decode.py
 #   fp8-quant - the FP8 quantization pass against a copy, at three launches, and FP8 end to end
@@ -109,6 +111,7 @@ case "$step" in
   decode-tune) $bench decode --tune "$out/h200_decode_tuning.json" 2>&1 | tee "$out/decode_tune.log" | grep -v "^bench" ;;
   decode) $bench decode --json "$out/h200_decode.json" --plot "$out/h200_decode.png" \
            2>&1 | tee "$out/decode.log" | grep -v "^bench" ;;
+  decode-tma) python3 benchmarks/decode_tma_probe.py "$out/h200_decode_tma.json" ;;
   fp8-quant) OUT="$out" python3 benchmarks/fp8_quant_bandwidth.py 2>&1 | tee "$out/fp8_quant.log" ;;
   training-memory) python3 benchmarks/training_memory.py run "$out" 2>&1 | tee "$out/training_memory.log"
          python3 benchmarks/training_memory.py plot "$out/h200_training_memory.json" "$out/h200_training_memory.png" ;;
@@ -127,5 +130,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tune|fp8-quant|training-memory|backward-dq|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward-dq|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

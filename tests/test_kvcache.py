@@ -427,12 +427,20 @@ def test_paged_caches_read_ahead_take_the_dense_count_and_the_rest_two_waves():
 
 
 def test_the_decode_config_follows_the_waves_and_the_pages():
-    """decode_config's rule on the H200's grid (32 query heads, 8 KV heads, one query): 64-key tiles where
+    """decode_config's rule on the H200's grid (32 query heads, 8 KV heads, one query): TMA_DENSE for a dense
+    cache in one split where the GPU has TMA; 64-key tiles where
     128-key ones would leave more programs than SMs for a second wave on short splits (batch 32 x 4K, dense
     or pages of whole 64-key tiles read ahead), and for pages of 64 keys that fit in the registers ahead;
     128-key tiles past 4K keys per split, for pages of 16, and for pages too many to read ahead; pages read
     ahead only while a call's programs fit in one wave; pages of 64 keys always on 64-key tiles."""
-    from fa_lab.kernels.portable.decode import DECODE_CUDA, SHORT_SPLIT, SMALL_TILE, decode_config, pages_ahead
+    from fa_lab.kernels.portable.decode import (
+        DECODE_CUDA,
+        SHORT_SPLIT,
+        SMALL_TILE,
+        TMA_DENSE,
+        decode_config,
+        pages_ahead,
+    )
     from fa_lab.kvcache import check_kvcache
 
     def layout_of(batch, seqlen, page_size=None):
@@ -450,6 +458,11 @@ def test_the_decode_config_follows_the_waves_and_the_pages():
                                                                                   page_size=page_size))
 
     assert config(32, 4096) == config(32, 4096, 256) == config(32, 4096, 64) == SMALL_TILE  # 256 programs
+    # Where TMA is there, a dense cache in one split reads through it; other calls keep their configs.
+    for batch, seqlen, page_size in ((32, 4096, None), (32, 65536, None), (8, 4096, None), (32, 4096, 256)):
+        layout, splits = layout_of(batch, seqlen, page_size), choose_num_splits(batch, 8, seqlen, page_size=page_size)
+        with_tma = decode_config(layout, splits, tma=True)
+        assert with_tma == (TMA_DENSE if page_size is None and splits == 1 else decode_config(layout, splits))
     assert config(32, 16384) == config(32, 16384, 256) == config(32, 65536) == DECODE_CUDA  # long splits
     # Pages of 64 keys: 64-key tiles, each tile's entry read in the loop where a split has more than 256 pages.
     assert config(32, 16384, 64) == config(32, 65536, 64) == config(8, 65536, 64) == SMALL_TILE
@@ -490,6 +503,43 @@ def test_the_split_counts_are_what_the_recorded_sweep_found_fastest():
                 forced[r["num_splits"]] = min(forced[r["num_splits"]], r["fwd_ms"])
         nearest = min(forced, key=lambda s: abs(math.log(s / chosen)))
         assert forced[nearest] <= 1.03 * min(forced.values()), (batch, seqlen, page_size, chosen, forced)
+
+
+@pytest.mark.parametrize("seqlen_q, softcap", [(1, 0.0), (3, 30.0)])
+def test_the_tma_decode_path_reads_whole_tiles_and_masks_the_last_one(seqlen_q, softcap, generator):
+    """A TMA config (tensor descriptors for a split's whole key tiles, masked loads for its partial last one),
+    under the interpreter: ragged lengths (0, shorter than a tile, tile-aligned, one past), NaN in every cache row
+    past a sequence's keys (which a tile read whole by TMA would carry into P V), grouped heads and the soft
+    cap; the output and LSE equal the default path's and meet the tolerance rule against float64."""
+    from fa_lab.kernels import load_triton
+    from fa_lab.kvcache import check_kvcache
+
+    load_triton()
+    from fa_lab.kernels.portable.decode import DecodeConfig, triton_decode
+
+    batch, capacity, heads, heads_kv, head_dim, block = 4, 64, 4, 2, 32, 16
+    k_cache, v_cache, _ = make_cache(generator, batch, capacity, heads_kv, head_dim, torch.bfloat16)
+    lengths = [0, 5, 32, 33]
+    for b, n in enumerate(lengths):
+        k_cache[b, n:] = float("nan")
+        v_cache[b, n:] = float("nan")
+    q = torch.randn(batch, seqlen_q, heads, head_dim, generator=generator).to(torch.bfloat16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    layout = check_kvcache(q, k_cache, v_cache, seqlens)
+    scale = head_dim ** -0.5
+    args = (q, k_cache, v_cache, seqlens, None, layout, True, scale, (-1, -1), softcap, 1)
+    out, lse = triton_decode(*args, config=DecodeConfig(block, 4, 2, tma=True))
+    default = triton_decode(*args, config=DecodeConfig(block, 4, 2))
+    assert torch.equal(out, default[0]) and torch.equal(lse, default[1])
+    reference = expected(q, k_cache, v_cache, None, lengths, True, scale, (-1, -1), softcap, upcast=True)
+    baseline = expected(q, k_cache, v_cache, None, lengths, True, scale, (-1, -1), softcap, upcast=False)
+    for name, got, want, base, floor in (("out", out, reference[0], baseline[0], None),
+                                         ("lse", lse, reference[1], baseline[1], LSE_FLOOR)):
+        result = compare(name, got, want, base, torch.bfloat16, floor=floor)
+        assert result.ok, str(result)
+    with pytest.raises(ValueError, match="TMA decode config"):
+        triton_decode(q, k_cache, v_cache, seqlens, None, layout, True, scale, (8, 0), softcap, 1,
+                      config=DecodeConfig(block, 4, 2, tma=True))
 
 
 def test_decode_without_keys_gives_zeros_and_minus_infinity(generator):

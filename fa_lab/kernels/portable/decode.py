@@ -53,6 +53,7 @@ class DecodeConfig:
     pdl: bool = False
     pages_ahead: bool = True
     per_sm: int = 1
+    tma: bool = False  # a dense cache's whole key tiles by tensor descriptors (TMA, sm_90 and later)
 
 
 # The H200's choices (benchmarks/h200_decode_tuning.json, h200_decode_sweep.json; decode_config says which
@@ -62,6 +63,10 @@ class DecodeConfig:
 # 139 KB of shared memory) would run in two waves, and for pages of 64 keys, which then hold whole tiles;
 # and the interpreter's small tiles.
 DECODE_CUDA = DecodeConfig(128, 4, 3, per_sm=1)  # 139 KB of shared memory
+# A dense cache in one split (batch 32 on the H200 grid), where every kernel reads at HBM's roofline: TMA copies
+# of 128-key tiles, two stages, read 4.36 / 4.59 / 4.63 TB/s at 4K / 16K / 64K keys against DECODE_CUDA's or
+# SMALL_TILE's 4.31 / 4.53 / 4.60 and SDPA's 4.31 / 4.57 / 4.62 in the same rounds (benchmarks/h200_decode_tma.json).
+TMA_DENSE = DecodeConfig(128, 4, 2, per_sm=1, tma=True)
 SHORT_SPLIT = DecodeConfig(64, 4, 4, per_sm=2)
 SHORT_SPLIT_KEYS = 512  # a dense split of at most this many keys runs SHORT_SPLIT
 SMALL_TILE = DecodeConfig(SMALL_TILE_KEYS, 4, 3, per_sm=SMALL_TILES_PER_SM)  # 71 KB of shared memory
@@ -73,6 +78,62 @@ DECODE_CANDIDATES = (DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 3), DecodeConfi
 
 
 @triton.jit
+def _load_kv_tile(k_ptr, v_ptr, table_ptr, batch, kv_head, start_n, key_end, page_size, max_pages, stride_row,
+                  stride_head, cols, col_ok, first_page, BLOCK_N: tl.constexpr, GATHER: tl.constexpr,
+                  EVEN_D: tl.constexpr, PAGES_AHEAD: tl.constexpr, split_pages=0):
+    """The K and V tiles (BLOCK_N, HEAD_DIM) of keys [start_n, +BLOCK_N) through the GATHER mode (the kernel's
+    docstring), keys from key_end on zeroed; split_pages: the split's block-table entries from first_page on,
+    when PAGES_AHEAD read them before the loop."""
+    keys = start_n + tl.arange(0, BLOCK_N)
+    key_ok = keys < key_end
+    if GATHER == 0:  # DENSE
+        row = batch.to(tl.int64) * page_size + keys
+    elif GATHER == 1:  # PAGE_PER_TILE: the tile lies in one page
+        if PAGES_AHEAD > 0:
+            slots = tl.arange(0, PAGES_AHEAD)
+            page = tl.sum(tl.where(slots == start_n // page_size - first_page, split_pages, 0), 0)
+        else:
+            page = tl.load(table_ptr + batch * max_pages + start_n // page_size)
+        row = page.to(tl.int64) * page_size + start_n % page_size + tl.arange(0, BLOCK_N)
+    else:  # PAGE_PER_KEY
+        page = tl.load(table_ptr + batch * max_pages + keys // page_size, mask=key_ok, other=0)
+        row = page.to(tl.int64) * page_size + keys % page_size
+    token = row * stride_row + kv_head * stride_head
+    if EVEN_D:  # a mask constant along the row: the loads stay vectorized and asynchronous
+        kv_ok = key_ok[:, None]
+    else:
+        kv_ok = key_ok[:, None] & col_ok[None, :]
+    k = tl.load(k_ptr + token[:, None] + cols[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_ptr + token[:, None] + cols[None, :], mask=kv_ok, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, keys, key_end, query, offset, left, right, qk_scale, softcap_scale, softcap_log2,
+                 m_i, l_i, acc, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key tile's step of online softmax for the packed query rows: (m_i, l_i, acc) after keys ``keys``
+    (those from key_end on, and those the mask hides, weigh 0)."""
+    qk = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        s = softcap_tanh(qk, softcap_scale) * softcap_log2
+    else:
+        s = qk * qk_scale
+    visible = (keys < key_end)[None, :]
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= query[:, None] + offset)
+    if WINDOW:
+        visible = visible & in_window(query[:, None], keys[None, :], offset, left, right)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, lse_ptr,
                         stride_qb, stride_qs, stride_qh, stride_row, stride_head,
                         heads, group, seqlen_q, page_size, max_pages, head_dim, qk_scale,
@@ -80,7 +141,7 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, GATHER: tl.constexpr,
                         EVEN_D: tl.constexpr, PAGES_AHEAD: tl.constexpr, PDL: tl.constexpr,
-                        FINAL: tl.constexpr = False):
+                        FINAL: tl.constexpr = False, k_desc=None, v_desc=None):
     """One split of one (sequence, KV head), rows ``row_tile * BLOCK_M ...`` of its packed group.
 
     q_ptr: (B, seqlen_q, H, head_dim) with the given strides; k_ptr, v_ptr: the cache's token rows
@@ -96,7 +157,10 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
     with PAGE_PER_TILE only): the split's block-table entries are loaded into registers before the key
     loop, PAGES_AHEAD of them (enough for any split of the call), so that a tile's address needs no load
     in the loop. PDL: let the merge launch now (a programmatic dependent launch, sm_90), so that its
-    start-up overlaps this kernel; it still waits for this grid's results.
+    start-up overlaps this kernel; it still waits for this grid's results. k_desc, v_desc (DENSE, EVEN_D, no
+    WINDOW; None otherwise): tensor descriptors over the cache's (B * capacity, heads_kv * head_dim) rows with
+    blocks (BLOCK_N, HEAD_DIM), through which the split's whole key tiles are read; its partial last tile, whose
+    rows past the sequence may hold anything (a NaN there would survive P = 0 in P V), takes the masked loads.
     """
     if PDL:
         gdc_launch_dependents()
@@ -120,50 +184,35 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, ls
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if PAGES_AHEAD > 0:
-        first_page = key_begin // page_size
-        slots = tl.arange(0, PAGES_AHEAD)
-        split_pages = tl.load(table_ptr + batch * max_pages + first_page + slots,
-                              mask=first_page + slots < tl.cdiv(key_end, page_size), other=0)
-    for start_n in tl.range(key_begin, key_end, BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        key_ok = keys < key_end
-        if GATHER == 0:  # DENSE
-            row = batch.to(tl.int64) * page_size + keys
-        elif GATHER == 1:  # PAGE_PER_TILE: the tile lies in one page
-            if PAGES_AHEAD > 0:
-                page = tl.sum(tl.where(slots == start_n // page_size - first_page, split_pages, 0), 0)
-            else:
-                page = tl.load(table_ptr + batch * max_pages + start_n // page_size)
-            row = page.to(tl.int64) * page_size + start_n % page_size + tl.arange(0, BLOCK_N)
-        else:  # PAGE_PER_KEY
-            page = tl.load(table_ptr + batch * max_pages + keys // page_size, mask=key_ok, other=0)
-            row = page.to(tl.int64) * page_size + keys % page_size
-        token = row * stride_row + kv_head * stride_head
-        if EVEN_D:  # a mask constant along the row: the loads stay vectorized and asynchronous
-            kv_ok = key_ok[:, None]
-        else:
-            kv_ok = key_ok[:, None] & col_ok[None, :]
-        k = tl.load(k_ptr + token[:, None] + cols[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_ptr + token[:, None] + cols[None, :], mask=kv_ok, other=0.0)
-        qk = tl.dot(q, tl.trans(k))
-        if SOFTCAP:
-            s = softcap_tanh(qk, softcap_scale) * softcap_log2
-        else:
-            s = qk * qk_scale
-        visible = key_ok[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= query[:, None] + offset)
-        if WINDOW:
-            visible = visible & in_window(query[:, None], keys[None, :], offset, left, right)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-        p = tl.math.exp2(s - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+    if k_desc is not None:  # whole tiles by TMA, then the partial last one (at most) by masked loads
+        whole_end = key_begin + (key_end - key_begin) // BLOCK_N * BLOCK_N
+        for start_n in tl.range(key_begin, whole_end, BLOCK_N):
+            k = k_desc.load([batch * page_size + start_n, kv_head * HEAD_DIM])
+            v = v_desc.load([batch * page_size + start_n, kv_head * HEAD_DIM])
+            m_i, l_i, acc = _attend_tile(q, k, v, start_n + tl.arange(0, BLOCK_N), key_end, query, offset, left,
+                                         right, qk_scale, softcap_scale, softcap_log2, m_i, l_i, acc,
+                                         CAUSAL, WINDOW, SOFTCAP)
+        for start_n in tl.range(whole_end, key_end, BLOCK_N, num_stages=1):
+            k, v = _load_kv_tile(k_ptr, v_ptr, table_ptr, batch, kv_head, start_n, key_end, page_size, max_pages,
+                                 stride_row, stride_head, cols, col_ok, 0, BLOCK_N, GATHER, EVEN_D, 0)
+            m_i, l_i, acc = _attend_tile(q, k, v, start_n + tl.arange(0, BLOCK_N), key_end, query, offset, left,
+                                         right, qk_scale, softcap_scale, softcap_log2, m_i, l_i, acc,
+                                         CAUSAL, WINDOW, SOFTCAP)
+    else:
+        first_page = 0
+        split_pages = 0
+        if PAGES_AHEAD > 0:
+            first_page = key_begin // page_size
+            slots = tl.arange(0, PAGES_AHEAD)
+            split_pages = tl.load(table_ptr + batch * max_pages + first_page + slots,
+                                  mask=first_page + slots < tl.cdiv(key_end, page_size), other=0)
+        for start_n in tl.range(key_begin, key_end, BLOCK_N):
+            k, v = _load_kv_tile(k_ptr, v_ptr, table_ptr, batch, kv_head, start_n, key_end, page_size, max_pages,
+                                 stride_row, stride_head, cols, col_ok, first_page, BLOCK_N, GATHER, EVEN_D,
+                                 PAGES_AHEAD, split_pages)
+            m_i, l_i, acc = _attend_tile(q, k, v, start_n + tl.arange(0, BLOCK_N), key_end, query, offset, left,
+                                         right, qk_scale, softcap_scale, softcap_log2, m_i, l_i, acc,
+                                         CAUSAL, WINDOW, SOFTCAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
@@ -239,7 +288,9 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
         raise ValueError("impl='triton' reads the KV cache in place and needs it contiguous")
     batch, seqlen_q, heads, head_dim = q.shape
     group = heads // layout.heads_kv
-    config = config or (INTERPRETER if interpreting() else decode_config(layout, splits))
+    info = BlockInfo(seqlen_q, layout.capacity, causal, tuple(window))
+    tma_ok = (not interpreting() and device_capability(q.device)[0] >= 9 and reads_by_tma(layout, info.banded))
+    config = config or (INTERPRETER if interpreting() else decode_config(layout, splits, tma_ok))
     pdl = config.pdl and splits > 1 and not interpreting() and device_capability(q.device)[0] >= 9
     rows = group * seqlen_q
     block_m = min(DECODE_ROWS, max(16, triton.next_power_of_2(rows)))
@@ -252,12 +303,20 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
         gather = PAGE_PER_TILE if page_size % config.block_n == 0 else PAGE_PER_KEY
     # Which path, and the window's bounds with an unbounded side beyond every sequence's keys (the
     # capacity); the kernel aligns them per sequence.
-    info = BlockInfo(seqlen_q, layout.capacity, causal, tuple(window))
     left, right = info.window_bounds() if info.banded else (0, 0)
     ahead = 0
     if config.pages_ahead and layout.paged and gather == PAGE_PER_TILE and not info.banded:
         ahead = pages_ahead(layout, splits, config)
     k_rows, v_rows = (t.reshape(-1, layout.heads_kv, head_dim) for t in (k_cache, v_cache))
+    descriptors = {}
+    if config.tma:  # (a config given by a caller may ask for it where the layout does not allow it)
+        if not reads_by_tma(layout, info.banded):
+            raise ValueError("a TMA decode config reads a dense cache of head_dim 16 to 256 (a multiple of 8) "
+                             "without a window")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descriptors = {name: TensorDescriptor.from_tensor(t.view(t.shape[0], -1), [config.block_n, head_dim])
+                       for name, t in (("k_desc", k_rows), ("v_desc", v_rows))}
     final = splits == 1  # the kernel writes the output itself
     out = (torch.empty((batch, seqlen_q, heads, head_dim), dtype=q.dtype, device=q.device) if final else
            torch.empty((splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device))
@@ -271,7 +330,7 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
             BLOCK_M=block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
             CAUSAL=causal and not info.banded, WINDOW=info.banded, SOFTCAP=bool(softcap), GATHER=gather,
             EVEN_D=head_dim == head_dim_bucket(head_dim), PAGES_AHEAD=ahead,
-            PDL=pdl, FINAL=final, num_warps=config.num_warps, num_stages=config.num_stages)
+            PDL=pdl, FINAL=final, num_warps=config.num_warps, num_stages=config.num_stages, **descriptors)
     if final:
         return out, lse[0]
     return merge_split_results(out, lse, q.dtype, pdl)
@@ -285,10 +344,18 @@ def pages_ahead(layout, splits: int, config: DecodeConfig) -> int:
                             config.per_sm)
 
 
-def decode_config(layout, splits: int) -> DecodeConfig:
-    """The H200's config for a call on a CUDA GPU (docs/experiments/interfaces.md, "Decode: one split writes
-    the output, and 64-key tiles past one wave", and "Decode: pages of 64 keys read in the loop"):
+def reads_by_tma(layout, banded: bool) -> bool:
+    """Whether the decode kernel can read a call's cache through tensor descriptors: a dense cache whose rows
+    a descriptor addresses (head_dim a power of two from 16 to 256, so the tile is its full width), no window."""
+    return not layout.paged and not banded and layout.head_dim in (16, 32, 64, 128, 256)
 
+
+def decode_config(layout, splits: int, tma: bool = False) -> DecodeConfig:
+    """The H200's config for a call on a CUDA GPU (docs/experiments/interfaces.md, "Decode: one split writes
+    the output, and 64-key tiles past one wave", "Decode: pages of 64 keys read in the loop" and "Decode: TMA
+    reads in one split"):
+
+    - TMA_DENSE for a dense cache in one split where ``tma`` (the GPU has TMA and :func:`reads_by_tma`);
     - SHORT_SPLIT when a dense cache's capacity cut in ``splits`` leaves at most SHORT_SPLIT_KEYS keys per split;
     - SMALL_TILE for pages of 64 keys (a multiple of 64 but not of DECODE_CUDA's 128: a 128-key tile would
       gather its keys one by one), each tile's page entry read ahead (:func:`pages_ahead`) or in the loop;
@@ -300,6 +367,8 @@ def decode_config(layout, splits: int) -> DecodeConfig:
       gather the keys of smaller pages one by one).
     """
     split_keys = cdiv(layout.capacity, splits)
+    if tma and splits == 1 and not layout.paged:
+        return TMA_DENSE
     if not layout.paged and split_keys <= SHORT_SPLIT_KEYS:
         return SHORT_SPLIT
     if layout.paged:
