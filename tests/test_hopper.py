@@ -240,7 +240,8 @@ def test_the_default_backward_follows_the_recorded_h200_run():
 def test_the_default_persistent_choice_follows_the_recorded_h200_run():
     """HopperOptions.persistent None takes the persistent kernel exactly where benchmarks/h200_persistent_bf16.json
     had its median at least 2% ahead of one tile per CTA, at every (head_dim, causal, seqlen) it measured, from
-    PERSISTENT_MIN_KEYS keys on (below, the call's host time hides the kernel's: see the constant's comment)."""
+    PERSISTENT_MIN_KEYS keys on (below, the call's host time hides the kernel's: see the constant's comment); and
+    a windowed call from PERSISTENT_MIN_KEYS keys, as benchmarks/h200_window_variants.json had it ahead."""
     import json
     import statistics
     from pathlib import Path
@@ -253,7 +254,12 @@ def test_the_default_persistent_choice_follows_the_recorded_h200_run():
         gain = statistics.median(shape["persistent"]) / statistics.median(shape["one_tile"])
         chosen = persistent_by_default(shape["head_dim"], shape["causal"], shape["seqlen"], banded=False)
         assert chosen == (gain >= 1.02 and shape["seqlen"] >= PERSISTENT_MIN_KEYS), (shape, gain)
-        assert not persistent_by_default(shape["head_dim"], shape["causal"], shape["seqlen"], banded=True)
+        assert persistent_by_default(shape["head_dim"], shape["causal"], shape["seqlen"], banded=True) == (
+            shape["seqlen"] >= PERSISTENT_MIN_KEYS)
+    window = json.loads((Path(__file__).parent.parent / "benchmarks" / "h200_window_variants.json").read_text())
+    medians = window["median_tflops"]
+    assert medians["persistent window"] >= 1.02 * medians["one_tile window"]
+    assert persistent_by_default(128, False, window["seqlen"], banded=True)
 
 
 def test_packed_batches_and_the_dq_scheme_follow_the_recorded_h200_runs():

@@ -83,17 +83,19 @@ MOBA_PASS_OPTIONS = (HopperOptions(persistent=False), HopperOptions(persistent=F
 # short (1K-2K keys). Below PERSISTENT_MIN_KEYS a call's host time (0.2-0.3 ms to issue it, more than the kernel's
 # 0.15-0.29 ms at 1K-2K keys causal: benchmarks/h200_persistent_host_bound.log) decides what a caller waits for,
 # and calls timed back to back measured the persistent kernel slower there, so the default takes it from 4K keys.
-# A CPU test holds both to the A/B. Windowed calls stay one tile per CTA (403 against 424 TFLOP/s,
-# benchmarks/h200_window_variants.json), as do packed batches.
+# A CPU test holds both to the A/B. A windowed call runs persistent from PERSISTENT_MIN_KEYS keys at any length:
+# each work tile walks only its band's few K/V tiles, so its start and end weigh as in a short dense call, which
+# the persistent kernel overlaps with the next tile's loads (456 against 424 TFLOP/s at (1024, 0) and 16K,
+# benchmarks/h200_window_variants.json). Packed batches stay one tile per CTA.
 PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 8192, (128, False): 1024, (128, True): 8192}
 PERSISTENT_MIN_KEYS = 4096
 
 
 def persistent_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool, fp8: bool = False) -> bool:
     """HopperOptions.persistent None's choice for a call with these keys: in bf16/fp16 by PERSISTENT_MAX_KEYS and
-    _MIN_KEYS; in FP8 always (its default, FP8_OPTIONS)."""
-    return fp8 or (not banded and PERSISTENT_MIN_KEYS <= seqlen_k
-                   and seqlen_k <= PERSISTENT_MAX_KEYS.get((head_dim_bucket(head_dim), causal), 0))
+    _MIN_KEYS (a banded call from _MIN_KEYS at any length); in FP8 always (its default, FP8_OPTIONS)."""
+    return fp8 or (PERSISTENT_MIN_KEYS <= seqlen_k
+                   and (banded or seqlen_k <= PERSISTENT_MAX_KEYS.get((head_dim_bucket(head_dim), causal), 0)))
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
 # many keys, per (head_dim, causal), the H200 measured it faster than the portable backward
