@@ -4,8 +4,10 @@
 #   tune   - time candidate tile configurations of the Triton kernels at 8K (h200_triton_tuning.json),
 #            then the protocol with them; the winners go into fa_lab/kernels/portable/configs.py
 #   bench  - the FA3-paper protocol with every peer and the committed tiles: h200_triton.json/.png
-#   hopper - the Hopper kernel's variants (ablation), FP8 errors, and its protocol with peers:
-#            h200_hopper.json, h200_hopper.png, h200_hopper_variants.json
+#   hopper - the Hopper kernel's variants (ablation), FP8 errors, and its protocol at d = 128 and 64 with peers
+#            (fa4 too when installed first, as for interfaces): h200_hopper.json, h200_hopper.png,
+#            h200_hopper_variants.json; arguments after OUTDIR go to the command (e.g. --head-dims 128). A run cut
+#            short by the call's limit is finished by `fa-lab bench hopper --json FILE --resume` on its file
 #   interfaces - chapter 05's cases (GQA, varlen, window, softcap, ALiBi) with the upstream kernels
 #            (fa4, installed first as ../shared/peers/fetch_fa4_wheels.sh says): h200_interfaces.json/.png
 #   decode - chapter 06's decode over dense and paged caches, the split sweep, chunked prefill, with
@@ -87,7 +89,7 @@ case "$step" in
   bench) $bench gpu --json "$out/h200_triton.json" --plot "$out/h200_triton.png" \
            2>&1 | tee "$out/bench.log" | grep -v "^bench" ;;
   hopper) $bench hopper --json "$out/h200_hopper.json" --plot "$out/h200_hopper.png" \
-           --log "$out/h200_hopper_variants.json" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
+           --log "$out/h200_hopper_variants.json" "$@" 2>&1 | tee "$out/hopper.log" | grep -v "^bench" ;;
   interfaces) $bench interfaces --json "$out/h200_interfaces.json" --plot "$out/h200_interfaces.png" \
            2>&1 | tee "$out/interfaces.log" | grep -v "^bench" ;;
   sparse) $bench sparse --json "$out/h200_sparse.json" --plot "$out/h200_sparse.png" "$@" \

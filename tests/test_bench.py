@@ -216,23 +216,47 @@ def test_gpu_tune_flag_tunes_the_asked_head_dims_and_measures_with_the_winners(f
     assert written["log"] == [{"kind": "fwd"}]
 
 
-def test_hopper_runner_receives_every_option(fake_gpu, monkeypatch, tmp_path):
+def test_hopper_runner_receives_every_option(fake_gpu, monkeypatch, tmp_path, capsys):
     from fa_lab.bench import hopper
 
     calls = {}
     monkeypatch.setattr(hopper, "run_ablation", lambda causals: calls.update(ablation=causals) or [])
     monkeypatch.setattr(hopper, "save_ablation_log", lambda path, entries: calls.update(log=path))
 
-    def fake_protocol(seqlens, causals, json_path):
-        calls["protocol"] = (seqlens, causals, json_path)
+    def fake_protocol(seqlens, causals, json_path, head_dims, resume):
+        calls["protocol"] = (seqlens, causals, json_path, head_dims, resume)
         return {**schema.environment("cuda"), "rows": []}
 
     monkeypatch.setattr(hopper, "run_hopper_protocol", fake_protocol)
     log, path = str(tmp_path / "log.json"), str(tmp_path / "r.json")
-    assert bench.main(["hopper", "--log", log, "--seqlens", "2048", "--causal", "no", "--json", path]) == 0
-    assert calls == {"ablation": (False,), "log": log, "protocol": ((2048,), (False,), path)}
-    assert bench.main(["hopper", "--log", log]) == 0
-    assert calls["ablation"] == (False, True) and calls["protocol"] == (hopper.HOPPER_SEQLENS, (False, True), None)
+    assert bench.main(["hopper", "--log", log, "--seqlens", "2048", "--causal", "no", "--json", path,
+                       "--head-dims", "64"]) == 0
+    assert calls == {"ablation": (False,), "log": log, "protocol": ((2048,), (False,), path, (64,), False)}
+    calls.clear()
+    assert bench.main(["hopper", "--json", path, "--resume"]) == 0  # no --log: no ablation
+    assert calls == {"protocol": (hopper.HOPPER_SEQLENS, (False, True), path, hopper.HOPPER_HEAD_DIMS, True)}
+    assert bench.main(["hopper", "--resume"]) == 2 and "give --json" in capsys.readouterr().err
+
+
+def test_hopper_protocol_resumes_a_run_cut_short(fake_gpu, monkeypatch, tmp_path):
+    """--resume keeps the shapes already measured in the file and measures only the missing ones; a file from
+    another device is refused."""
+    from fa_lab.bench import hopper
+
+    measured = []
+    monkeypatch.setattr(hopper, "measure", lambda impl, fn, shape: measured.append(shape.head_dim)
+                        or schema.empty_row(impl, shape))
+    monkeypatch.setattr(hopper, "time_fwd_bwd", lambda fn, shape, backward: (2.0, None))
+    monkeypatch.setattr(hopper, "quant_row", lambda shape, fn: schema.empty_row("triton_hopper_fp8_quant", shape))
+    path = tmp_path / "r.json"
+    first = hopper.run_hopper_protocol((2048,), (True,), path, (128,))
+    measured.clear()
+    both = hopper.run_hopper_protocol((2048,), (True,), path, (128, 64), resume=True)
+    assert set(measured) == {64} and both["rows"][:len(first["rows"])] == first["rows"]
+    assert {row["head_dim"] for row in bench.load_results(path)["rows"]} == {64, 128}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "Another GPU")
+    with pytest.raises(ValueError, match="--resume"):
+        hopper.run_hopper_protocol((2048,), (True,), path, (128,), resume=True)
 
 
 def test_hopper_plot_draws_the_fp8_kernel_alone_and_with_its_quantization(fake_gpu, monkeypatch, tmp_path):
@@ -247,7 +271,7 @@ def test_hopper_plot_draws_the_fp8_kernel_alone_and_with_its_quantization(fake_g
         kernel["fwd_tflops"] * kernel["fwd_ms"] / (kernel["fwd_ms"] + quant["fwd_ms"]))
     monkeypatch.setattr(hopper, "run_ablation", lambda causals: [])
     monkeypatch.setattr(hopper, "save_ablation_log", lambda path, entries: None)
-    monkeypatch.setattr(hopper, "run_hopper_protocol", lambda seqlens, causals, json_path: recorded)
+    monkeypatch.setattr(hopper, "run_hopper_protocol", lambda *args: recorded)
     figures, plot_hopper = [], hopper_report.plot_hopper
     monkeypatch.setattr(hopper_report, "plot_hopper",
                         lambda results: figures.append(plot_hopper(results)) or figures[0])
@@ -266,7 +290,7 @@ def test_hopper_protocol_rows_follow_the_asked_shapes(fake_gpu, monkeypatch, tmp
     monkeypatch.setattr(hopper, "time_fwd_bwd", lambda fn, shape, backward: (2.0, None))
     monkeypatch.setattr(hopper, "quant_row", lambda shape, fn: schema.empty_row("triton_hopper_fp8_quant", shape))
     path = tmp_path / "r.json"
-    results = hopper.run_hopper_protocol((2048,), (True,), path)
+    results = hopper.run_hopper_protocol((2048,), (True,), path, (128,))
     assert [row["impl"] for row in results["rows"]] == [*hopper.HOPPER_PEERS, "triton_hopper", "triton_hopper_fp8",
                                                         "triton_hopper_fp8_quant"]
     assert {(r["seqlen_q"], r["seqlen_k"], r["head_dim"], r["causal"], r["batch"]) for r in results["rows"]} == {
@@ -281,10 +305,9 @@ def test_hopper_protocol_rows_follow_the_asked_shapes(fake_gpu, monkeypatch, tmp
     (["gpu", "--batch", "2"], "--batch is not accepted"),
     (["gpu", "--dtype", "fp16"], "--dtype is not accepted"),
     (["gpu", "--impls", "naive"], "invalid choice: 'naive'"),
-    (["hopper", "--log", "x", "--head-dims", "64"], "--head-dims is not accepted: the Hopper benchmark runs head_dim"),
+    (["hopper", "--log", "x", "--head-dims", "96"], "invalid choice: 96"),
     (["hopper", "--log", "x", "--dtype", "fp16"], "--dtype is not accepted"),
     (["hopper", "--log", "x", "--impls", "flex"], "unrecognized arguments: --impls"),
-    (["hopper"], "--log"),
     (["cpu", "--tune", "t.json"], "unrecognized arguments: --tune"),
     (["--device", "cpu"], "unrecognized arguments: --device"),  # the subcommands replace --device
     (["--device", "cuda"], "invalid choice: 'cuda' (choose from"),

@@ -3,7 +3,7 @@ print its table, write its files.
 
 Every flag a subcommand accepts changes what it measures or writes. The GPU protocols fix batch
 (16384 / seqlen), heads (2048 / head_dim) and bf16, so ``gpu`` and ``hopper`` reject ``--batch``,
-``--heads`` and ``--dtype`` with that reason, and ``hopper`` (d=128 only) rejects ``--head-dim(s)``.
+``--heads`` and ``--dtype`` with that reason (``hopper`` takes ``--head-dims`` of its kernels, 64 and 128).
 A mode that replaces the benchmark (``--tune``, ``--breakdown``) refuses, with exit code 2 and a message
 naming them, the flags it would not honour, and a flag that only modifies such a mode (``--stages``)
 refuses to come without it.
@@ -83,17 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     _reject(p, ("--batch", "--heads", "--dtype"), PROTOCOL_FIXES)
     p.set_defaults(handler=_run_gpu)
 
-    p = commands.add_parser("hopper", help="the Hopper kernels (sm_90): ablation at 8K, then the protocol at d=128",
-                            description=f"The Hopper kernels' ablation and protocol: {PROTOCOL_FIXES}, "
-                                        "and head_dim 128.")
-    p.add_argument("--log", metavar="FILE", required=True, help="write the ablation (variants, FP8 errors) here")
+    p = commands.add_parser("hopper", help="the Hopper kernels (sm_90): ablation at 8K, then the protocol at d=128 "
+                            "and 64 with the upstream FlashAttention kernels (fa4) where installed",
+                            description=f"The Hopper kernels' ablation and protocol: {PROTOCOL_FIXES}.")
+    p.add_argument("--log", metavar="FILE", help="run the ablation first (variants, FP8 errors) and write it here")
     p.add_argument("--seqlens", type=int, nargs="+", help="protocol lengths, default 1K to 16K (the ablation "
                    "runs at 8K)")
+    p.add_argument("--head-dims", type=int, nargs="+", choices=(64, 128), help="protocol head dims, default 128 64")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in --json (same device and "
+                   "versions) and measure only the shapes it lacks")
     p.add_argument("--causal", choices=CAUSAL_CHOICES, default="both", help="causal masking of the ablation and "
                    "the protocol: no, yes or both (default)")
     _add_outputs(p, "save a PNG of forward TFLOP/s vs seqlen (FP8: the kernel alone and with its quantization)")
     _reject(p, ("--batch", "--heads", "--dtype"), PROTOCOL_FIXES)
-    _reject(p, ("--head-dim", "--head-dims"), "the Hopper benchmark runs head_dim 128")
+    _reject(p, ("--head-dim",), "the Hopper protocol takes --head-dims")
     p.set_defaults(handler=_run_hopper)
 
     p = commands.add_parser("interfaces", help="GQA, varlen, window, softcap and ALiBi on a CUDA GPU, with the "
@@ -214,10 +217,15 @@ def _run_hopper(args) -> int:
         return 2
     from . import hopper  # imports the Hopper kernels' launchers
 
+    if args.resume and not args.json:
+        print("--resume continues the file --json names: give --json", file=sys.stderr)
+        return 2
     causals = CAUSAL_CHOICES[args.causal]
-    hopper.save_ablation_log(args.log, hopper.run_ablation(causals))
+    if args.log:
+        hopper.save_ablation_log(args.log, hopper.run_ablation(causals))
     seqlens = tuple(args.seqlens) if args.seqlens else hopper.HOPPER_SEQLENS
-    results = hopper.run_hopper_protocol(seqlens, causals, args.json)
+    head_dims = tuple(args.head_dims) if args.head_dims else hopper.HOPPER_HEAD_DIMS
+    results = hopper.run_hopper_protocol(seqlens, causals, args.json, head_dims, args.resume)
     return _finish(results, args, plot=hopper_report.plot_hopper)
 
 

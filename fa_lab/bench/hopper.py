@@ -10,9 +10,10 @@
    without masking add ``rmse_outliers``, the RMSE on the FA3 paper's outlier data next to
    :func:`fa_lab.fp8.reproduce_error_table`, which is ``fp8_error_table_cpu``); and the
    HopperOptions each impl runs by default.
-2. The protocol at d=128 (:func:`run_hopper_protocol`): what ``impl="triton_hopper"`` and
+2. The protocol at d = 128 and 64 (:func:`run_hopper_protocol`): what ``impl="triton_hopper"`` and
    ``"triton_hopper_fp8"`` run by default, next to the portable ``triton`` kernel, SDPA's FA2
-   and cuDNN back ends and FlexAttention, in the results schema. FP8 rows time the kernel
+   and cuDNN back ends, FlexAttention and, where installed, the upstream flash-attn-4 kernels
+   (``fa4``, whose SM90 path is FA3's design), in the results schema. FP8 rows time the kernel
    alone on inputs quantized beforehand; the quantization and rotation are timed as impl
    ``triton_hopper_fp8_quant``.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
+from pathlib import Path
 
 import torch
 
@@ -38,9 +40,10 @@ from ..kernels.hopper import (
 from ..kernels.portable.configs import TileConfig
 from ..testing import check_attention, make_qkv
 from .gpu import make_impls, measure, protocol_shapes, random_inputs, time_fwd_bwd
-from .schema import empty_row, environment, save_results, write_log
+from .schema import empty_row, environment, load_results, save_results, write_log
 
 HOPPER_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+HOPPER_HEAD_DIMS = (128, 64)
 HOPPER_PEERS = ("triton", "sdpa_flash", "sdpa_cudnn", "flex")
 ABLATION_SHAPE = {"batch": 2, "heads": 16, "seqlen": 8192, "head_dim": 128}  # the protocol's 8K shape
 # The variants of the ablation, (label, tiles, options): the Gluon FA3 kernel with its switches,
@@ -166,14 +169,50 @@ def quant_row(shape: AttentionShape, fn) -> dict:
     return row
 
 
-def run_hopper_protocol(seqlens=HOPPER_SEQLENS, causals=(False, True), json_path=None) -> dict:
-    """The protocol at d=128 for the peers, ``triton_hopper``, ``triton_hopper_fp8`` and its quantization.
+def fa4_fn():
+    """fn(q, k, v, causal) -> out of flash-attn-4 on the protocol's (B, heads, N, d) tensors, passed as (B, N, heads,
+    d) views (the package takes any strides with a unit last one, so nothing is copied); None where the package
+    is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+    from .interfaces import fa4_output
 
-    With ``json_path`` the results so far are saved after every shape.
+    def run(q, k, v, causal):
+        views = (t.transpose(1, 2) for t in (q, k, v))
+        return fa4_output(flash_attn_func(*views, causal=causal)).transpose(1, 2)
+    return run
+
+
+def protocol_impls() -> dict:
+    """name -> fn(q, k, v, causal) of the protocol's bf16 rows: the peers, fa4 where installed, triton_hopper."""
+    upstream = fa4_fn()
+    return {**make_impls(HOPPER_PEERS), **({"fa4": upstream} if upstream else {}),
+            "triton_hopper": hopper_fn(None, HopperOptions())}
+
+
+def run_hopper_protocol(seqlens=HOPPER_SEQLENS, causals=(False, True), json_path=None,
+                        head_dims=HOPPER_HEAD_DIMS, resume: bool = False) -> dict:
+    """The protocol for the peers, ``triton_hopper``, ``triton_hopper_fp8`` and its quantization.
+
+    With ``json_path`` the results so far are saved after every shape; with ``resume`` too, the rows already in
+    that file (of the same device and versions) are kept and their shapes not measured again, so that a run cut
+    short by a time limit can be finished by a second one.
     """
     results = {**environment("cuda"), "rows": []}
-    impls = {**make_impls(HOPPER_PEERS), "triton_hopper": hopper_fn(None, HopperOptions())}
-    for shape in protocol_shapes(tuple(seqlens), (128,), tuple(causals)):
+    if resume and json_path and Path(json_path).exists():
+        kept = load_results(json_path)
+        versions = ("device", "torch", "triton")
+        if any(kept.get(key) != results[key] for key in versions):
+            raise ValueError(f"--resume: {json_path} was measured on {[kept.get(key) for key in versions]}, "
+                             f"this run is on {[results[key] for key in versions]}")
+        results["rows"] = kept["rows"]
+    done = {(row["head_dim"], row["causal"], row["seqlen_q"]) for row in results["rows"]}
+    impls = protocol_impls()
+    for shape in protocol_shapes(tuple(seqlens), tuple(head_dims), tuple(causals)):
+        if (shape.head_dim, shape.causal, shape.seqlen_q) in done:
+            continue
         for name, fn in impls.items():
             results["rows"].append(measure(name, fn, shape))
         row = empty_row("triton_hopper_fp8", shape)

@@ -17,23 +17,26 @@ FP8_END_TO_END = "triton_hopper_fp8 + quantization"
 
 
 def _fp8_pairs(rows: list[dict]) -> dict:
-    """(causal, seqlen_q) -> (kernel row, quantization row) for every shape whose two FP8 rows have a time."""
-    by_shape = {(row["impl"], row["causal"], row["seqlen_q"]): row for row in rows}
-    return {(causal, seqlen): (kernel, by_shape[("triton_hopper_fp8_quant", causal, seqlen)])
-            for (impl, causal, seqlen), kernel in by_shape.items()
+    """(head_dim, causal, seqlen_q) -> (kernel row, quantization row) for every shape whose two FP8 rows have a
+    time."""
+    by_shape = {(row["impl"], (row["head_dim"], row["causal"], row["seqlen_q"])): row for row in rows}
+    return {shape: (kernel, by_shape[("triton_hopper_fp8_quant", shape)])
+            for (impl, shape), kernel in by_shape.items()
             if impl == "triton_hopper_fp8" and kernel["fwd_ms"] is not None
-            and by_shape.get(("triton_hopper_fp8_quant", causal, seqlen), {}).get("fwd_ms") is not None}
+            and by_shape.get(("triton_hopper_fp8_quant", shape), {}).get("fwd_ms") is not None}
 
 
-def fp8_end_to_end(rows: list[dict]) -> dict:
-    """(causal, seqlen_q) -> forward TFLOP/s of the FP8 quantization plus the FP8 kernel, for every shape
-    whose ``triton_hopper_fp8`` and ``triton_hopper_fp8_quant`` rows both have a time."""
-    figures = {}
-    for (causal, seqlen), (kernel, quant) in _fp8_pairs(rows).items():
-        shape = AttentionShape(kernel["batch"], kernel["heads"], seqlen, kernel["head_dim"], kernel["seqlen_k"],
-                               causal=causal)
-        figures[(causal, seqlen)] = attention_flops(shape) / ((kernel["fwd_ms"] + quant["fwd_ms"]) * 1e-3) / 1e12
-    return figures
+def _end_to_end_tflops(kernel: dict, quant: dict) -> float:
+    shape = AttentionShape(kernel["batch"], kernel["heads"], kernel["seqlen_q"], kernel["head_dim"],
+                           kernel["seqlen_k"], causal=kernel["causal"])
+    return attention_flops(shape) / ((kernel["fwd_ms"] + quant["fwd_ms"]) * 1e-3) / 1e12
+
+
+def fp8_end_to_end(rows: list[dict], head_dim: int = 128) -> dict:
+    """(causal, seqlen_q) -> forward TFLOP/s of the FP8 quantization plus the FP8 kernel at ``head_dim``, for every
+    shape whose ``triton_hopper_fp8`` and ``triton_hopper_fp8_quant`` rows both have a time."""
+    return {(causal, seqlen): _end_to_end_tflops(kernel, quant)
+            for (d, causal, seqlen), (kernel, quant) in _fp8_pairs(rows).items() if d == head_dim}
 
 
 def with_end_to_end(results: dict) -> dict:
@@ -41,10 +44,9 @@ def with_end_to_end(results: dict) -> dict:
     :data:`FP8_KERNEL`, and one :data:`FP8_END_TO_END` row per shape (the kernel row with the two rows'
     summed time and the :func:`fp8_end_to_end` TFLOP/s). Never written to a results file."""
     rows = results["rows"]
-    tflops = fp8_end_to_end(rows)
     renamed = [{**row, "impl": FP8_KERNEL} if row["impl"] == "triton_hopper_fp8" else row for row in rows]
     added = [{**kernel, "impl": FP8_END_TO_END, "fwd_ms": kernel["fwd_ms"] + quant["fwd_ms"],
-              "fwd_tflops": tflops[shape]} for shape, (kernel, quant) in _fp8_pairs(rows).items()]
+              "fwd_tflops": _end_to_end_tflops(kernel, quant)} for kernel, quant in _fp8_pairs(rows).values()]
     return {**results, "rows": renamed + added}
 
 
