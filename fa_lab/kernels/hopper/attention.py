@@ -85,8 +85,8 @@ MOBA_PASS_OPTIONS = (HopperOptions(persistent=False), HopperOptions(persistent=F
 # and calls timed back to back measured the persistent kernel slower there, so the default takes it from 4K keys.
 # A CPU test holds both to the A/B. A windowed call runs persistent from PERSISTENT_MIN_KEYS keys at any length:
 # each work tile walks only its band's few K/V tiles, so its start and end weigh as in a short dense call, which
-# the persistent kernel overlaps with the next tile's loads (456 against 424 TFLOP/s at (1024, 0) and 16K,
-# benchmarks/h200_window_variants.json). Packed batches stay one tile per CTA.
+# the persistent kernel overlaps with the next tile's loads (450 against 434 TFLOP/s at (1024, 0) and 16K in
+# benchmarks/h200_window_variants.json, 456 against 424 in the run before). Packed batches stay one tile per CTA.
 PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 8192, (128, False): 1024, (128, True): 8192}
 PERSISTENT_MIN_KEYS = 4096
 
