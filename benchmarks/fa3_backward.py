@@ -12,7 +12,8 @@ On the H200: ``PYTHONPATH=. python3 benchmarks/fa3_backward.py run $OUT`` writes
 anywhere: ``python3 benchmarks/fa3_backward.py plot benchmarks/h200_backward.json benchmarks/h200_backward.png``.
 ``... fa3_backward.py dq $OUT`` times the Gluon backward's dQ schemes (``dq_mode`` "turns", "partial" and, at
 d = 128, "split") against each other, alternating, two rounds, into $OUT/h200_backward_dq.json (a log, not results
-rows).
+rows); ``... fa3_backward.py rows $OUT`` its steps of 64 and 128 query rows at d = 64 the same way, into
+$OUT/h200_backward_rows.json.
 """
 import functools
 import json
@@ -85,8 +86,9 @@ def run(out_dir: str) -> None:
         json.dump({**environment("cuda"), "rows": rows}, file, indent=1)
 
 
-def dq_modes(out_dir: str) -> None:
-    """A/B of gluon_backward's dq_mode on the FA3-paper shapes from 2K: each shape's modes timed in turn, twice."""
+def alternating(out_dir: str, filename: str, head_dims, seqlens, variants) -> None:
+    """A/B of gluon_backward's keyword arguments on the FA3-paper shapes: ``variants(head_dim)`` maps a name to
+    the arguments; each shape's variants are timed in turn, twice, into a log of TFLOP/s per name."""
     import torch
     from triton.testing import do_bench
 
@@ -94,13 +96,13 @@ def dq_modes(out_dir: str) -> None:
     from fa_lab.bench.schema import environment, write_log
     from fa_lab.iomodel import AttentionShape, attention_flops
     from fa_lab.kernels import load_triton
-    from fa_lab.kernels.hopper.attention import DQ_MODES, gluon_backward, gluon_forward
+    from fa_lab.kernels.hopper.attention import gluon_backward, gluon_forward
 
     load_triton()
     log = []
-    for head_dim in (128, 64):
+    for head_dim in head_dims:
         for causal in (False, True):
-            for seqlen in (2048, 4096, 8192, 16384):
+            for seqlen in seqlens:
                 shape = AttentionShape(TOTAL_TOKENS // seqlen, HIDDEN // head_dim, seqlen, head_dim, causal=causal)
                 q, k, v, grad = (torch.randn(shape.batch, shape.heads, seqlen, head_dim, device="cuda",
                                              dtype=torch.bfloat16) for _ in range(4))
@@ -108,13 +110,27 @@ def dq_modes(out_dir: str) -> None:
                 out, lse = gluon_forward(q, k, v, causal, scale)
                 entry = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen}
                 for _round in (1, 2):
-                    for mode in (m for m in DQ_MODES if head_dim == 128 or m != "split"):
-                        ms = do_bench(functools.partial(gluon_backward, q, k, v, out, lse, grad, causal, scale, mode),
-                                      return_mode="median")
-                        entry.setdefault(mode, []).append(round(attention_flops(shape, "bwd") / (ms * 1e-3) / 1e12, 1))
+                    for name, kwargs in variants(head_dim).items():
+                        ms = do_bench(functools.partial(gluon_backward, q, k, v, out, lse, grad, causal, scale,
+                                                        **kwargs), return_mode="median")
+                        entry.setdefault(name, []).append(round(attention_flops(shape, "bwd") / (ms * 1e-3) / 1e12, 1))
                 log.append(entry)
                 print(entry, flush=True)
-                write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_backward_dq.json"))
+                write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, filename))
+
+
+def dq_modes(out_dir: str) -> None:
+    """The dQ schemes (dq_mode "turns", "partial" and, at d = 128, "split") from 2K: h200_backward_dq.json."""
+    from fa_lab.kernels.hopper.attention import DQ_MODES
+
+    alternating(out_dir, "h200_backward_dq.json", (128, 64), (2048, 4096, 8192, 16384),
+                lambda head_dim: {mode: {"dq_mode": mode} for mode in DQ_MODES if head_dim == 128 or mode != "split"})
+
+
+def step_rows(out_dir: str) -> None:
+    """Query rows per step at d = 64, 64 against 128, from 1K: h200_backward_rows.json."""
+    alternating(out_dir, "h200_backward_rows.json", (64,), (1024, 2048, 4096, 8192, 16384),
+                lambda head_dim: {f"{rows} rows": {"rows": rows} for rows in (64, 128)})
 
 
 def plot(results_path: str, png_path: str) -> None:
@@ -147,5 +163,7 @@ if __name__ == "__main__":
         run(sys.argv[2])
     elif sys.argv[1] == "dq":
         dq_modes(sys.argv[2])
+    elif sys.argv[1] == "rows":
+        step_rows(sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])

@@ -28,8 +28,11 @@
 #            (benchmarks/fp8_quant_bandwidth.py): fp8_quant.json, committed as h200_fp8_quant.json
 #   training-memory - one training step's peak memory, 8K-64K, ours beside SDPA's and fa4 (installed as for
 #            interfaces): h200_training_memory.json/.png (benchmarks/training_memory.py)
-#   backward-dq - the Gluon backward's two dQ schemes against each other (h200_backward_dq.json, by
+#   backward - the Gluon FA3 backward against the portable one, SDPA's and flash-attn-4's (installed first as for
+#            interfaces): h200_backward.json/.png (benchmarks/fa3_backward.py)
+#   backward-dq - the Gluon backward's three dQ schemes against each other (h200_backward_dq.json, by
 #            benchmarks/fa3_backward.py dq)
+#   backward-rows - its steps of 64 and 128 query rows at d = 64 against each other (h200_backward_rows.json)
 #   persistent-bf16 - the bf16 Gluon forward, one CTA per work tile against the persistent kernel, on the protocol's
 #            shapes, three rounds (h200_persistent_bf16.json, by benchmarks/persistent_bf16_ab.py)
 #   persistent-host - the bf16 forward at 1K-4K one tile per CTA and persistent: do_bench's time, the kernel's and
@@ -118,6 +121,9 @@ case "$step" in
   training-memory) python3 benchmarks/training_memory.py run "$out" 2>&1 | tee "$out/training_memory.log"
          python3 benchmarks/training_memory.py plot "$out/h200_training_memory.json" "$out/h200_training_memory.png" ;;
   backward-dq) python3 benchmarks/fa3_backward.py dq "$out" 2>&1 | tee "$out/backward_dq.log" ;;
+  backward-rows) python3 benchmarks/fa3_backward.py rows "$out" 2>&1 | tee "$out/backward_rows.log" ;;
+  backward) python3 benchmarks/fa3_backward.py run "$out" 2>&1 | tee "$out/backward.log"
+         python3 benchmarks/fa3_backward.py plot "$out/h200_backward.json" "$out/h200_backward.png" ;;
   persistent-bf16) python3 benchmarks/persistent_bf16_ab.py "$out" 2>&1 | tee "$out/persistent_bf16.log" ;;
   persistent-host) python3 benchmarks/persistent_host_bound.py 2>&1 | tee "$out/h200_persistent_host_bound.log" ;;
   moba-gate) python3 benchmarks/moba_gate_variants.py "$out/h200_moba_gate.json" ;;
@@ -132,5 +138,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward-dq|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

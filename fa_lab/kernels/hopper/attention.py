@@ -259,11 +259,13 @@ def uses_gluon_backward(q, k, causal, options: ScoreOptions) -> bool:
 DQ_MODES = ("turns", "partial", "split")  # fa3_backward.DQ_SCHEMES's names; "split" at d = 128 only
 
 
-def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str = "turns"):
+def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str = "turns",
+                   rows: int | None = None):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
-    dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns) or "partial" (each consumer
-    adds a partial dQ tile over its own keys; :mod:`.fa3_backward`)."""
+    dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns), "partial" (each consumer
+    adds a partial dQ tile over its own keys) or "split" (:mod:`.fa3_backward`); rows: query rows per step
+    (None: :data:`.fa3_backward.BWD_ROWS` by head_dim)."""
     from .fa3_backward import BWD_BLOCK_N
 
     batch, heads, seqlen_q, _ = q.shape
@@ -272,17 +274,17 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     delta, lse2 = backward_preprocess(out, grad_out, lse)
     dq, dk, dv = _backward_outputs(q, k, v)
     _launch_backward((cdiv(seqlen_k, BWD_BLOCK_N), batch * heads_kv), (q, k, v, grad_out, dq), dk, dv, lse2, delta,
-                     heads, seqlen_q, seqlen_k, None, causal, scale, dq_mode)
+                     heads, seqlen_q, seqlen_k, None, causal, scale, dq_mode, rows)
     return dq.to(q.dtype), dk, dv
 
 
 def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
-                          dq_mode: str = "turns"):
+                          dq_mode: str = "turns", rows: int | None = None):
     """The Gluon FA3 backward of a packed batch on prepared operands q, out, grad_out: (total_q, H, d), k, v:
     (total_k, Hkv, d), d = 64 or 128, lse (H, total_q) float32, cu_q, cu_k int32 offsets and bounds their
     values (as :func:`host_bounds` takes them): (dq, dk, dv) in q's dtype. One CTA per (sequence, key tile)
-    of ``varlen_schedule`` (most work first) and K/V head; nothing is padded to the longest sequence. dq_mode: as
-    :func:`gluon_backward`'s."""
+    of ``varlen_schedule`` (most work first) and K/V head; nothing is padded to the longest sequence. dq_mode,
+    rows: as :func:`gluon_backward`'s."""
     from .fa3_backward import BWD_BLOCK_N
 
     total_q, heads, _ = q.shape
@@ -294,7 +296,7 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     # The preprocess writes (total_q, H), the order of out's rows; the kernel reads each head's rows together.
     delta, lse2 = (t.t().contiguous() for t in backward_preprocess(out, grad_out, lse.t().contiguous()))
     _launch_backward((len(tiles), k.shape[1]), [heads_view(t) for t in (q, k, v, grad_out, dq)], dk, dv, lse2, delta,
-                     heads, total_q, k.shape[0], (tiles, cu_q, cu_k), causal, scale, dq_mode)
+                     heads, total_q, k.shape[0], (tiles, cu_q, cu_k), causal, scale, dq_mode, rows)
     return dq.to(q.dtype), dk, dv
 
 
@@ -306,17 +308,17 @@ def _backward_outputs(q, k, v):
 
 
 def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, packing, causal, scale,
-                     dq_mode):
+                     dq_mode, rows=None):
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
     its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); packing: None, or (schedule,
     cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals."""
     from .fa3_backward import (
-        BWD_BLOCK_M,
         BWD_BLOCK_N,
         BWD_CONSUMERS,
         DQ_SCHEMES,
         DQ_SPLIT,
         attention_bwd_fa3_kernel,
+        bwd_rows,
         dq_tile_columns,
     )
     from .fa3_config import launch_maxnreg
@@ -328,10 +330,11 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
     scheme = DQ_SCHEMES[dq_mode]
     if scheme == DQ_SPLIT.value and head_dim != 128:
         raise ValueError(f"dq_mode='split' halves dQ's 128 columns: head_dim 128 only, got {head_dim}")
-    rows, keys = [1, 1, BWD_BLOCK_M, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
+    block_m = bwd_rows(head_dim, rows)
+    row_block, keys = [1, 1, block_m, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
     cached_launch(attention_bwd_fa3_kernel)[grid](
-        gluon_descriptor(q, rows), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
-        gluon_descriptor(grad_out, rows), gluon_descriptor(dq, [1, 1, BWD_BLOCK_M, dq_tile_columns(head_dim, scheme)]),
+        gluon_descriptor(q, row_block), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
+        gluon_descriptor(grad_out, row_block), gluon_descriptor(dq, [1, 1, block_m, dq_tile_columns(head_dim, scheme)]),
         dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, *(packing or (lse2,) * 3),
         scale * LOG2E, scale, CAUSAL=causal, STAGES=2, VARLEN=packing is not None, DQ_SCHEME=scheme, num_warps=4,
         maxnreg=launch_maxnreg(BWD_CONSUMERS.value))

@@ -1,7 +1,7 @@
 """A FlashAttention-3 backward for Hopper (sm_90) written in Gluon.
 
-One CTA owns a tile of 128 keys of one (batch, K/V head) and walks down the query tiles (64 rows) that
-see it, in FA3's loop order (notebook 04, section 8). Its partitions:
+One CTA owns a tile of 128 keys of one (batch, K/V head) and walks down the query tiles (64 rows at d = 128,
+128 at d = 64: :data:`BWD_ROWS`) that see it, in FA3's loop order (notebook 04, section 8). Its partitions:
 
 * **Producer** (one warp): TMA copies of K and V once, then of each step's Q_i and dO_i into a ring of
   ``STAGES`` slots.
@@ -9,7 +9,9 @@ see it, in FA3's loop order (notebook 04, section 8). Its partitions:
   S^T = K Q_i^T and dP^T = V dO_i^T (asynchronous WGMMAs), P^T = exp2(S^T * scale * log2 e - lse2),
   dV += P^T dO_i and dS^T = P^T * (dP^T - D), dK += dS^T Q_i (both from registers: the accumulator
   layout of P^T is the operand layout), and writes dS^T into a double-buffered shared tile. dK and dV
-  stay in registers until the CTA ends.
+  stay in registers until the CTA ends. The two products start from -lse2 / (scale * log2 e) (-inf where the
+  mask hides a pair) and from -D instead of zero, so that the row vectors lse2 and D, which every thread holds
+  a copy of, are not live beside the accumulators (that freed the registers the 128-row steps need).
 * **dQ by one consumer per step, in turns.** dQ_i = dS_i K sums over all 128 keys, so it needs both
   consumers' dS. The consumer whose turn it is (step i's dS slot, i mod 2) computes the whole tile (64 x d)
   once the other's rows are in; the other goes straight on to the next step. The two warpgroups drift
@@ -61,7 +63,18 @@ from .fa3_state import Ring, ring_phase, wait_until_empty
 
 KEYS_PER_CONSUMER = gl.constexpr(64)
 BWD_CONSUMERS = gl.constexpr(2)
-BWD_BLOCK_M = 64  # query rows per step (one WGMMA's M for dQ)
+# Query rows per step, by head_dim: 64 at d = 128 (dK and dV take 128 of a consumer's 240 registers), 128 at d = 64,
+# where a step of 64 rows is too short to hide its waits (docs/experiments/backward.md, "128-row steps at d = 64").
+BWD_ROWS = {64: 128, 128: 64}
+
+
+def bwd_rows(head_dim: int, rows: int | None = None) -> int:
+    """The query rows per step a launch at ``head_dim`` (64 or 128) uses: ``rows`` (64 or 128) if given, else
+    :data:`BWD_ROWS`'s."""
+    rows = BWD_ROWS[head_dim] if rows is None else rows
+    if rows not in (64, 128):
+        raise ValueError(f"the Gluon backward steps over 64 or 128 query rows, got {rows}")
+    return rows
 BWD_BLOCK_N = BWD_CONSUMERS.value * KEYS_PER_CONSUMER.value  # keys per CTA
 BWD_CONSUMER_REGS = gl.constexpr(240)
 BWD_WORKER_REGS = gl.constexpr(24)  # the producer and the dQ writer hold only scalars
@@ -182,32 +195,33 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
         q_smem = q_tile.buf().reshape([BLOCK_M, HEAD_DIM])
         do_smem = do_tile.buf().reshape([BLOCK_M, HEAD_DIM])
         lse2 = gl.load(lse2_ptr + row_base + rows, mask=rows < seqlen_q, other=float("inf"))
-        q_tile.wait_ready()
-        do_tile.wait_ready()
-        st = warpgroup_mma(k_own, q_smem.permute((1, 0)),
-                           gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, st_layout), use_acc=False,
-                           is_async=True)
-        dpt = warpgroup_mma(v_own, do_smem.permute((1, 0)),
-                            gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, st_layout), use_acc=False,
-                            is_async=True)
-        st = warpgroup_mma_wait(1, deps=(st,))
-        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        delta = gl.load(delta_ptr + row_base + rows, mask=rows < seqlen_q, other=0.0)
+        # The accumulators start at -lse2 / qk_scale and -D: the products then leave S^T - lse2 / qk_scale and
+        # dP^T - D, and neither row vector stays live beside them.
+        zeros = gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, st_layout)
+        s_start = zeros - (lse2 / qk_scale)[None, :]
+        # A masked pair starts at -inf, so that its probability is 0.
         if CAUSAL:
             if start_m + offset < key0 + KEYS_PER_CONSUMER - 1:  # the diagonal: some keys come after a row
                 keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
-                pt = gl.where(keys[:, None] <= rows[None, :] + offset, pt, 0.0)
+                s_start = gl.where(keys[:, None] <= rows[None, :] + offset, s_start, float("-inf"))
         elif VARLEN:  # (causal, the mask above hides them: a row before seqlen_q sees no key past seqlen_k)
             if key0 + KEYS_PER_CONSUMER > seqlen_k:  # the sequence's last keys: the next sequence's follow them
                 keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
-                pt = gl.where(keys[:, None] < seqlen_k, pt, 0.0)
+                s_start = gl.where(keys[:, None] < seqlen_k, s_start, float("-inf"))
+        q_tile.wait_ready()
+        do_tile.wait_ready()
+        st = warpgroup_mma(k_own, q_smem.permute((1, 0)), s_start, is_async=True)
+        dpt = warpgroup_mma(v_own, do_smem.permute((1, 0)), zeros - delta[None, :], is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st,))
+        pt = gl.exp2(st * qk_scale)
         # P^T is kept as the 16-bit operand only (the registers of the float32 tile are the budget's
         # limit); dS = P (dP - D) reads it back, rounded as the dV product reads it.
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
-        delta = gl.load(delta_ptr + row_base + rows, mask=rows < seqlen_q, other=0.0)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         pt_back = gl.convert_layout(pt_op, st_layout).to(gl.float32)
-        dst = (pt_back * (dpt - delta[None, :])).to(dtype)
+        dst = (pt_back * dpt).to(dtype)
         ds_op = gl.convert_layout(dst, op_layout)
         slot = t % 2
         ds_slot = ds_bufs.index(slot)
@@ -290,8 +304,9 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
                              DQ_SCHEME: gl.constexpr = DQ_TURNS):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
-    q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k/v_desc over (B, H // group, Nk, d),
-    block (1, 1, 128, d); dq_desc over the float32 dQ (B, H, Nq, d), zeroed, block (1, 1, 64, dq_tile_columns(d));
+    q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, rows, d) (rows: :func:`bwd_rows`); k/v_desc over
+    (B, H // group, Nk, d), block (1, 1, 128, d); dq_desc over the float32 dQ (B, H, Nq, d), zeroed, block
+    (1, 1, rows, dq_tile_columns(d));
     dk_ptr, dv_ptr: (B, H // group, Nk, d) contiguous; lse2_ptr (lse * log2 e, +inf for rows that see no
     key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64 or 128.
     STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128), B * H // group). schedule_ptr, cu_seqlens_q/k
