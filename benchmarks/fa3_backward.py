@@ -82,8 +82,8 @@ def run(out_dir: str) -> None:
                     rows.append(row)
                     line.append(f"{impl} {row['bwd_tflops']:.0f}")
                 print(f"d={head_dim} causal={causal} N={seqlen}: " + ", ".join(line), flush=True)
-    with open(os.path.join(out_dir, "h200_backward.json"), "w") as file:
-        json.dump({**environment("cuda"), "rows": rows}, file, indent=1)
+                with open(os.path.join(out_dir, "h200_backward.json"), "w") as file:  # after every shape
+                    json.dump({**environment("cuda"), "rows": rows}, file, indent=1)
 
 
 def alternating(out_dir: str, filename: str, head_dims, seqlens, variants) -> None:
