@@ -143,6 +143,16 @@ def test_gluon_option_kernels_compile_for_sm90_within_their_resources(head_dim, 
     assert ("tanh.approx.f32" in build.ptx) == softcap
 
 
+def test_the_gluon_backward_steps_128_rows_at_d64_and_64_at_d128():
+    """BWD_ROWS as the launchers read it (docs/experiments/backward.md, "128-row steps at d = 64"); a step of any
+    other size is refused before a descriptor is built."""
+    from fa_lab.kernels.hopper.fa3_backward import bwd_rows
+
+    assert (bwd_rows(64), bwd_rows(128), bwd_rows(64, rows=64)) == (128, 64, 64)
+    with pytest.raises(ValueError, match="64 or 128 query rows, got 96"):
+        bwd_rows(128, rows=96)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
     """The Gluon FA3 backward builds for sm_90 on this machine, causal and not, dense and packed, with dQ in turns,

@@ -13,7 +13,7 @@ One CTA owns a tile of 128 keys of one (batch, K/V head) and walks down the quer
   mask hides a pair) and from -D instead of zero, so that the row vectors lse2 and D, which every thread holds
   a copy of, are not live beside the accumulators (that freed the registers the 128-row steps need).
 * **dQ by one consumer per step, in turns.** dQ_i = dS_i K sums over all 128 keys, so it needs both
-  consumers' dS. The consumer whose turn it is (step i's dS slot, i mod 2) computes the whole tile (64 x d)
+  consumers' dS. The consumer whose turn it is (step i's dS slot, i mod 2) computes the whole tile (rows x d)
   once the other's rows are in; the other goes straight on to the next step. The two warpgroups drift
   apart, so one's exponentials and shared-memory stores run while the other's products keep the tensor
   cores busy. (Splitting dQ's columns between the consumers makes each wait for the other at every step:
@@ -63,6 +63,9 @@ from .fa3_state import Ring, ring_phase, wait_until_empty
 
 KEYS_PER_CONSUMER = gl.constexpr(64)
 BWD_CONSUMERS = gl.constexpr(2)
+BWD_BLOCK_N = BWD_CONSUMERS.value * KEYS_PER_CONSUMER.value  # keys per CTA
+BWD_CONSUMER_REGS = gl.constexpr(240)
+BWD_WORKER_REGS = gl.constexpr(24)  # the producer and the dQ writer hold only scalars
 # Query rows per step, by head_dim: 64 at d = 128 (dK and dV take 128 of a consumer's 240 registers), 128 at d = 64,
 # where a step of 64 rows is too short to hide its waits (docs/experiments/backward.md, "128-row steps at d = 64").
 BWD_ROWS = {64: 128, 128: 64}
@@ -75,9 +78,8 @@ def bwd_rows(head_dim: int, rows: int | None = None) -> int:
     if rows not in (64, 128):
         raise ValueError(f"the Gluon backward steps over 64 or 128 query rows, got {rows}")
     return rows
-BWD_BLOCK_N = BWD_CONSUMERS.value * KEYS_PER_CONSUMER.value  # keys per CTA
-BWD_CONSUMER_REGS = gl.constexpr(240)
-BWD_WORKER_REGS = gl.constexpr(24)  # the producer and the dQ writer hold only scalars
+
+
 # The dQ schemes (the kernel's DQ_SCHEME; HopperOptions.backward_dq names them): whole tiles by the consumers in
 # turn, a partial tile per consumer over its own keys, or each consumer's half of the columns over all keys.
 DQ_TURNS, DQ_PARTIAL, DQ_SPLIT = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
