@@ -27,6 +27,7 @@ def _fp8_pairs(rows: list[dict]) -> dict:
 
 
 def _end_to_end_tflops(kernel: dict, quant: dict) -> float:
+    """Forward TFLOP/s of one shape's FP8 kernel row and quantization row, their medians summed."""
     shape = AttentionShape(kernel["batch"], kernel["heads"], kernel["seqlen_q"], kernel["head_dim"],
                            kernel["seqlen_k"], causal=kernel["causal"])
     return attention_flops(shape) / ((kernel["fwd_ms"] + quant["fwd_ms"]) * 1e-3) / 1e12

@@ -313,15 +313,7 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
     its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); packing: None, or (schedule,
     cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals."""
-    from .fa3_backward import (
-        BWD_BLOCK_N,
-        BWD_CONSUMERS,
-        DQ_SCHEMES,
-        DQ_SPLIT,
-        attention_bwd_fa3_kernel,
-        bwd_rows,
-        dq_tile_columns,
-    )
+    from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, DQ_SPLIT, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
     q, k, v, grad_out, dq = operands
@@ -331,11 +323,10 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
     scheme = DQ_SCHEMES[dq_mode]
     if scheme == DQ_SPLIT.value and head_dim != 128:
         raise ValueError(f"dq_mode='split' halves dQ's 128 columns: head_dim 128 only, got {head_dim}")
-    block_m = bwd_rows(head_dim, rows)
-    row_block, keys = [1, 1, block_m, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
+    row_block, keys, dq_block = backward_blocks(head_dim, scheme, rows)
     cached_launch(attention_bwd_fa3_kernel)[grid](
         gluon_descriptor(q, row_block), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
-        gluon_descriptor(grad_out, row_block), gluon_descriptor(dq, [1, 1, block_m, dq_tile_columns(head_dim, scheme)]),
+        gluon_descriptor(grad_out, row_block), gluon_descriptor(dq, dq_block),
         dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, *(packing or (lse2,) * 3),
         scale * LOG2E, scale, CAUSAL=causal, STAGES=2, VARLEN=packing is not None, DQ_SCHEME=scheme, num_warps=4,
         maxnreg=launch_maxnreg(BWD_CONSUMERS.value))

@@ -91,6 +91,13 @@ def dq_tile_columns(head_dim: int, scheme: int) -> int:
     return head_dim // 2 if scheme == DQ_SPLIT.value else head_dim
 
 
+def backward_blocks(head_dim: int, scheme: int, rows: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    """The TMA blocks of a launch: (Q and dO's, K and V's, the float32 dQ's), each (1, 1, rows, columns)."""
+    block_m = bwd_rows(head_dim, rows)
+    return ([1, 1, block_m, head_dim], [1, 1, BWD_BLOCK_N, head_dim],
+            [1, 1, block_m, dq_tile_columns(head_dim, scheme)])
+
+
 @builtin
 def async_reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
     """TMA reduce-add (``cp.reduce.async.bulk.tensor ... .add``) of the shared tile src into tensor_desc's

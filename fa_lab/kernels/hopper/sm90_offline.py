@@ -125,20 +125,11 @@ def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
     :func:`.attention.gluon_backward` (or, varlen, ``gluon_varlen_backward``) launches it with ``dq_mode`` and
     ``rows`` query rows per step (None: by head_dim)."""
-    from .fa3_backward import (
-        BWD_BLOCK_N,
-        BWD_CONSUMERS,
-        DQ_SCHEMES,
-        attention_bwd_fa3_kernel,
-        bwd_rows,
-        dq_tile_columns,
-    )
+    from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
     scheme = DQ_SCHEMES[dq_mode]
-    block_m = bwd_rows(head_dim, rows)
-    row_block, keys = [1, 1, block_m, head_dim], [1, 1, BWD_BLOCK_N, head_dim]
-    dq_rows = [1, 1, block_m, dq_tile_columns(head_dim, scheme)]
+    row_block, keys, dq_rows = backward_blocks(head_dim, scheme, rows)
     signature = {"q_desc": descriptor_type(dtype, row_block), "k_desc": descriptor_type(dtype, keys),
                  "v_desc": descriptor_type(dtype, keys), "do_desc": descriptor_type(dtype, row_block),
                  "dq_desc": descriptor_type("fp32", dq_rows), "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
