@@ -143,40 +143,6 @@ def test_gluon_option_kernels_compile_for_sm90_within_their_resources(head_dim, 
     assert ("tanh.approx.f32" in build.ptx) == softcap
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("exp2_poly", [2, 4])
-def test_the_polynomial_exponentials_leave_the_special_function_unit_without_spilling(head_dim, exp2_poly):
-    """HopperOptions.exp2_poly = n: of every n exponentials of the softmax one leaves MUFU.EX2 for the FMA units;
-    the causal, persistent build keeps its loop free of spills."""
-    import re
-
-    def softmax_ex2(build):  # (the rescale factors alpha keep a few MUFU.EX2 of their own)
-        return len(re.findall(r"MUFU\.EX2\b", build.sass))
-
-    base = _check_sm90_build(head_dim, False, True, 2, False, True, window=False)
-    poly = _check_sm90_build(head_dim, False, True, 2, False, True, window=False, exp2_poly=exp2_poly)
-    moved = softmax_ex2(base) - softmax_ex2(poly)
-    assert softmax_ex2(base) // exp2_poly - 8 <= moved <= softmax_ex2(base) // exp2_poly
-    assert "add.rm.f32" in poly.ptx and "add.rm.f32" not in base.ptx
-
-
-def test_the_exponential_polynomial_is_accurate_to_a_tenth_of_a_bf16_rounding():
-    """EXP2_POLY_COEFFS, evaluated as the PTX does (fp32 Horner, constant term 1): 2^f within 1e-4 relative on
-    [0, 1), under a tenth of bf16's 2^-9 and a fifth of fp16's 2^-11, and exactly 1 at f = 0 (so x <= -127
-    comes out +0)."""
-    import numpy as np
-
-    from fa_lab.kernels.hopper.fa3_softmax import EXP2_POLY_ASM, EXP2_POLY_COEFFS
-
-    f = np.linspace(0.0, 1.0, 100_001, dtype=np.float32)[:-1]
-    c1, c2, c3 = (np.float32(c) for c in EXP2_POLY_COEFFS)
-    poly = np.float32(1.0) + f * (c1 + f * (c2 + f * c3))
-    assert poly.dtype == np.float32 and poly[0] == 1.0
-    assert np.abs(poly / np.exp2(f.astype(np.float64)) - 1).max() < 1e-4
-    for pack, (ptx, constraints) in EXP2_POLY_ASM.items():
-        assert ptx.count("ex2.approx.ftz.f32") == pack - 1 and constraints.count("=r") == pack
-
-
 def test_the_gluon_backward_steps_128_rows_at_d64_and_64_at_d128():
     """BWD_ROWS as the launchers read it (docs/experiments/backward.md, "128-row steps at d = 64"); a step of any
     other size is refused before a descriptor is built."""
@@ -438,7 +404,7 @@ def test_gpu_triton_hopper_runs_the_gluon_kernel_where_it_applies():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("switches", [dict(stages=3), dict(pingpong=True), dict(stages=3, pingpong=True),
-                                      dict(kernel="triton"), dict(exp2_poly=4), dict(exp2_poly=2)], ids=str)
+                                      dict(kernel="triton")], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1100), (1100, 1000), (239, 1), (128, 4096)])
 @pytest.mark.parametrize("causal", [False, True])
@@ -449,37 +415,6 @@ def test_gpu_hopper_switches(switches, dtype, seqlen_q, seqlen_k, causal, genera
     q, k, v = make_qkv(2, 3, seqlen_q, seqlen_k, 128, dtype, "cuda", generator=generator)
     check_attention(lambda *a: triton_hopper_attention(*a, options=options), q, k, v, causal, None, grads=False,
                     generator=generator)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pack", [2, 4, 8])
-def test_gpu_exp2_poly_matches_exp2(pack, generator):
-    """The PTX of exp2_poly on the device: every value within 1e-4 relative of float64's 2^x where the result is
-    a normal fp32 (the MUFU.EX2 ones within 2^-21), +0 at x <= -127 and at -inf, as exp2 gives."""
-    import triton
-    import triton.language as tl
-
-    from fa_lab.kernels.hopper.fa3_softmax import EXP2_POLY_ASM
-
-    @triton.jit
-    def apply(x_ptr, y_ptr, PTX: tl.constexpr, CONSTRAINTS: tl.constexpr, PACK: tl.constexpr, N: tl.constexpr):
-        offs = tl.arange(0, N)
-        y = tl.inline_asm_elementwise(PTX, CONSTRAINTS, [tl.load(x_ptr + offs)], dtype=tl.float32, is_pure=True,
-                                      pack=PACK)
-        tl.store(y_ptr + offs, y)
-
-    n = 8192
-    x = -30 * torch.rand(n, generator=generator, dtype=torch.float64)
-    x[:64] = torch.tensor([0.0, -1e-7, -0.5, -1.0, -126.0, -126.5, -127.0, -127.5, -200.0, float("-inf")] * 6
-                          + [-3.25, 1e-6, -60.0, -125.9])
-    x = x[torch.randperm(n, generator=generator)].float()
-    y = torch.empty_like(x, device="cuda")
-    ptx, constraints = EXP2_POLY_ASM[pack]
-    apply[(1,)](x.cuda(), y, ptx, constraints, pack, n)
-    y, exact = y.cpu().double(), torch.exp2(x.double())
-    normal = exact >= 2.0 ** -126
-    assert ((y[normal] / exact[normal] - 1).abs() <= 1e-4).all()
-    assert (y[x <= -127] == 0).all() and (y >= 0).all()
 
 
 @pytest.mark.gpu

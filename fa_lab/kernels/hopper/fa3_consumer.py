@@ -25,10 +25,10 @@ from .fa3_softmax import ScoreMods, carried_p, fp8_tile_scales, p_operand, softm
 @gluon.jit
 def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
              PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr,
-             ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr, EXP2_POLY: gl.constexpr):
+             ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Consumer warpgroup CONSUMER: its 64 rows of every work tile of this CTA (one tile, or its share of the
     schedule when persistent). state: the :class:`.fa3_state.KernelState`; SEPARATE_O: O has buffers of its
-    own (else it goes out through the consumer's Q buffer); EXP2_POLY: see :func:`.fa3_softmax.softmax_tile`."""
+    own (else it goes out through the consumer's Q buffer)."""
     BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
     CONSUMERS: gl.constexpr = state.q.bufs.type.shape[0]
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
@@ -40,22 +40,21 @@ def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.c
                                    WINDOW=WINDOW, VARLEN=VARLEN)
             _consumer_tile(state, tile, kv_count, k - first, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG,
                            FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP,
-                           ALIBI=ALIBI, SEPARATE_O=SEPARATE_O, EXP2_POLY=EXP2_POLY)
+                           ALIBI=ALIBI, SEPARATE_O=SEPARATE_O)
             kv_count += tile.n_iter
     else:
         tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
                                WINDOW=WINDOW, VARLEN=VARLEN)
         _consumer_tile(state, tile, 0, 0, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG, FP8=FP8,
                        PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                       SEPARATE_O=SEPARATE_O, EXP2_POLY=EXP2_POLY)
+                       SEPARATE_O=SEPARATE_O)
     tma.store_wait(0)  # this consumer's last O store
 
 
 @gluon.jit
 def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
                    PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr,
-                   VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr,
-                   EXP2_POLY: gl.constexpr):
+                   VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Rows [start_m + 64 * CONSUMER, +64) of one WorkTile through its K/V tiles, then the epilogue.
 
     kv_count: K/V tiles this CTA consumed before this work tile (step j takes ring tile kv_count + j);
@@ -125,7 +124,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     k_first.release()
     p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, tile.first,
                                       tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
-                                      ALIBI=ALIBI, EXP2_POLY=EXP2_POLY, s_layout=s_layout)
+                                      ALIBI=ALIBI, s_layout=s_layout)
     p = carried_p(p, dtype, p_layout, FP8=FP8)
 
     for j in range(1, tile.n_iter):
@@ -152,8 +151,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         k_tile.release()
         p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end,
                                           tile.first + j, tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW,
-                                          SOFTCAP=SOFTCAP, ALIBI=ALIBI, EXP2_POLY=EXP2_POLY,
-                                          s_layout=s_layout)
+                                          SOFTCAP=SOFTCAP, ALIBI=ALIBI, s_layout=s_layout)
         # The softmax above ran while the tensor cores computed P_{j-1} V_{j-1}.
         if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
             o = warpgroup_mma_wait(0, deps=(o,))

@@ -72,8 +72,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
                              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr = False,
-                             SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
-                             EXP2_POLY: gl.constexpr = 0):
+                             SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
     """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
 
     q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
@@ -96,8 +95,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     (grid: pairs * H; not PERSISTENT, not FP8). Otherwise o_ptr, cu_seqlens_q/k are not read.
     SOFTCAP: scores softcap * tanh(scale * q.k / softcap); qk_scale is then softcap * log2(e) and
     softcap_scale = scale / softcap. ALIBI: scores get -slope * |i + seqlen_k - seqlen_q - j|, slopes_ptr
-    (B, H) float32 (a packed batch: one row per sequence). EXP2_POLY (16-bit types only; 0: off): one softmax
-    exponential in every EXP2_POLY by a polynomial on the FMA units (:func:`.fa3_softmax.exp2_poly`).
+    (B, H) float32 (a packed batch: one row per sequence).
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     if VARLEN:  # one work tile per (sequence, query tile) pair and head
@@ -148,19 +146,14 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        EXP2_POLY)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        EXP2_POLY)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
             (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        EXP2_POLY)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        EXP2_POLY)),
-            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        EXP2_POLY)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
+            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
             (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW, VARLEN)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

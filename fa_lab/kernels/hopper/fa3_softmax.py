@@ -6,8 +6,6 @@ and into P's exponent, and P's keys are taken in the order a thread holds them (
 that order: :func:`fa_lab.kernels.common.gluon_fp8_key_order`), so P becomes an e4m3 operand
 without moving data between threads.
 """
-import struct
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon aggregate
@@ -19,7 +17,7 @@ from .fa3_config import LOG2_P_SCALE
 @gluon.jit
 def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, tile, mods, BLOCK_N: gl.constexpr,
                  FP8: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                 EXP2_POLY: gl.constexpr, s_layout: gl.constexpr):
+                 s_layout: gl.constexpr):
     """Online-softmax update with raw scores s = Q K_j^T of K/V tile j of the sequence: (64, BLOCK_N) fp32.
 
     Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
@@ -35,8 +33,6 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     (tile_scale is then softcap * log2 e); ALIBI: s gets -slope * |row + offset - key| in s's units (the
     slope divided by the scale that tile_scale applies), so the bias costs one FADD (the distance) and one
     FFMA (|distance| is a free operand modifier) per score, and the exponent keeps its single FFMA.
-
-    EXP2_POLY (not FP8; 0: off): one exponential in every EXP2_POLY by a polynomial (:func:`exp2_poly`).
     """
     if SOFTCAP:
         s = gl.inline_asm_elementwise(TANH_APPROX_PTX, "=r,r", [s * mods.softcap_scale], dtype=gl.float32,
@@ -62,62 +58,10 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     if FP8:
         p = gl.exp2(s * tile_scale - (m_sub - log2_p_scale)[:, None])
         l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-log2_p_scale)
-    elif EXP2_POLY:
-        p = exp2_poly(s * tile_scale - m_sub[:, None], EXP2_POLY)
-        l_new = l_i * alpha + gl.sum(p, axis=1)
     else:
         p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
         l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
-
-
-# 2^f on [0, 1) as 1 + f (c1 + f (c2 + f c3)): the three coefficients of a cubic fitted to 2^f by least squares
-# weighted towards the largest relative error (fp32 Horner: at most 8.6e-5 relative on [0, 1), against bf16's 2^-9
-# and fp16's 2^-11 rounding of P).
-EXP2_POLY_COEFFS = (0.6951163411140442, 0.22764700651168823, 0.07706519961357117)
-
-
-def _hex_f32(value: float) -> str:
-    """A PTX fp32 immediate (0fXXXXXXXX) of value."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-def _exp2_poly_ptx(pack: int) -> str:
-    """PTX for 2^x of ``pack`` fp32 values ($pack.. in, $0.. out): all but the last on the special-function unit
-    (ex2.approx), the last by EXP2_POLY_COEFFS on the FMA and integer units: x clamped at -127, split into
-    floor(x) (the low bits of x + 1.5 * 2^23 rounded down) and f = x - floor(x), 2^f by the cubic, floor(x)
-    added to its exponent. At x <= -127 the result is +0 exactly (1.0's bits minus 127 << 23), as exp2(-inf)."""
-    c1, c2, c3 = (_hex_f32(c) for c in EXP2_POLY_COEFFS)
-    lines = [f"ex2.approx.ftz.f32 ${k}, ${pack + k};" for k in range(pack - 1)]
-    lines += [f"max.f32 t, ${2 * pack - 1}, {_hex_f32(-127.0)};",
-              f"add.rm.f32 r, t, {_hex_f32(1.5 * 2**23)};",
-              f"sub.f32 p, r, {_hex_f32(1.5 * 2**23)};",
-              "sub.f32 t, t, p;",
-              f"fma.rn.f32 p, t, {c3}, {c2};",
-              f"fma.rn.f32 p, p, t, {c1};",
-              f"fma.rn.f32 p, p, t, {_hex_f32(1.0)};",
-              "shl.b32 r, r, 23;",
-              f"add.s32 ${pack - 1}, p, r;"]
-    return "{ .reg .b32 t, r, p;\n" + "\n".join(lines) + " }"
-
-
-# exp2_poly's inline PTX and its constraints (pack outputs, pack inputs), by pack.
-EXP2_POLY_ASM = {pack: (_exp2_poly_ptx(pack), ",".join(["=r"] * pack + ["r"] * pack)) for pack in (2, 4, 8)}
-
-
-@gluon.constexpr_function
-def exp2_poly_asm(pack):
-    return EXP2_POLY_ASM[pack]
-
-
-@gluon.jit
-def exp2_poly(x, PACK: gl.constexpr):
-    """exp2 of fp32 x with one value in every PACK computed by a polynomial (:func:`exp2_poly_ptx`), the others
-    by MUFU.EX2. The special-function unit does 16 exponentials per clock per SM: at d = 64 the softmax's
-    exponentials take about as long as the tile's two products on the tensor cores (FlashAttention-4 moves
-    some of them to the FMA units for the same reason on Blackwell)."""
-    ASM: gl.constexpr = exp2_poly_asm(PACK)
-    return gl.inline_asm_elementwise(ASM[0], ASM[1], [x], dtype=gl.float32, is_pure=True, pack=PACK)
 
 
 @aggregate
