@@ -418,6 +418,23 @@ def test_gpu_hopper_switches(switches, dtype, seqlen_q, seqlen_k, causal, genera
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1100), (239, 1), (128, 4096)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_p_through_shared_memory(head_dim, consumers, persistent, seqlen_q, seqlen_k, causal, generator):
+    """HopperOptions.p_smem: P stored to shared memory for the P V product, with 128- and 192-row tiles."""
+    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+
+    options = HopperOptions(p_smem=True, consumers=consumers, persistent=persistent)
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = make_qkv(2, 3, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator)
+        check_attention(lambda *a: triton_hopper_attention(*a, options=options), q, k, v, causal, None, grads=False,
+                        generator=generator)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1100), (1100, 1000), (4096, 4096)])
 def test_gpu_fp8_gluon_matches_the_triton_fp8_kernel(causal, seqlen_q, seqlen_k, generator):

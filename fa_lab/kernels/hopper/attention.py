@@ -68,6 +68,7 @@ class HopperOptions:
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
     backward_dq: str = "turns"  # the Gluon backward's dQ scheme (DQ_MODES): "turns", "partial" or "split"
+    p_smem: bool = False  # Gluon, 16-bit types: P reaches the P V product through shared memory, not registers
 
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
@@ -215,7 +216,8 @@ def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, optio
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=info.causal and not info.banded,
         PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=persistent,
         CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
-        ALIBI=alibi_slopes is not None, num_warps=4, maxnreg=launch_maxnreg(options.consumers))
+        ALIBI=alibi_slopes is not None, P_SMEM=options.p_smem and fp8_scales is None, num_warps=4,
+        maxnreg=launch_maxnreg(options.consumers))
 
 
 def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),
