@@ -15,11 +15,23 @@ ROUNDS = 3
 TOKENS, HIDDEN = 16384, 2048
 VARIANTS = {"registers": {}, "smem": dict(p_smem=True), "smem_3wg": dict(p_smem=True, consumers=3),
             "smem_3wg_persistent": dict(p_smem=True, consumers=3, persistent=True)}
+# With --keys256 (d = 64 only: 256-key K/V tiles fit shared memory there with P in it).
+VARIANTS_256 = {"registers": {}, "smem": dict(p_smem=True), "smem_256": dict(p_smem=True, kv_block=256)}
+# With --3wg-registers (d = 64): three consumers with P in registers (ptxas spills a few values in the loop).
+VARIANTS_3WG = {"registers": {}, "registers_3wg": dict(consumers=3),
+                "registers_3wg_persistent": dict(consumers=3, persistent=True)}
+# With --3wg-64-keys: three consumers over 64-key K/V tiles (no spills at d = 64 or 128).
+VARIANTS_3WG_64 = {"registers": {}, "3wg_128_persistent": dict(consumers=3, persistent=True),
+                   "3wg_64": dict(consumers=3, kv_block=64), "3wg_64_persistent": dict(consumers=3, kv_block=64,
+                                                                                       persistent=True),
+                   "3wg_64_persistent_stages3": dict(consumers=3, kv_block=64, persistent=True, stages=3)}
+HEAD_DIMS = (64, 128)
+RESULT = "h200_p_smem.json"
 
 
 def cases():
     """(name, head_dim, seqlen, causal) of every timed configuration."""
-    for head_dim in (64, 128):
+    for head_dim in HEAD_DIMS:
         for seqlen in (4096, 8192, 16384):
             for causal in (False, True):
                 yield f"d{head_dim} {seqlen // 1024}K {'causal' if causal else 'full'}", head_dim, seqlen, causal
@@ -60,12 +72,18 @@ def main(out_dir: str) -> None:
                 ms = do_bench(call, return_mode="median")
                 result["tflops"].setdefault(f"{name} {variant}", []).append(round(flops / ms * 1e-9, 1))
         print(f"round {_round + 1} of {ROUNDS} done", flush=True)
-        write_log(result, os.path.join(out_dir, "h200_p_smem.json"))
+        write_log(result, os.path.join(out_dir, RESULT))
     result["median_tflops"] = {key: statistics.median(values) for key, values in result["tflops"].items()}
     for name in inputs:
         print(name, *(result["median_tflops"][f"{name} {variant}"] for variant in VARIANTS), flush=True)
-    write_log(result, os.path.join(out_dir, "h200_p_smem.json"))
+    write_log(result, os.path.join(out_dir, RESULT))
 
 
 if __name__ == "__main__":
+    if "--keys256" in sys.argv:
+        VARIANTS, HEAD_DIMS, RESULT = VARIANTS_256, (64,), "h200_p_smem_keys256.json"
+    if "--3wg-64-keys" in sys.argv:
+        VARIANTS, RESULT = VARIANTS_3WG_64, "h200_3wg_64_keys.json"
+    if "--3wg-registers" in sys.argv:
+        VARIANTS, HEAD_DIMS, RESULT = VARIANTS_3WG, (64,), "h200_3wg_registers.json"
     main(sys.argv[1])

@@ -418,6 +418,23 @@ def test_gpu_hopper_switches(switches, dtype, seqlen_q, seqlen_k, causal, genera
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, switches", [(64, dict(p_smem=True, kv_block=256)),
+                                                (64, dict(consumers=3, kv_block=64)),
+                                                (128, dict(consumers=3, kv_block=64))], ids=str)
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1100), (239, 1), (128, 4096)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_other_tile_shapes(head_dim, switches, persistent, seqlen_q, seqlen_k, causal, generator):
+    """HopperOptions.kv_block: 256-key tiles with P in shared memory, 64-key tiles under three consumers."""
+    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+
+    options = HopperOptions(persistent=persistent, **switches)
+    q, k, v = make_qkv(2, 3, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator)
+    check_attention(lambda *a: triton_hopper_attention(*a, options=options), q, k, v, causal, None, grads=False,
+                    generator=generator)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("persistent", [False, True])

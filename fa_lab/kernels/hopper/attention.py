@@ -69,6 +69,7 @@ class HopperOptions:
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
     backward_dq: str = "turns"  # the Gluon backward's dQ scheme (DQ_MODES): "turns", "partial" or "split"
     p_smem: bool = False  # Gluon, 16-bit types: P reaches the P V product through shared memory, not registers
+    kv_block: int = 128  # Gluon, dense calls: keys per K/V tile
 
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
@@ -143,7 +144,7 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` with ``gluon=True``, and
     ``out_dtype`` the output's dtype.
     """
-    from .fa3_config import KV_BLOCK, ROWS_PER_CONSUMER
+    from .fa3_config import ROWS_PER_CONSUMER
 
     batch, heads, seqlen_q, _ = q.shape
     seqlen_k = k.shape[2]
@@ -158,10 +159,11 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
         persistent = persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8=fp8_scales is not None)
     if persistent:
         grid = (min(total_tiles, max(_sm_count(q.device) - options.spare_sms, 1)),)
-        schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value,
+        schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, options.kv_block,
                                    causal and not info.banded, grid[0], q.device)
     work = (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse)
-    _launch_fa3(_descriptors(q, k, v, out, fp8_scales is not None), out, lse, grid, work, info, scale, options,
+    _launch_fa3(_descriptors(q, k, v, out, fp8_scales is not None, options.kv_block), out, lse, grid, work, info,
+                scale, options,
                 persistent, softcap, alibi_slopes, fp8_scales)
     return out, lse
 
@@ -190,11 +192,11 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     return out, lse
 
 
-def _descriptors(q, k, v, out, fp8: bool) -> list:
+def _descriptors(q, k, v, out, fp8: bool, keys: int = 128) -> list:
     """The kernel's TMA descriptors over (B, H, N, d8) operands (packed ones seen as (1, H, total, d8))."""
     from .fa3_config import descriptor_blocks
 
-    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8)
+    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8, keys)
     return [gluon_descriptor(t, blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
 
 
