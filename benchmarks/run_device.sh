@@ -130,7 +130,7 @@ case "$step" in
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;
   window-variants) python3 benchmarks/window_variants.py "$out" 2>&1 | tee "$out/window_variants.log" ;;
-  p-smem) python3 benchmarks/p_smem_ab.py "$out" 2>&1 | tee "$out/p_smem.log" ;;
+  three-consumers) python3 benchmarks/three_consumers_ab.py "$out" 2>&1 | tee "$out/three_consumers.log" ;;
   moba-gaps) python3 benchmarks/moba_forward_gaps.py "$out" 2>&1 | tee "$out/moba_forward_gaps.log" ;;
   nsa-dkdv-variants) python3 benchmarks/nsa_dkdv_variants.py "$out" 2>&1 | tee "$out/nsa_dkdv_variants.log" ;;
   nsa-gather-order) python3 benchmarks/nsa_dkdv_variants.py --order "$out" 2>&1 | tee "$out/nsa_gather_order.log" ;;
@@ -139,5 +139,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|p-smem|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

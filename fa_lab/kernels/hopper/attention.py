@@ -9,7 +9,7 @@ rest (windows, the soft cap, ALiBi, other head sizes, other GPUs).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,8 +53,9 @@ class HopperOptions:
     ``warp_specialize`` (Triton's own pass).
 
     The defaults (2 stages, free-running consumers) are the bf16 variant the H200 measurements chose
-    (docs/experiments/hopper_forward.md); ``persistent=None`` picks by :data:`PERSISTENT_MAX_KEYS`. Three
-    consumers (192-row tiles) leave each 160 registers, and ptxas spills (see
+    (docs/experiments/hopper_forward.md); ``persistent=None`` picks by :data:`PERSISTENT_MAX_KEYS`, and
+    ``consumers=None`` by :data:`THREE_CONSUMERS_MIN_KEYS`: three consumers (192-row tiles, persistent) leave
+    each 160 registers, which holds a d = 64 work tile's loop without spills, not a d = 128 one's (see
     :mod:`fa_lab.kernels.hopper.sm90_offline`).
     """
 
@@ -63,13 +64,11 @@ class HopperOptions:
     warp_specialize: bool = False
     stages: int = 2
     pingpong: bool = False
-    consumers: int = 2
+    consumers: int | None = None  # Gluon: 2 or 3 consumer warpgroups (128- or 192-row tiles); None: auto
     persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
     backward_dq: str = "turns"  # the Gluon backward's dQ scheme (DQ_MODES): "turns", "partial" or "split"
-    p_smem: bool = False  # Gluon, 16-bit types: P reaches the P V product through shared memory, not registers
-    kv_block: int = 128  # Gluon, dense calls: keys per K/V tile
 
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
@@ -93,11 +92,31 @@ PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 8192, (128, False): 1024, 
 PERSISTENT_MIN_KEYS = 4096
 
 
-def persistent_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool, fp8: bool = False) -> bool:
+def persistent_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool, fp8: bool = False,
+                          consumers: int = 2) -> bool:
     """HopperOptions.persistent None's choice for a call with these keys: in bf16/fp16 by PERSISTENT_MAX_KEYS and
-    _MIN_KEYS (a banded call from _MIN_KEYS at any length); in FP8 always (its default, FP8_OPTIONS)."""
-    return fp8 or (PERSISTENT_MIN_KEYS <= seqlen_k
-                   and (banded or seqlen_k <= PERSISTENT_MAX_KEYS.get((head_dim_bucket(head_dim), causal), 0)))
+    _MIN_KEYS (a banded call from _MIN_KEYS at any length), and always with three consumers; in FP8 always (its
+    default, FP8_OPTIONS)."""
+    return fp8 or consumers == 3 or (
+        PERSISTENT_MIN_KEYS <= seqlen_k
+        and (banded or seqlen_k <= PERSISTENT_MAX_KEYS.get((head_dim_bucket(head_dim), causal), 0)))
+
+
+# Where the bf16/fp16 Gluon forward takes three consumer warpgroups by default (HopperOptions.consumers None): from
+# how many keys, per (head_dim bucket, causal), without a window, in a dense call. At d = 64 a tile's two products
+# take half as long as at d = 128 while its softmax takes as long, so two consumers leave the tensor cores waiting;
+# a third (192-row tiles, FA3's shape there; each K/V tile is also read by a third fewer CTAs) fills the gaps. The
+# persistent kernel with three consumers measured 1.05-1.09x two consumers without a mask from 4K keys, causal
+# 1.04-1.06x at 16K, 1.00-1.02x at 8K and 0.94x at 4K (benchmarks/h200_three_consumers.json and a rerun,
+# docs/experiments/hopper_forward.md). At d = 128 a consumer's loop does not fit its 160 registers. A CPU test holds
+# the table to the recorded run.
+THREE_CONSUMERS_MIN_KEYS = {(64, False): 4096, (64, True): 16384}
+
+
+def consumers_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool, fp8: bool = False) -> int:
+    """HopperOptions.consumers None's choice for a dense call (THREE_CONSUMERS_MIN_KEYS; FP8 and windows: two)."""
+    min_keys = THREE_CONSUMERS_MIN_KEYS.get((head_dim_bucket(head_dim), causal))
+    return 3 if not (fp8 or banded) and min_keys is not None and seqlen_k >= min_keys else 2
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
 # many keys, per (head_dim, causal), the H200 measured it faster than the portable backward
@@ -144,26 +163,28 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` with ``gluon=True``, and
     ``out_dtype`` the output's dtype.
     """
-    from .fa3_config import ROWS_PER_CONSUMER
+    from .fa3_config import KV_BLOCK, ROWS_PER_CONSUMER
 
     batch, heads, seqlen_q, _ = q.shape
     seqlen_k = k.shape[2]
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    info = BlockInfo(seqlen_q, seqlen_k, causal, tuple(window))
+    fp8 = fp8_scales is not None
+    if options.consumers is None:
+        options = replace(options, consumers=consumers_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8))
     block_m = ROWS_PER_CONSUMER.value * options.consumers
     total_tiles = cdiv(seqlen_q, block_m) * batch * heads
     grid, schedule = (total_tiles,), lse  # (lse: a placeholder pointer, not read)
-    info = BlockInfo(seqlen_q, seqlen_k, causal, tuple(window))
     persistent = options.persistent
     if persistent is None:
-        persistent = persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8=fp8_scales is not None)
+        persistent = persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8, options.consumers)
     if persistent:
         grid = (min(total_tiles, max(_sm_count(q.device) - options.spare_sms, 1)),)
-        schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, options.kv_block,
+        schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value,
                                    causal and not info.banded, grid[0], q.device)
     work = (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse)
-    _launch_fa3(_descriptors(q, k, v, out, fp8_scales is not None, options.kv_block), out, lse, grid, work, info,
-                scale, options,
+    _launch_fa3(_descriptors(q, k, v, out, fp8_scales is not None), out, lse, grid, work, info, scale, options,
                 persistent, softcap, alibi_slopes, fp8_scales)
     return out, lse
 
@@ -180,6 +201,8 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     total_q, heads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+    if hopper.consumers is None:  # packed batches keep two consumers (the three-consumer default was timed dense)
+        hopper = replace(hopper, consumers=2)
     block_m = ROWS_PER_CONSUMER.value * hopper.consumers
     descriptors = _descriptors(*(heads_view(t) for t in (q, k, v, out)), fp8=False)
     tiles, cu_q, cu_k = query_tiles(bounds, cu_q, cu_k, block_m, causal, options.window, q.device)
@@ -192,11 +215,11 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     return out, lse
 
 
-def _descriptors(q, k, v, out, fp8: bool, keys: int = 128) -> list:
+def _descriptors(q, k, v, out, fp8: bool) -> list:
     """The kernel's TMA descriptors over (B, H, N, d8) operands (packed ones seen as (1, H, total, d8))."""
     from .fa3_config import descriptor_blocks
 
-    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8, keys)
+    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8)
     return [gluon_descriptor(t, blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
 
 
@@ -218,8 +241,7 @@ def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, optio
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=info.causal and not info.banded,
         PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=persistent,
         CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
-        ALIBI=alibi_slopes is not None, P_SMEM=options.p_smem and fp8_scales is None, num_warps=4,
-        maxnreg=launch_maxnreg(options.consumers))
+        ALIBI=alibi_slopes is not None, num_warps=4, maxnreg=launch_maxnreg(options.consumers))
 
 
 def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),

@@ -26,10 +26,9 @@ LN2 = gl.constexpr(common.LN2)
 LOG2E = gl.constexpr(common.LOG2E)
 
 
-def descriptor_blocks(head_dim: int, fp8: bool, keys: int = KV_BLOCK.value) -> dict[str, list[int]]:
-    """TMA block shapes of the q, k, v and o descriptors for a padded head_dim (v's is V^T's in FP8), with K/V
-    tiles of ``keys`` keys."""
-    rows = ROWS_PER_CONSUMER.value
+def descriptor_blocks(head_dim: int, fp8: bool) -> dict[str, list[int]]:
+    """TMA block shapes of the q, k, v and o descriptors for a padded head_dim (v's is V^T's in FP8)."""
+    rows, keys = ROWS_PER_CONSUMER.value, KV_BLOCK.value
     v_block = [1, 1, head_dim, keys] if fp8 else [1, 1, keys, head_dim]
     return {"q": [1, 1, rows, head_dim], "k": [1, 1, keys, head_dim], "v": v_block, "o": [1, 1, rows, head_dim]}
 

@@ -25,11 +25,10 @@ from .fa3_softmax import ScoreMods, carried_p, fp8_tile_scales, p_operand, softm
 @gluon.jit
 def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
              PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr,
-             ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr, P_SMEM: gl.constexpr):
+             ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Consumer warpgroup CONSUMER: its 64 rows of every work tile of this CTA (one tile, or its share of the
     schedule when persistent). state: the :class:`.fa3_state.KernelState`; SEPARATE_O: O has buffers of its
-    own (else it goes out through the consumer's Q buffer); P_SMEM: P reaches the P V product through the
-    consumer's buffer in ``state.p_bufs`` instead of registers."""
+    own (else it goes out through the consumer's Q buffer)."""
     BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
     CONSUMERS: gl.constexpr = state.q.bufs.type.shape[0]
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
@@ -41,22 +40,21 @@ def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.c
                                    WINDOW=WINDOW, VARLEN=VARLEN)
             _consumer_tile(state, tile, kv_count, k - first, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG,
                            FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP,
-                           ALIBI=ALIBI, SEPARATE_O=SEPARATE_O, P_SMEM=P_SMEM)
+                           ALIBI=ALIBI, SEPARATE_O=SEPARATE_O)
             kv_count += tile.n_iter
     else:
         tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
                                WINDOW=WINDOW, VARLEN=VARLEN)
         _consumer_tile(state, tile, 0, 0, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG, FP8=FP8,
                        PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                       SEPARATE_O=SEPARATE_O, P_SMEM=P_SMEM)
+                       SEPARATE_O=SEPARATE_O)
     tma.store_wait(0)  # this consumer's last O store
 
 
 @gluon.jit
 def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
                    PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr,
-                   VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr,
-                   P_SMEM: gl.constexpr):
+                   VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Rows [start_m + 64 * CONSUMER, +64) of one WorkTile through its K/V tiles, then the epilogue.
 
     kv_count: K/V tiles this CTA consumed before this work tile (step j takes ring tile kv_count + j);
@@ -127,16 +125,12 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, tile.first,
                                       tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                       ALIBI=ALIBI, s_layout=s_layout)
-    p_smem = state.p_bufs.index(CONSUMER)
-    p = carried_p(p, dtype, p_layout, p_smem, FP8=FP8, P_SMEM=P_SMEM)
+    p = carried_p(p, dtype, p_layout, FP8=FP8)
 
     for j in range(1, tile.n_iter):
         k_tile = state.k.at(kv_count + j)  # K_j, and V_{j-1}: this CTA's K/V tiles count across work tiles
         v_tile = state.v.at(kv_count + j - 1)
-        if P_SMEM:  # P_{j-1}, stored by carried_p
-            p_op = p_smem
-        else:  # P_{j-1} (a no-op for 16-bit types: see carried_p)
-            p_op = p_operand(p, dtype, p_layout, FP8=FP8)
+        p_op = p_operand(p, dtype, p_layout, FP8=FP8)  # P_{j-1} (a no-op for 16-bit types: see carried_p)
         k_tile.wait_ready()
         v_tile.wait_ready()
         if PINGPONG:
@@ -159,23 +153,20 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
                                           tile.first + j, tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW,
                                           SOFTCAP=SOFTCAP, ALIBI=ALIBI, s_layout=s_layout)
         # The softmax above ran while the tensor cores computed P_{j-1} V_{j-1}.
-        if FP8 or P_SMEM:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
+        if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
             o = warpgroup_mma_wait(0, deps=(o,))
         else:  # P's registers must stay untouched until the WGMMA reading them is done
             o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
         v_tile.release()
-        p = carried_p(p, dtype, p_layout, p_smem, FP8=FP8, P_SMEM=P_SMEM)
+        p = carried_p(p, dtype, p_layout, FP8=FP8)
 
     if PERSISTENT and SEPARATE_O:  # every Q K^T of this tile is done: the producer may load the next tile's Q
         state.q.release()
     v_last = state.v.at(kv_count + tile.n_iter - 1)
     v_last.wait_ready()
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    if P_SMEM:
-        o = warpgroup_mma(p_smem, v_operand(v_last.buf(), FP8=FP8), o, is_async=True)
-    else:
-        o = warpgroup_mma(p_operand(p, dtype, p_layout, FP8=FP8), v_operand(v_last.buf(), FP8=FP8), o,
-                          is_async=True)
+    o = warpgroup_mma(p_operand(p, dtype, p_layout, FP8=FP8), v_operand(v_last.buf(), FP8=FP8), o,
+                      is_async=True)
     o = warpgroup_mma_wait(0, deps=(o,))
     v_last.release()
 

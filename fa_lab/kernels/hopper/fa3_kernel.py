@@ -72,8 +72,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
                              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr = False,
-                             SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
-                             P_SMEM: gl.constexpr = False):
+                             SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
     """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
 
     q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
@@ -96,9 +95,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     (grid: pairs * H; not PERSISTENT, not FP8). Otherwise o_ptr, cu_seqlens_q/k are not read.
     SOFTCAP: scores softcap * tanh(scale * q.k / softcap); qk_scale is then softcap * log2(e) and
     softcap_scale = scale / softcap. ALIBI: scores get -slope * |i + seqlen_k - seqlen_q - j|, slopes_ptr
-    (B, H) float32 (a packed batch: one row per sequence). P_SMEM (16-bit types): P goes to the P V product
-    through shared memory (a (64, BLOCK_N) buffer per consumer) instead of registers, which frees a consumer
-    thread's BLOCK_N / 2 registers of P (FA3's choice at d = 64, with three consumers).
+    (B, H) float32 (a packed batch: one row per sequence).
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     if VARLEN:  # one work tile per (sequence, query tile) pair and head
@@ -114,13 +111,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     # consumer's Q tile, dead after its last Q K^T, takes O.
     SEPARATE_O: gl.constexpr = FP8 or (PERSISTENT and separate_o_fits(
         CONSUMERS * q_desc.block_type.nbytes, STAGES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes),
-        CONSUMERS * o_desc.block_type.nbytes + P_SMEM * CONSUMERS * ROWS_PER_CONSUMER * k_desc.block_type.shape[2] * 2))
-    if P_SMEM:
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-        p_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS_PER_CONSUMER, BLOCK_N],
-                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    else:
-        p_bufs = q_bufs  # (not read)
+        CONSUMERS * o_desc.block_type.nbytes))
     if SEPARATE_O:
         o_bufs = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     else:
@@ -147,27 +138,22 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     work = WorkList(gl.to_tensor(m_tiles), gl.to_tensor(heads), gl.to_tensor(group), gl.to_tensor(seqlen_q),
                     gl.to_tensor(seqlen_k), gl.to_tensor(left), gl.to_tensor(right), schedule_ptr, cu_seqlens_q,
                     cu_seqlens_k)
-    state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, p_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale,
-                        slopes_ptr, q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr,
+    state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
+                        q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr,
                         QSlot(q_bufs, q_ready, q_empty), Ring(k_bufs, k_ready, k_empty), Ring(v_bufs, v_ready, v_empty),
                         Turns(turn), work)
     # warp_specialize takes a literal list of partitions, so the two consumer counts are spelled out; the
     # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        P_SMEM)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        P_SMEM)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
             (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        P_SMEM)),
-            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        P_SMEM)),
-            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O,
-                        P_SMEM)),
+            (consumer, (state, 0, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
+            (consumer, (state, 1, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
+            (consumer, (state, 2, CAUSAL, PINGPONG, FP8, PERSISTENT, WINDOW, VARLEN, SOFTCAP, ALIBI, SEPARATE_O)),
             (producer, (state, CAUSAL, FP8, PERSISTENT, WINDOW, VARLEN)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -8,7 +8,6 @@ without moving data between threads.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon aggregate
 
 from ..portable.score_mod import TANH_APPROX_PTX
@@ -103,20 +102,15 @@ def p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr)
 
 
 @gluon.jit
-def carried_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, p_smem, FP8: gl.constexpr, P_SMEM: gl.constexpr):
+def carried_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
     """What the loop carries of P_j into step j+1, where it feeds the P V WGMMA.
 
-    16-bit types: the operand itself (half the registers of float32 P); with P_SMEM, P_j is stored to p_smem
-    (64, BLOCK_N) (the P V product of step j reads it there) and a placeholder is carried. FP8 carries P in
-    float32 and converts it in step j+1: an e4m3 tensor carried across the loop's back edge is kept one byte
+    16-bit types: the operand itself (half the registers of float32 P). FP8 carries P in float32 and
+    converts it in step j+1: an e4m3 tensor carried across the loop's back edge is kept one byte
     per register and repacked.
     """
     if FP8:
         return p
-    elif P_SMEM:
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        return 0.0
     else:
         return p_operand(p, dtype, p_layout, FP8=FP8)
 

@@ -304,8 +304,7 @@ class KernelState:
     """What every partition of one CTA shares (built once by the kernel entry).
 
     q/k/v/o_desc: the kernel's TMA descriptors; o_bufs: (CONSUMERS, 1, 1, 64, d) where each consumer stages
-    its O tile; p_bufs: (CONSUMERS, 64, BLOCK_N) where each consumer puts P for the P V product (read only
-    with P_SMEM); o_ptr: O itself (a packed batch stores a sequence's last, partial tile through it, row by
+    its O tile; o_ptr: O itself (a packed batch stores a sequence's last, partial tile through it, row by
     row: a TMA store would run into the next sequence); lse_ptr: (B, H, Nq), or (H, total_q) packed, float32;
     qk_scale = scale * log2(e), or softcap * log2(e) with a soft cap; softcap_scale = scale / softcap
     (read only with SOFTCAP); slopes_ptr: ALiBi's (B, H) float32 slopes (read only with ALIBI);
@@ -317,7 +316,6 @@ class KernelState:
     v_desc: tma.tensor_descriptor
     o_desc: tma.tensor_descriptor
     o_bufs: gl.shared_memory_descriptor
-    p_bufs: gl.shared_memory_descriptor
     o_ptr: gl.tensor
     lse_ptr: gl.tensor
     qk_scale: gl.tensor
@@ -334,14 +332,13 @@ class KernelState:
     work: WorkList
 
     @gluon.constexpr_function
-    def __init__(self, q_desc, k_desc, v_desc, o_desc, o_bufs, p_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale,
-                 slopes_ptr, q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work):
+    def __init__(self, q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
+                 q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work):
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.v_desc = v_desc
         self.o_desc = o_desc
         self.o_bufs = o_bufs
-        self.p_bufs = p_bufs
         self.o_ptr = o_ptr
         self.lse_ptr = lse_ptr
         self.qk_scale = qk_scale

@@ -97,14 +97,13 @@ def compile_all_for_sm90(jobs: list[dict]) -> list[Sm90Build]:
 def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
                          fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2,
                          persistent: bool = False, window: bool = False, varlen: bool = False,
-                         softcap: bool = False, alibi: bool = False, p_smem: bool = False,
-                         kv_block: int = 128) -> Sm90Build:
+                         softcap: bool = False, alibi: bool = False) -> Sm90Build:
     """Compile :func:`.fa3_kernel.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU."""
     from .fa3_config import CONSUMER_REGS, descriptor_blocks, launch_maxnreg
     from .fa3_kernel import attention_fwd_fa3_kernel
 
     operand = "fp8e4nv" if fp8 else out_dtype
-    blocks = descriptor_blocks(head_dim, fp8, kv_block)
+    blocks = descriptor_blocks(head_dim, fp8)
     signature = {
         **{f"{name}_desc": descriptor_type(operand, blocks[name]) for name in "qkv"},
         "o_desc": descriptor_type(out_dtype, blocks["o"]), "o_ptr": f"*{out_dtype}",
@@ -116,8 +115,7 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
     }
     constants = {"CONSUMERS": consumers, "STAGES": stages, "CAUSAL": causal, "PINGPONG": pingpong, "FP8": fp8,
                  "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers], "WINDOW": window,
-                 "VARLEN": varlen, "SOFTCAP": softcap, "ALIBI": alibi,
-                 "P_SMEM": p_smem and not fp8}
+                 "VARLEN": varlen, "SOFTCAP": softcap, "ALIBI": alibi}
     return compile_for_sm90(attention_fwd_fa3_kernel, signature, constants, num_warps=4,
                             maxnreg=launch_maxnreg(consumers))
 
