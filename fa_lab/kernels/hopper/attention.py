@@ -118,6 +118,7 @@ def consumers_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: boo
     min_keys = THREE_CONSUMERS_MIN_KEYS.get((head_dim_bucket(head_dim), causal))
     return 3 if not (fp8 or banded) and min_keys is not None and seqlen_k >= min_keys else 2
 
+
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
 # many keys, per (head_dim, causal), the H200 measured it faster than the portable backward
 # (benchmarks/h200_backward.json; a CPU test holds this table to that file). At d = 128 it is 1.08-1.18x from 1K
