@@ -13,7 +13,8 @@ anywhere: ``python3 benchmarks/fa3_backward.py plot benchmarks/h200_backward.jso
 ``... fa3_backward.py dq $OUT`` times the Gluon backward's dQ schemes (``dq_mode`` "turns", "partial" and, at
 d = 128, "split") against each other, alternating, two rounds, into $OUT/h200_backward_dq.json (a log, not results
 rows); ``... fa3_backward.py rows $OUT`` its steps of 64 and 128 query rows at d = 64 the same way, into
-$OUT/h200_backward_rows.json.
+$OUT/h200_backward_rows.json; ``... fa3_backward.py row-vectors $OUT`` the lse2 and D rows loaded by the consumers
+or by the producer, into $OUT/h200_backward_row_vectors.json.
 """
 import functools
 import json
@@ -133,6 +134,13 @@ def step_rows(out_dir: str) -> None:
                 lambda head_dim: {f"{rows} rows": {"rows": rows} for rows in (64, 128)})
 
 
+def row_vectors(out_dir: str) -> None:
+    """lse2 and D loaded by each consumer from global memory, or by the producer into shared memory with Q
+    (``rows_by_producer``), at 4K and 16K: h200_backward_row_vectors.json."""
+    alternating(out_dir, "h200_backward_row_vectors.json", (128, 64), (4096, 16384),
+                lambda head_dim: {"consumers": {}, "producer": {"rows_by_producer": True}})
+
+
 def plot(results_path: str, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -165,5 +173,7 @@ if __name__ == "__main__":
         dq_modes(sys.argv[2])
     elif sys.argv[1] == "rows":
         step_rows(sys.argv[2])
+    elif sys.argv[1] == "row-vectors":
+        row_vectors(sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])

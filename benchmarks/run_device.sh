@@ -122,6 +122,7 @@ case "$step" in
          python3 benchmarks/training_memory.py plot "$out/h200_training_memory.json" "$out/h200_training_memory.png" ;;
   backward-dq) python3 benchmarks/fa3_backward.py dq "$out" 2>&1 | tee "$out/backward_dq.log" ;;
   backward-rows) python3 benchmarks/fa3_backward.py rows "$out" 2>&1 | tee "$out/backward_rows.log" ;;
+  backward-row-vectors) python3 benchmarks/fa3_backward.py row-vectors "$out" 2>&1 | tee "$out/backward_row_vectors.log" ;;
   backward) python3 benchmarks/fa3_backward.py run "$out" 2>&1 | tee "$out/backward.log"
          python3 benchmarks/fa3_backward.py plot "$out/h200_backward.json" "$out/h200_backward.png" ;;
   persistent-bf16) python3 benchmarks/persistent_bf16_ab.py "$out" 2>&1 | tee "$out/persistent_bf16.log" ;;
@@ -139,5 +140,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

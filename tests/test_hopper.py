@@ -307,6 +307,25 @@ def test_the_default_consumer_count_follows_the_recorded_h200_run():
     assert persistent_by_default(64, False, 16384, banded=False, consumers=3)
 
 
+def test_the_backward_takes_lse2_and_d_from_the_producer_as_the_recorded_run_has_it_faster():
+    """gluon_backward's rows_by_producer default against benchmarks/h200_backward_row_vectors.json: the producer's
+    loads ahead at every shape (best of the two rounds each), and the offline build of the default in shared memory."""
+    import inspect
+    import json
+    from pathlib import Path
+
+    from fa_lab.kernels.hopper.attention import gluon_backward
+    from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
+
+    run = Path(__file__).parent.parent / "benchmarks" / "h200_backward_row_vectors.json"
+    log = json.loads(run.read_text())["log"]
+    assert {(e["head_dim"], e["causal"]) for e in log} == {(64, False), (64, True), (128, False), (128, True)}
+    assert all(max(e["producer"]) > max(e["consumers"]) for e in log)
+    assert inspect.signature(gluon_backward).parameters["rows_by_producer"].default is True
+    for build in compile_all_for_sm90([fa3_backward_job(head_dim=d, causal=True) for d in (64, 128)]):
+        assert build.shared_bytes <= SM90_SHARED_LIMIT and build.kv_loop_spills == 0
+
+
 def test_packed_batches_and_the_dq_scheme_follow_the_recorded_h200_runs():
     """GLUON_VARLEN_BACKWARD_AUTO is on exactly when the Gluon backward of a packed batch was faster than the
     portable one in every case of benchmarks/h200_varlen_backward.json, and the default dQ scheme is the one whose
@@ -703,6 +722,24 @@ def test_gpu_gluon_backward_in_64_row_steps_at_d64(batch, heads, heads_kv, seqle
 
     original = hopper.gluon_backward
     monkeypatch.setattr(hopper, "gluon_backward", lambda *args: original(*args, rows=64))
+    options = hopper.HopperOptions(backward="gluon")
+    q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator,
+                       heads_kv=heads_kv)
+    check_attention(lambda q, k, v, causal, scale: hopper.triton_hopper_attention(q, k, v, causal, scale,
+                                                                                  options=options),
+                    q, k, v, causal, None, generator=generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype", GLUON_BACKWARD_CASES)
+def test_gpu_gluon_backward_with_row_vectors_loaded_by_the_consumers(batch, heads, heads_kv, seqlen_q, seqlen_k,
+                                                                     head_dim, causal, dtype, generator, monkeypatch):
+    """gluon_backward(rows_by_producer=False): each consumer loads lse2 and D itself (the producer brings them by
+    default, which the other backward tests check)."""
+    import fa_lab.kernels.hopper.attention as hopper
+
+    original = hopper.gluon_backward
+    monkeypatch.setattr(hopper, "gluon_backward", lambda *args: original(*args, rows_by_producer=False))
     options = hopper.HopperOptions(backward="gluon")
     q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator,
                        heads_kv=heads_kv)

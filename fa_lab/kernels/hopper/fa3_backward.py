@@ -4,7 +4,9 @@ One CTA owns a tile of 128 keys of one (batch, K/V head) and walks down the quer
 128 at d = 64: :data:`BWD_ROWS`) that see it, in FA3's loop order (notebook 04, section 8). Its partitions:
 
 * **Producer** (one warp): TMA copies of K and V once, then of each step's Q_i and dO_i into a ring of
-  ``STAGES`` slots.
+  ``STAGES`` slots; with ``ROWS_BY_PRODUCER`` (dense calls) it also stores each step's lse2 and D rows in shared
+  memory beside them, so that no consumer waits on global memory for them (1.02-1.11x on the H200:
+  docs/experiments/backward.md).
 * **Two consumer warpgroups**, 64 keys each. Per step a consumer computes, for its keys,
   S^T = K Q_i^T and dP^T = V dO_i^T (asynchronous WGMMAs), P^T = exp2(S^T * scale * log2 e - lse2),
   dV += P^T dO_i and dS^T = P^T * (dP^T - D), dK += dS^T Q_i (both from registers: the accumulator
@@ -117,15 +119,28 @@ def _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, batch, kv_head, start_n,
-                  group, first_q, q_tiles, q_start, k_start):
-    """TMA copies only: K and V of the CTA's keys once, then Q_i and dO_i of every step (q_start, k_start: the
-    sequence's first row in a packed batch, else 0)."""
+def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr, delta_ptr,
+                  batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start, k_start, lse_rows,
+                  ROWS_BY_PRODUCER: gl.constexpr):
+    """TMA copies: K and V of the CTA's keys once, then Q_i and dO_i of every step (q_start, k_start: the
+    sequence's first row in a packed batch, else 0). ROWS_BY_PRODUCER: also step i's lse2 and D rows, into
+    row_bufs[2 slot] and [2 slot + 1] before Q_i's copy is announced on the slot's ready barrier."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     k_ring.at(0).fill(k_desc, [batch, kv_head, k_start + start_n, 0])
     v_ring.at(0).fill(v_desc, [batch, kv_head, k_start + start_n, 0])
     for t in range(group * q_tiles):
-        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, q_desc.block_type.shape[2])
-        q_ring.at(t).fill(q_desc, [batch, head, q_start + start_m, 0])
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
+        q_tile = q_ring.at(t)
+        if ROWS_BY_PRODUCER:
+            wait_until_empty(q_ring.empty.index(q_tile.slot), ring_phase(t, q_ring.bufs.type.shape[0]))
+            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
+            row_base = (batch * heads + head) * lse_rows + q_start
+            row_bufs.index(2 * q_tile.slot).store(
+                gl.load(lse2_ptr + row_base + rows, mask=rows < seqlen_q, other=float("inf")))
+            row_bufs.index(2 * q_tile.slot + 1).store(gl.load(delta_ptr + row_base + rows, mask=rows < seqlen_q,
+                                                              other=0.0))
+            gl.thread_barrier()  # every lane's rows stored before the ready barrier's arrival below
+        q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])
         do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
 
 
@@ -164,9 +179,10 @@ def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, f
 
 @gluon.jit
 def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
-                  lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles,
-                  seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, CONSUMER: gl.constexpr,
-                  CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_SCHEME: gl.constexpr):
+                  row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
+                  q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, CONSUMER: gl.constexpr,
+                  CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_SCHEME: gl.constexpr,
+                  ROWS_BY_PRODUCER: gl.constexpr):
     """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
     it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER), or (DQ_PARTIAL) its
     partial dQ tile of every step, or (DQ_SPLIT) its half of every step's dQ columns. Rows and keys are
@@ -203,8 +219,13 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
         do_tile = do_ring.at(t)
         q_smem = q_tile.buf().reshape([BLOCK_M, HEAD_DIM])
         do_smem = do_tile.buf().reshape([BLOCK_M, HEAD_DIM])
-        lse2 = gl.load(lse2_ptr + row_base + rows, mask=rows < seqlen_q, other=float("inf"))
-        delta = gl.load(delta_ptr + row_base + rows, mask=rows < seqlen_q, other=0.0)
+        if ROWS_BY_PRODUCER:  # (the producer stored them before Q's ready barrier)
+            q_tile.wait_ready()
+            lse2 = row_bufs.index(2 * q_tile.slot).load(query_layout)
+            delta = row_bufs.index(2 * q_tile.slot + 1).load(query_layout)
+        else:
+            lse2 = gl.load(lse2_ptr + row_base + rows, mask=rows < seqlen_q, other=float("inf"))
+            delta = gl.load(delta_ptr + row_base + rows, mask=rows < seqlen_q, other=0.0)
         # The accumulators start at -lse2 / qk_scale and -D: the products then leave S^T - lse2 / qk_scale and
         # dP^T - D, and neither row vector stays live beside them.
         zeros = gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, st_layout)
@@ -310,7 +331,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
 def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                              heads, group, seqlen_q, seqlen_k, schedule_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale,
                              scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False,
-                             DQ_SCHEME: gl.constexpr = DQ_TURNS):
+                             DQ_SCHEME: gl.constexpr = DQ_TURNS, ROWS_BY_PRODUCER: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, rows, d) (rows: :func:`bwd_rows`); k/v_desc over
@@ -320,7 +341,8 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64 or 128.
     STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128), B * H // group). schedule_ptr, cu_seqlens_q/k
     are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL or DQ_SPLIT (d = 128), the module docstring's
-    dQ schemes.
+    dQ schemes. ROWS_BY_PRODUCER: each step's lse2 and D rows reach the consumers through shared memory (the
+    producer loads them) instead of each consumer's own loads.
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -362,6 +384,11 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     # dQ's buffers: two (turns: a slot each; partial: a consumer each), or a column half per slot and consumer.
     DQ_BUFFERS: gl.constexpr = 4 if DQ_SCHEME == DQ_SPLIT else 2
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS] + dq_desc.block_type.shape, dq_desc.layout)
+    if ROWS_BY_PRODUCER:  # each step's lse2 and D rows, a slot per Q slot
+        row_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M],
+                                             gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    else:
+        row_bufs = dq_bufs  # (not read)
     k_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -396,15 +423,16 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     do_ring = Ring(do_bufs, do_ready, do_empty)
     gl.warp_specialize([
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
-                         lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
+                         row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 0, CAUSAL,
-                         VARLEN, DQ_SCHEME)),
+                         VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER)),
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
-                         lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
+                         row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 1, CAUSAL,
-                         VARLEN, DQ_SCHEME)),
-        (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, batch, kv_head, start_n,
-                         group, first_q, q_tiles, q_start, k_start)),
+                         VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER)),
+        (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr,
+                         delta_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start,
+                         k_start, lse_rows, ROWS_BY_PRODUCER)),
         (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
                           DQ_SCHEME)),
     ], [4, 1, 1], [BWD_CONSUMER_REGS, BWD_WORKER_REGS, BWD_WORKER_REGS])
