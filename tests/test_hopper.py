@@ -712,16 +712,14 @@ def test_gpu_gluon_backward_meets_the_tolerance_rule(batch, heads, heads_kv, seq
                     q, k, v, causal, None, generator=generator)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype",
-                         [case for case in GLUON_BACKWARD_CASES if case[5] == 64])
-def test_gpu_gluon_backward_in_64_row_steps_at_d64(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal,
-                                                   dtype, generator, monkeypatch):
-    """The Gluon backward at d = 64 with steps of 64 query rows (its default is 128, BWD_ROWS) also meets the rule."""
+def _check_gluon_backward_with(launch_kwargs, case, generator, monkeypatch):
+    """The Gluon backward (HopperOptions(backward="gluon")) with gluon_backward(**launch_kwargs), one
+    GLUON_BACKWARD_CASES case, against the float64 reference."""
     import fa_lab.kernels.hopper.attention as hopper
 
+    batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype = case
     original = hopper.gluon_backward
-    monkeypatch.setattr(hopper, "gluon_backward", lambda *args: original(*args, rows=64))
+    monkeypatch.setattr(hopper, "gluon_backward", lambda *args: original(*args, **launch_kwargs))
     options = hopper.HopperOptions(backward="gluon")
     q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator,
                        heads_kv=heads_kv)
@@ -731,21 +729,18 @@ def test_gpu_gluon_backward_in_64_row_steps_at_d64(batch, heads, heads_kv, seqle
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype", GLUON_BACKWARD_CASES)
-def test_gpu_gluon_backward_with_row_vectors_loaded_by_the_consumers(batch, heads, heads_kv, seqlen_q, seqlen_k,
-                                                                     head_dim, causal, dtype, generator, monkeypatch):
+@pytest.mark.parametrize("case", [case for case in GLUON_BACKWARD_CASES if case[5] == 64], ids=str)
+def test_gpu_gluon_backward_in_64_row_steps_at_d64(case, generator, monkeypatch):
+    """The Gluon backward at d = 64 with steps of 64 query rows (its default is 128, BWD_ROWS) also meets the rule."""
+    _check_gluon_backward_with(dict(rows=64), case, generator, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_BACKWARD_CASES, ids=str)
+def test_gpu_gluon_backward_with_row_vectors_loaded_by_the_consumers(case, generator, monkeypatch):
     """gluon_backward(rows_by_producer=False): each consumer loads lse2 and D itself (the producer brings them by
     default, which the other backward tests check)."""
-    import fa_lab.kernels.hopper.attention as hopper
-
-    original = hopper.gluon_backward
-    monkeypatch.setattr(hopper, "gluon_backward", lambda *args: original(*args, rows_by_producer=False))
-    options = hopper.HopperOptions(backward="gluon")
-    q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator,
-                       heads_kv=heads_kv)
-    check_attention(lambda q, k, v, causal, scale: hopper.triton_hopper_attention(q, k, v, causal, scale,
-                                                                                  options=options),
-                    q, k, v, causal, None, generator=generator)
+    _check_gluon_backward_with(dict(rows_by_producer=False), case, generator, monkeypatch)
 
 
 @pytest.mark.gpu
