@@ -119,6 +119,16 @@ def _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q):
+    """lse2 and D of a step's rows (in rows' layout), from (B, H, Nq), or (H, total_q) packed (lse_rows rows per
+    head, the sequence's from q_start); rows past seqlen_q get lse2 = +inf (probability 0) and D = 0."""
+    base = (batch * heads + head) * lse_rows + q_start
+    valid = rows < seqlen_q
+    return (gl.load(lse2_ptr + base + rows, mask=valid, other=float("inf")),
+            gl.load(delta_ptr + base + rows, mask=valid, other=0.0))
+
+
+@gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr, delta_ptr,
                   batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start, k_start, lse_rows,
                   ROWS_BY_PRODUCER: gl.constexpr):
@@ -134,11 +144,9 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
         if ROWS_BY_PRODUCER:
             wait_until_empty(q_ring.empty.index(q_tile.slot), ring_phase(t, q_ring.bufs.type.shape[0]))
             rows = start_m + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
-            row_base = (batch * heads + head) * lse_rows + q_start
-            row_bufs.index(2 * q_tile.slot).store(
-                gl.load(lse2_ptr + row_base + rows, mask=rows < seqlen_q, other=float("inf")))
-            row_bufs.index(2 * q_tile.slot + 1).store(gl.load(delta_ptr + row_base + rows, mask=rows < seqlen_q,
-                                                              other=0.0))
+            lse2, delta = _row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q)
+            row_bufs.index(2 * q_tile.slot).store(lse2)
+            row_bufs.index(2 * q_tile.slot + 1).store(delta)
             gl.thread_barrier()  # every lane's rows stored before the ready barrier's arrival below
         q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])
         do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
@@ -214,7 +222,6 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
     for t in range(group * q_tiles):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         rows = start_m + gl.arange(0, BLOCK_M, layout=query_layout)
-        row_base = (batch * heads + head) * lse_rows + q_start  # lse2 and delta: (B, H, Nq), or (H, total_q)
         q_tile = q_ring.at(t)
         do_tile = do_ring.at(t)
         q_smem = q_tile.buf().reshape([BLOCK_M, HEAD_DIM])
@@ -224,8 +231,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
             lse2 = row_bufs.index(2 * q_tile.slot).load(query_layout)
             delta = row_bufs.index(2 * q_tile.slot + 1).load(query_layout)
         else:
-            lse2 = gl.load(lse2_ptr + row_base + rows, mask=rows < seqlen_q, other=float("inf"))
-            delta = gl.load(delta_ptr + row_base + rows, mask=rows < seqlen_q, other=0.0)
+            lse2, delta = _row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q)
         # The accumulators start at -lse2 / qk_scale and -D: the products then leave S^T - lse2 / qk_scale and
         # dP^T - D, and neither row vector stays live beside them.
         zeros = gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, st_layout)
