@@ -50,8 +50,6 @@
 #            benchmarks/nsa_dkdv_variants.py; fla-core on PYTHONPATH as for sparse)
 #   nsa-gather-order - the dK/dV gather's programs heads innermost against head row by head row
 #            (h200_nsa_gather_order.json, by benchmarks/nsa_dkdv_variants.py --order)
-#   softcap-max - the soft cap's running-max softmax against the fixed-max one, beside no soft cap
-#            (h200_softcap_max.json, by benchmarks/softcap_max_ab.py)
 #   moba-gaps - MoBA's forward at 64K with its gate beside pass 1, on one stream and precomputed, pass 1 persistent
 #            with SMs spare, beside dense; its idle GPU time and kernels (h200_moba_forward_gaps.json, by
 #            benchmarks/moba_forward_gaps.py)
@@ -134,7 +132,6 @@ case "$step" in
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;
   window-variants) python3 benchmarks/window_variants.py "$out" 2>&1 | tee "$out/window_variants.log" ;;
   three-consumers) python3 benchmarks/three_consumers_ab.py "$out" 2>&1 | tee "$out/three_consumers.log" ;;
-  softcap-max) python3 benchmarks/softcap_max_ab.py "$out" 2>&1 | tee "$out/softcap_max.log" ;;
   moba-gaps) python3 benchmarks/moba_forward_gaps.py "$out" 2>&1 | tee "$out/moba_forward_gaps.log" ;;
   nsa-dkdv-variants) python3 benchmarks/nsa_dkdv_variants.py "$out" 2>&1 | tee "$out/nsa_dkdv_variants.log" ;;
   nsa-gather-order) python3 benchmarks/nsa_dkdv_variants.py --order "$out" 2>&1 | tee "$out/nsa_gather_order.log" ;;

@@ -229,7 +229,7 @@ def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, optio
     """Launch :func:`.fa3_kernel.attention_fwd_fa3_kernel`. work: (heads, group, seqlen_q, seqlen_k, schedule,
     cu_seqlens_q, cu_seqlens_k), the kernel's arguments of those names; info: the call's mask (its causal flag and
     window); persistent: options.persistent resolved."""
-    from .fa3_config import CONSUMER_REGS, launch_maxnreg, softcap_form
+    from .fa3_config import CONSUMER_REGS, launch_maxnreg
     from .fa3_kernel import attention_fwd_fa3_kernel
 
     heads, group, seqlen_q, seqlen_k, schedule, cu_q, cu_k = work
@@ -241,11 +241,8 @@ def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, optio
         schedule, cu_q, cu_k, qk_scale, scale / softcap if softcap else 0.0, slopes,
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=info.causal and not info.banded,
         PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=persistent,
-        CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen,
-        SOFTCAP=softcap_form(softcap, alibi_slopes is not None, out.dtype == torch.bfloat16 and fp8_scales is None,
-                             info.banded),
-        ALIBI=alibi_slopes is not None, num_warps=4,
-        maxnreg=launch_maxnreg(options.consumers))
+        CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
+        ALIBI=alibi_slopes is not None, num_warps=4, maxnreg=launch_maxnreg(options.consumers))
 
 
 def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),

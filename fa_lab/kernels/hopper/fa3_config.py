@@ -25,27 +25,6 @@ LOG2_P_SCALE = gl.constexpr(math.log2(common.P_SCALE))
 LN2 = gl.constexpr(common.LN2)
 LOG2E = gl.constexpr(common.LOG2E)
 
-# The soft cap's two softmax forms (the kernel's SOFTCAP constexpr; 0: no soft cap). A capped score is
-# c * tanh(.), so in log2 units it lies within +-C, C = c * log2 e. With C <= SOFTCAP_FIXED_MAX_BOUND
-# (c <= 43.6), the max a row reaches in its first tile can stand for the max of all its tiles: every p
-# stays a normal float32 and bf16 (fa3_softmax.fixed_stabilizer), and the later tiles need no max and O
-# no rescaling (SOFTCAP_FIXED_MAX). fp16 (largest value 65504), ALiBi's unbounded bias, windows (a row's
-# first keys may lie past its tile's first tile) and larger caps keep the running max (SOFTCAP_RUNNING_MAX).
-SOFTCAP_RUNNING_MAX = gl.constexpr(1)
-SOFTCAP_FIXED_MAX = gl.constexpr(2)
-SOFTCAP_FIXED_MAX_BOUND = 63.0
-
-
-def softcap_form(softcap: float, alibi: bool, bf16: bool, banded: bool) -> int:
-    """The SOFTCAP constexpr of a launch: 0 without a soft cap, else SOFTCAP_FIXED_MAX where the scores'
-    bound allows it (bf16, no ALiBi, no window, softcap * log2 e <= SOFTCAP_FIXED_MAX_BOUND), else
-    SOFTCAP_RUNNING_MAX."""
-    if not softcap:
-        return 0
-    if not alibi and bf16 and not banded and softcap * LOG2E.value <= SOFTCAP_FIXED_MAX_BOUND:
-        return SOFTCAP_FIXED_MAX.value
-    return SOFTCAP_RUNNING_MAX.value
-
 
 def descriptor_blocks(head_dim: int, fp8: bool) -> dict[str, list[int]]:
     """TMA block shapes of the q, k, v and o descriptors for a padded head_dim (v's is V^T's in FP8)."""

@@ -18,8 +18,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .block_range import visible_key_end, visible_key_start, window_key_end
-from .fa3_config import LN2, LOG2E, P_SCALE, Q_QUANT_ROWS, ROWS_PER_CONSUMER, SOFTCAP_FIXED_MAX, SOFTCAP_RUNNING_MAX
-from .fa3_softmax import ScoreMods, carried_p, fixed_stabilizer, fp8_tile_scales, p_operand, softmax_tile, v_operand
+from .fa3_config import LN2, LOG2E, P_SCALE, Q_QUANT_ROWS, ROWS_PER_CONSUMER
+from .fa3_softmax import ScoreMods, carried_p, fp8_tile_scales, p_operand, softmax_tile, v_operand
 
 
 @gluon.jit
@@ -89,10 +89,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     else:
         key_start = offs_m  # (not read)
         key_end = visible_key_end(offs_m, seqlen_q, seqlen_k, CAUSAL=CAUSAL)
-    # The running max (log2 units); with SOFTCAP_FIXED_MAX the max over the first tile stays fixed after it.
-    RESCALE: gl.constexpr = SOFTCAP < SOFTCAP_FIXED_MAX
-    FIRST_SOFTCAP: gl.constexpr = SOFTCAP if SOFTCAP == 3 else (SOFTCAP_RUNNING_MAX if SOFTCAP else 0)
-    m_i = gl.full([ROWS_PER_CONSUMER], 0.0 if SOFTCAP == 3 else float("-inf"), gl.float32, row_layout)
+    m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, row_layout)
     l_i = gl.full([ROWS_PER_CONSUMER], 0.0, gl.float32, row_layout)
     s = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout)
     o = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, o_layout)
@@ -126,13 +123,8 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     s = warpgroup_mma_wait(0, deps=(s,))
     k_first.release()
     p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, tile.first,
-                                      tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=FIRST_SOFTCAP,
+                                      tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                       ALIBI=ALIBI, s_layout=s_layout)
-    if SOFTCAP == SOFTCAP_FIXED_MAX:  # p of the first tile was taken against m_i: change the stabilizer where it is raised
-        m_fixed = fixed_stabilizer(m_i, tile_scale)
-        p = p * gl.exp2(m_i - m_fixed)[:, None]
-        l_i = l_i * gl.exp2(m_i - m_fixed)
-        m_i = m_fixed
     p = carried_p(p, dtype, p_layout, FP8=FP8)
 
     for j in range(1, tile.n_iter):
@@ -147,8 +139,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         # to tile j-1's running max in between, while the tensor cores work on S_j.
         s = warpgroup_mma(q_smem, k_tile.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
                           is_async=True)
-        if RESCALE:
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         o = warpgroup_mma(p_op, v_operand(v_tile.buf(), FP8=FP8), o, is_async=True)
         if PINGPONG:
             state.turns.pass_on(CONSUMER)
@@ -173,8 +164,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         state.q.release()
     v_last = state.v.at(kv_count + tile.n_iter - 1)
     v_last.wait_ready()
-    if RESCALE:
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     o = warpgroup_mma(p_operand(p, dtype, p_layout, FP8=FP8), v_operand(v_last.buf(), FP8=FP8), o,
                       is_async=True)
     o = warpgroup_mma_wait(0, deps=(o,))

@@ -72,7 +72,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
                              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr = False,
-                             SOFTCAP: gl.constexpr = 0, ALIBI: gl.constexpr = False):
+                             SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
     """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
 
     q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
@@ -93,9 +93,8 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     (H, total_q); seqlen_q: total_q; cu_seqlens_q/k: int32 (batch + 1,); schedule_ptr: the (sequence,
     first row) int32 pairs of ``varlen_schedule`` for BLOCK_M rows, one work tile per pair and head
     (grid: pairs * H; not PERSISTENT, not FP8). Otherwise o_ptr, cu_seqlens_q/k are not read.
-    SOFTCAP (0: off): scores softcap * tanh(scale * q.k / softcap); qk_scale is then softcap * log2(e) and
-    softcap_scale = scale / softcap; SOFTCAP_FIXED_MAX (:func:`.fa3_config.softcap_form`) drops the running
-    max, the scores being bounded. ALIBI: scores get -slope * |i + seqlen_k - seqlen_q - j|, slopes_ptr
+    SOFTCAP: scores softcap * tanh(scale * q.k / softcap); qk_scale is then softcap * log2(e) and
+    softcap_scale = scale / softcap. ALIBI: scores get -slope * |i + seqlen_k - seqlen_q - j|, slopes_ptr
     (B, H) float32 (a packed batch: one row per sequence).
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS

@@ -11,7 +11,7 @@ from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon aggregate
 
 from ..portable.score_mod import TANH_APPROX_PTX
-from .fa3_config import LOG2_P_SCALE, SOFTCAP_FIXED_MAX
+from .fa3_config import LOG2_P_SCALE
 
 
 @gluon.jit
@@ -20,22 +20,19 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
                  s_layout: gl.constexpr):
     """Online-softmax update with raw scores s = Q K_j^T of K/V tile j of the sequence: (64, BLOCK_N) fp32.
 
-    Returns (p, alpha, m_new, l_new), m in log2 units
-    (tile_scale = scale * log2 e, times the Q and K descales in FP8). Only tiles from the WorkTile's
-    ``first_masked`` on pay for a mask (causal diagonal, ragged end): key_end (64,) int32 is each row's
-    end of visible keys (:func:`.block_range.visible_key_end`), so the mask is one compare per score.
-    With a WINDOW the tiles before ``full_begin`` are masked too, and a score also needs its key at or
-    after the row's key_start (:func:`.block_range.visible_key_start`). In FP8, p comes out
+    Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
+    the Q and K descales in FP8). Only tiles from the WorkTile's ``first_masked`` on pay for a mask
+    (causal diagonal, ragged end): key_end (64,) int32 is each row's end of visible keys
+    (:func:`.block_range.visible_key_end`), so the mask is one compare per score. With a WINDOW the
+    tiles before ``full_begin`` are masked too, and a score also needs its key at or after the row's
+    key_start (:func:`.block_range.visible_key_start`). In FP8, p comes out
     multiplied by 2**log2_p_scale (folded into the exponent, so it costs nothing per score) while l
     sums the true p.
 
     mods: the :class:`ScoreMods` of this consumer's rows. SOFTCAP: s becomes tanh(s * softcap_scale)
-    (tile_scale is then softcap * log2 e). SOFTCAP_FIXED_MAX (after the first tile): m_i is a fixed stabilizer
-    (:func:`fixed_stabilizer`) and comes back unchanged, alpha is not computed (m_i stands in, unread) and O
-    is never rescaled; a row's max, its shuffles and the FMUL per O value are gone. ALIBI: s gets
-    -slope * |row + offset - key| in s's units (the slope divided by the scale that tile_scale applies), so
-    the bias costs one FADD (the distance) and one FFMA (|distance| is a free operand modifier) per score,
-    and the exponent keeps its single FFMA.
+    (tile_scale is then softcap * log2 e); ALIBI: s gets -slope * |row + offset - key| in s's units (the
+    slope divided by the scale that tile_scale applies), so the bias costs one FADD (the distance) and one
+    FFMA (|distance| is a free operand modifier) per score, and the exponent keeps its single FFMA.
     """
     if SOFTCAP:
         s = gl.inline_asm_elementwise(TANH_APPROX_PTX, "=r,r", [s * mods.softcap_scale], dtype=gl.float32,
@@ -54,32 +51,17 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = cols[None, :] < (key_end - j * BLOCK_N)[:, None]
         s = gl.where(visible, s, float("-inf"))
-    if SOFTCAP >= SOFTCAP_FIXED_MAX:
-        p = gl.exp2(s * tile_scale - m_i[:, None])  # one FFMA + one MUFU.EX2 per score; masked ones give 0
-        alpha = m_i  # (not read)
-        m_new = m_i
-        l_new = l_i + gl.sum(p, axis=1)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * tile_scale)
+    # A row that has seen no visible key keeps m = -inf: subtract 0 there so exp2 gives 0, not NaN.
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_sub)
+    if FP8:
+        p = gl.exp2(s * tile_scale - (m_sub - log2_p_scale)[:, None])
+        l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-log2_p_scale)
     else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * tile_scale)
-        # A row that has seen no visible key keeps m = -inf: subtract 0 there so exp2 gives 0, not NaN.
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_sub)
-        if FP8:
-            p = gl.exp2(s * tile_scale - (m_sub - log2_p_scale)[:, None])
-            l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-log2_p_scale)
-        else:
-            p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
-            l_new = l_i * alpha + gl.sum(p, axis=1)
+        p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
+        l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
-
-
-@gluon.jit
-def fixed_stabilizer(m_first, tile_scale):
-    """The fixed max of SOFTCAP_FIXED_MAX: the row's max over its first tile (log2 units; then the one-key
-    rows' p is exactly 1, as with a running max), raised to tile_scale - 64 where it is lower (or -inf: the
-    row saw no key there). A capped score lies within +-tile_scale, so every later p lies in
-    [2^(-2 tile_scale), 2^64], a normal float32 and bf16 for tile_scale <= 63 (fa3_config.softcap_form)."""
-    return gl.maximum(m_first, tile_scale - 64.0)
 
 
 @aggregate

@@ -48,11 +48,6 @@ class Sm90Build:
     local_bytes: int
 
     @property
-    def kv_loop(self) -> list[str]:
-        """The SASS instructions of the K/V loops (:func:`kv_loop_instructions`)."""
-        return kv_loop_instructions(self.sass)
-
-    @property
     def kv_loop_spills(self) -> int:
         """Local-memory loads and stores (LDL/STL) inside the SASS loops that issue WGMMAs (:func:`kv_loop_spills`)."""
         return kv_loop_spills(self.sass)
@@ -102,9 +97,8 @@ def compile_all_for_sm90(jobs: list[dict]) -> list[Sm90Build]:
 def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
                          fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2,
                          persistent: bool = False, window: bool = False, varlen: bool = False,
-                         softcap: int = 0, alibi: bool = False) -> Sm90Build:
-    """Compile :func:`.fa3_kernel.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU.
-    softcap: the kernel's SOFTCAP form (0: none; :func:`.fa3_config.softcap_form`)."""
+                         softcap: bool = False, alibi: bool = False) -> Sm90Build:
+    """Compile :func:`.fa3_kernel.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU."""
     from .fa3_config import CONSUMER_REGS, descriptor_blocks, launch_maxnreg
     from .fa3_kernel import attention_fwd_fa3_kernel
 
@@ -211,16 +205,11 @@ def _resource_usage(cubin: bytes) -> dict:
 
 
 def kv_loop_spills(sass: str) -> int:
-    """LDL/STL instructions inside the K/V loops (:func:`kv_loop_instructions`). Spills outside them (a few
-    scalars reloaded once per work tile) cost next to nothing."""
-    return sum(1 for text in kv_loop_instructions(sass) if re.search(r"\b(LDL|STL)\b", text))
-
-
-def kv_loop_instructions(sass: str) -> list[str]:
-    """The SASS instructions inside the innermost loops that issue WGMMAs (the K/V loops).
+    """LDL/STL instructions inside the innermost SASS loops that issue WGMMAs (the K/V loops).
 
     A loop is a predicated backward branch (the unpredicated ones return from the out-of-line retry
     blocks of mbarrier waits); the K/V loops are the smallest ones holding a GMMA instruction.
+    Spills outside them (a few scalars reloaded once per work tile) cost next to nothing.
     """
     code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
@@ -234,7 +223,7 @@ def kv_loop_instructions(sass: str) -> list[str]:
                  if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in gmma_loops)]
     if not innermost:
         raise ValueError("no SASS loop issues a GMMA: is this the FA3 kernel?")
-    return [text for loop in innermost for text in body[loop]]
+    return sum(1 for loop in innermost for text in body[loop] if re.search(r"\b(LDL|STL)\b", text))
 
 
 if __name__ == "__main__":  # python -m fa_lab.kernels.hopper.sm90_offline '[{"module": ...}, ...]' -> builds as JSON
