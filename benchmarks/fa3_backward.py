@@ -14,7 +14,8 @@ anywhere: ``python3 benchmarks/fa3_backward.py plot benchmarks/h200_backward.jso
 d = 128, "split") against each other, alternating, two rounds, into $OUT/h200_backward_dq.json (a log, not results
 rows); ``... fa3_backward.py rows $OUT`` its steps of 64 and 128 query rows at d = 64 the same way, into
 $OUT/h200_backward_rows.json; ``... fa3_backward.py row-vectors $OUT`` the lse2 and D rows loaded by the consumers
-or by the producer, into $OUT/h200_backward_row_vectors.json.
+or by the producer, into $OUT/h200_backward_row_vectors.json; ``... fa3_backward.py varlen-row-vectors $OUT`` the same
+on a packed batch, into $OUT/h200_varlen_row_vectors.json.
 """
 import functools
 import json
@@ -141,6 +142,42 @@ def row_vectors(out_dir: str) -> None:
                 lambda head_dim: {"consumers": {}, "producer": {"rows_by_producer": True}})
 
 
+def varlen_row_vectors(out_dir: str) -> None:
+    """The packed batch of the interfaces benchmark (16K tokens of random lengths in [128, 4096], 32 heads, bf16),
+    causal and not at d = 128, causal at d = 64: gluon_varlen_backward with lse2 and D loaded by each consumer or
+    brought by the producer, alternating, three rounds: h200_varlen_row_vectors.json."""
+    import torch
+    from triton.testing import do_bench
+
+    from fa_lab.bench.interfaces import HEADS, cu_seqlens, varlen_lengths
+    from fa_lab.bench.schema import environment, write_log
+    from fa_lab.iomodel import AttentionShape, attention_flops
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.attention import gluon_varlen_backward, gluon_varlen_forward
+    from fa_lab.kernels.portable.attention import ScoreOptions
+
+    load_triton()
+    lengths = varlen_lengths()
+    cu = cu_seqlens(lengths).cuda()
+    bounds = (cu.tolist(), cu.tolist())
+    log = []
+    for head_dim, causal in ((128, True), (128, False), (64, True)):
+        q, k, v, grad = (torch.randn(sum(lengths), HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))
+        scale = head_dim ** -0.5
+        out, lse = gluon_varlen_forward(q, k, v, cu, cu, bounds, causal, scale, ScoreOptions())
+        flops = sum(attention_flops(AttentionShape(1, HEADS, n, head_dim, causal=causal), "bwd") for n in lengths)
+        entry = {"head_dim": head_dim, "causal": causal, "lengths": len(lengths)}
+        for _round in range(3):
+            for name, by_producer in (("consumers", False), ("producer", True)):
+                ms = do_bench(functools.partial(gluon_varlen_backward, q, k, v, out, lse, grad, cu, cu, bounds, causal,
+                                                scale, rows_by_producer=by_producer), return_mode="median")
+                entry.setdefault(name, []).append(round(flops / (ms * 1e-3) / 1e12, 1))
+        log.append(entry)
+        print(entry, flush=True)
+        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_varlen_row_vectors.json"))
+
+
 def plot(results_path: str, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -175,5 +212,7 @@ if __name__ == "__main__":
         step_rows(sys.argv[2])
     elif sys.argv[1] == "row-vectors":
         row_vectors(sys.argv[2])
+    elif sys.argv[1] == "varlen-row-vectors":
+        varlen_row_vectors(sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])

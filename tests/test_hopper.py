@@ -308,20 +308,26 @@ def test_the_default_consumer_count_follows_the_recorded_h200_run():
 
 
 def test_the_backward_takes_lse2_and_d_from_the_producer_as_the_recorded_run_has_it_faster():
-    """gluon_backward's rows_by_producer default against benchmarks/h200_backward_row_vectors.json: the producer's
-    loads ahead at every shape (best of the two rounds each), and the offline build of the default in shared memory."""
+    """The rows_by_producer defaults of gluon_backward and gluon_varlen_backward against
+    benchmarks/h200_backward_row_vectors.json (best of two rounds) and h200_varlen_row_vectors.json (medians of three):
+    the producer's loads ahead at every shape, and the offline build of the dense default in shared memory."""
     import inspect
     import json
+    import statistics
     from pathlib import Path
 
-    from fa_lab.kernels.hopper.attention import gluon_backward
+    from fa_lab.kernels.hopper.attention import gluon_backward, gluon_varlen_backward
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
 
-    run = Path(__file__).parent.parent / "benchmarks" / "h200_backward_row_vectors.json"
-    log = json.loads(run.read_text())["log"]
+    runs = Path(__file__).parent.parent / "benchmarks"
+    log = json.loads((runs / "h200_backward_row_vectors.json").read_text())["log"]
     assert {(e["head_dim"], e["causal"]) for e in log} == {(64, False), (64, True), (128, False), (128, True)}
     assert all(max(e["producer"]) > max(e["consumers"]) for e in log)
-    assert inspect.signature(gluon_backward).parameters["rows_by_producer"].default is True
+    packed = json.loads((runs / "h200_varlen_row_vectors.json").read_text())["log"]
+    assert {(e["head_dim"], e["causal"]) for e in packed} == {(64, True), (128, False), (128, True)}
+    assert all(statistics.median(e["producer"]) > statistics.median(e["consumers"]) for e in packed)
+    for launcher in (gluon_backward, gluon_varlen_backward):
+        assert inspect.signature(launcher).parameters["rows_by_producer"].default is True
     for build in compile_all_for_sm90([fa3_backward_job(head_dim=d, causal=True) for d in (64, 128)]):
         assert build.shared_bytes <= SM90_SHARED_LIMIT and build.kv_loop_spills == 0
 

@@ -309,12 +309,12 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
 
 
 def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
-                          dq_mode: str = "turns", rows: int | None = None):
+                          dq_mode: str = "turns", rows: int | None = None, rows_by_producer: bool = True):
     """The Gluon FA3 backward of a packed batch on prepared operands q, out, grad_out: (total_q, H, d), k, v:
     (total_k, Hkv, d), d = 64 or 128, lse (H, total_q) float32, cu_q, cu_k int32 offsets and bounds their
     values (as :func:`host_bounds` takes them): (dq, dk, dv) in q's dtype. One CTA per (sequence, key tile)
     of ``varlen_schedule`` (most work first) and K/V head; nothing is padded to the longest sequence. dq_mode,
-    rows: as :func:`gluon_backward`'s."""
+    rows, rows_by_producer: as :func:`gluon_backward`'s."""
     from .fa3_backward import BWD_BLOCK_N
 
     total_q, heads, _ = q.shape
@@ -325,10 +325,8 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     grad_out = grad_out.contiguous()
     # The preprocess writes (total_q, H), the order of out's rows; the kernel reads each head's rows together.
     delta, lse2 = (t.t().contiguous() for t in backward_preprocess(out, grad_out, lse.t().contiguous()))
-    # (The consumers load lse2 and D themselves here: the producer's loads were timed and tested dense only.)
     _launch_backward((len(tiles), k.shape[1]), [heads_view(t) for t in (q, k, v, grad_out, dq)], dk, dv, lse2, delta,
-                     heads, total_q, k.shape[0], (tiles, cu_q, cu_k), causal, scale, dq_mode, rows,
-                     rows_by_producer=False)
+                     heads, total_q, k.shape[0], (tiles, cu_q, cu_k), causal, scale, dq_mode, rows, rows_by_producer)
     return dq.to(q.dtype), dk, dv
 
 

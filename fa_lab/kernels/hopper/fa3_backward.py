@@ -4,9 +4,9 @@ One CTA owns a tile of 128 keys of one (batch, K/V head) and walks down the quer
 128 at d = 64: :data:`BWD_ROWS`) that see it, in FA3's loop order (notebook 04, section 8). Its partitions:
 
 * **Producer** (one warp): TMA copies of K and V once, then of each step's Q_i and dO_i into a ring of
-  ``STAGES`` slots; with ``ROWS_BY_PRODUCER`` (dense calls) it also stores each step's lse2 and D rows in shared
-  memory beside them, so that no consumer waits on global memory for them (1.02-1.11x on the H200:
-  docs/experiments/backward.md).
+  ``STAGES`` slots; with ``ROWS_BY_PRODUCER`` (the launchers' default) it also stores each step's lse2 and D rows
+  in shared memory beside them, so that no consumer waits on global memory for them (1.02-1.11x dense and
+  1.06-1.17x packed on the H200: docs/experiments/backward.md).
 * **Two consumer warpgroups**, 64 keys each. Per step a consumer computes, for its keys,
   S^T = K Q_i^T and dP^T = V dO_i^T (asynchronous WGMMAs), P^T = exp2(S^T * scale * log2 e - lse2),
   dV += P^T dO_i and dS^T = P^T * (dP^T - D), dK += dS^T Q_i (both from registers: the accumulator

@@ -121,10 +121,10 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
 
 
 def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False,
-                     dq_mode: str = "turns", rows: int | None = None, rows_by_producer: bool | None = None) -> dict:
+                     dq_mode: str = "turns", rows: int | None = None, rows_by_producer: bool = True) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
     :func:`.attention.gluon_backward` (or, varlen, ``gluon_varlen_backward``) launches it with ``dq_mode`` and
-    ``rows`` query rows per step (None: by head_dim); rows_by_producer None: as the launcher (dense only)."""
+    ``rows`` query rows per step (None: by head_dim) and ``rows_by_producer`` (both launchers' default: True)."""
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
@@ -138,7 +138,7 @@ def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf
                  "qk_scale": "fp32", "scale": "fp32"}
     return dict(kernel=attention_bwd_fa3_kernel, signature=signature,
                 constants=dict(CAUSAL=causal, STAGES=2, VARLEN=varlen, DQ_SCHEME=scheme,
-                               ROWS_BY_PRODUCER=not varlen if rows_by_producer is None else rows_by_producer),
+                               ROWS_BY_PRODUCER=rows_by_producer),
                 num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value),
                 aligned=("dk_ptr", "dv_ptr", "lse2_ptr", "delta_ptr"))
 
