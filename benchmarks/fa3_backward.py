@@ -88,9 +88,9 @@ def run(out_dir: str) -> None:
                     json.dump({**environment("cuda"), "rows": rows}, file, indent=1)
 
 
-def alternating(out_dir: str, filename: str, head_dims, seqlens, variants, masks=(False, True)) -> None:
-    """A/B of gluon_backward's keyword arguments on the FA3-paper shapes (causal in ``masks``): ``variants(head_dim)``
-    maps a name to the arguments; each shape's variants are timed in turn, twice, into a log of TFLOP/s per name."""
+def alternating(out_dir: str, filename: str, head_dims, seqlens, variants) -> None:
+    """A/B of gluon_backward's keyword arguments on the FA3-paper shapes: ``variants(head_dim)`` maps a name to
+    the arguments; each shape's variants are timed in turn, twice, into a log of TFLOP/s per name."""
     import torch
     from triton.testing import do_bench
 
@@ -103,7 +103,7 @@ def alternating(out_dir: str, filename: str, head_dims, seqlens, variants, masks
     load_triton()
     log = []
     for head_dim in head_dims:
-        for causal in masks:
+        for causal in (False, True):
             for seqlen in seqlens:
                 shape = AttentionShape(TOTAL_TOKENS // seqlen, HIDDEN // head_dim, seqlen, head_dim, causal=causal)
                 q, k, v, grad = (torch.randn(shape.batch, shape.heads, seqlen, head_dim, device="cuda",
@@ -140,14 +140,6 @@ def row_vectors(out_dir: str) -> None:
     (``rows_by_producer``), at 4K and 16K: h200_backward_row_vectors.json."""
     alternating(out_dir, "h200_backward_row_vectors.json", (128, 64), (4096, 16384),
                 lambda head_dim: {"consumers": {}, "producer": {"rows_by_producer": True}})
-
-
-def key_order(out_dir: str) -> None:
-    """CTAs launched head by head (key tiles fastest) or key tile by key tile across every head (causal: the
-    longest first), causal, at 4K and 16K: h200_backward_key_order.json."""
-    alternating(out_dir, "h200_backward_key_order.json", (128, 64), (4096, 16384),
-                lambda head_dim: {"heads_slowest": {}, "key_tiles_slowest": {"key_tiles_slowest": True}},
-                masks=(True,))
 
 
 def varlen_row_vectors(out_dir: str) -> None:
@@ -220,8 +212,6 @@ if __name__ == "__main__":
         step_rows(sys.argv[2])
     elif sys.argv[1] == "row-vectors":
         row_vectors(sys.argv[2])
-    elif sys.argv[1] == "key-order":
-        key_order(sys.argv[2])
     elif sys.argv[1] == "varlen-row-vectors":
         varlen_row_vectors(sys.argv[2])
     else:

@@ -34,7 +34,6 @@
 #            benchmarks/fa3_backward.py dq)
 #   backward-rows - its steps of 64 and 128 query rows at d = 64 against each other (h200_backward_rows.json)
 #   varlen-row-vectors - the same on the interfaces benchmark's packed batch (h200_varlen_row_vectors.json)
-#   backward-key-order - the backward's CTAs head by head or key tile by key tile (h200_backward_key_order.json)
 #   persistent-bf16 - the bf16 Gluon forward, one CTA per work tile against the persistent kernel, on the protocol's
 #            shapes, three rounds (h200_persistent_bf16.json, by benchmarks/persistent_bf16_ab.py)
 #   persistent-host - the bf16 forward at 1K-4K one tile per CTA and persistent: do_bench's time, the kernel's and
@@ -125,7 +124,6 @@ case "$step" in
   backward-dq) python3 benchmarks/fa3_backward.py dq "$out" 2>&1 | tee "$out/backward_dq.log" ;;
   backward-rows) python3 benchmarks/fa3_backward.py rows "$out" 2>&1 | tee "$out/backward_rows.log" ;;
   backward-row-vectors) python3 benchmarks/fa3_backward.py row-vectors "$out" 2>&1 | tee "$out/backward_row_vectors.log" ;;
-  backward-key-order) python3 benchmarks/fa3_backward.py key-order "$out" 2>&1 | tee "$out/backward_key_order.log" ;;
   varlen-row-vectors) python3 benchmarks/fa3_backward.py varlen-row-vectors "$out" 2>&1 \
            | tee "$out/varlen_row_vectors.log" ;;
   backward) python3 benchmarks/fa3_backward.py run "$out" 2>&1 | tee "$out/backward.log"
@@ -145,5 +143,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-key-order|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -750,13 +750,6 @@ def test_gpu_gluon_backward_with_row_vectors_loaded_by_the_consumers(case, gener
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GLUON_BACKWARD_CASES, ids=str)
-def test_gpu_gluon_backward_with_key_tiles_slowest(case, generator, monkeypatch):
-    """gluon_backward(key_tiles_slowest=True): the grid's axes swapped, key tiles across every (batch, K/V head)."""
-    _check_gluon_backward_with(dict(key_tiles_slowest=True), case, generator, monkeypatch)
-
-
-@pytest.mark.gpu
 def test_gpu_the_default_backward_is_the_gluon_one_where_it_was_measured_faster(monkeypatch):
     """impl="triton_hopper" takes the Gluon backward where gluon_backward_is_faster (without a mask at any length;
     causal from 2K keys at d = 128, from 8K at d = 64), the portable one for short causal calls and wherever a

@@ -288,15 +288,14 @@ DQ_MODES = ("turns", "partial", "split")  # fa3_backward.DQ_SCHEMES's names; "sp
 
 
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str = "turns",
-                   rows: int | None = None, rows_by_producer: bool = True, key_tiles_slowest: bool = False):
+                   rows: int | None = None, rows_by_producer: bool = True):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
     dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns), "partial" (each consumer
     adds a partial dQ tile over its own keys) or "split" (:mod:`.fa3_backward`); rows: query rows per step
     (None: :data:`.fa3_backward.BWD_ROWS` by head_dim); rows_by_producer: each step's lse2 and D rows brought
     into shared memory by the producer warp (1.02-1.11x on the H200, benchmarks/h200_backward_row_vectors.json),
-    or (False) loaded by each consumer; key_tiles_slowest: CTAs launched key tile by key tile across all heads
-    (causal: the longest first)."""
+    or (False) loaded by each consumer."""
     from .fa3_backward import BWD_BLOCK_N
 
     batch, heads, seqlen_q, _ = q.shape
@@ -304,10 +303,8 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     grad_out = grad_out.contiguous()
     delta, lse2 = backward_preprocess(out, grad_out, lse)
     dq, dk, dv = _backward_outputs(q, k, v)
-    grid = (cdiv(seqlen_k, BWD_BLOCK_N), batch * heads_kv)
-    _launch_backward(grid[::-1] if key_tiles_slowest else grid, (q, k, v, grad_out, dq), dk, dv, lse2, delta,
-                     heads, seqlen_q, seqlen_k, None, causal, scale, dq_mode, rows, rows_by_producer,
-                     key_tiles_slowest)
+    _launch_backward((cdiv(seqlen_k, BWD_BLOCK_N), batch * heads_kv), (q, k, v, grad_out, dq), dk, dv, lse2, delta,
+                     heads, seqlen_q, seqlen_k, None, causal, scale, dq_mode, rows, rows_by_producer)
     return dq.to(q.dtype), dk, dv
 
 
@@ -341,7 +338,7 @@ def _backward_outputs(q, k, v):
 
 
 def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, packing, causal, scale,
-                     dq_mode, rows=None, rows_by_producer=False, key_tiles_slowest=False):
+                     dq_mode, rows=None, rows_by_producer=False):
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
     its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); packing: None, or (schedule,
     cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals."""
@@ -361,8 +358,7 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
         gluon_descriptor(grad_out, row_block), gluon_descriptor(dq, dq_block),
         dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, *(packing or (lse2,) * 3),
         scale * LOG2E, scale, CAUSAL=causal, STAGES=2, VARLEN=packing is not None, DQ_SCHEME=scheme,
-        ROWS_BY_PRODUCER=rows_by_producer, KEY_TILES_SLOWEST=key_tiles_slowest, num_warps=4,
-        maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
+        ROWS_BY_PRODUCER=rows_by_producer, num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
 
 
 # Whether "auto" may give packed batches the Gluon backward (then at the keys of varlen_keys_per_sequence). On the

@@ -337,8 +337,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
 def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                              heads, group, seqlen_q, seqlen_k, schedule_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale,
                              scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False,
-                             DQ_SCHEME: gl.constexpr = DQ_TURNS, ROWS_BY_PRODUCER: gl.constexpr = False,
-                             KEY_TILES_SLOWEST: gl.constexpr = False):
+                             DQ_SCHEME: gl.constexpr = DQ_TURNS, ROWS_BY_PRODUCER: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, rows, d) (rows: :func:`bwd_rows`); k/v_desc over
@@ -349,9 +348,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128), B * H // group). schedule_ptr, cu_seqlens_q/k
     are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL or DQ_SPLIT (d = 128), the module docstring's
     dQ schemes. ROWS_BY_PRODUCER: each step's lse2 and D rows reach the consumers through shared memory (the
-    producer loads them) instead of each consumer's own loads. KEY_TILES_SLOWEST (dense): the grid is
-    (B * H // group, cdiv(Nk, 128)), so that CTAs start key tile by key tile across every head: causal, the
-    tiles with the most query steps first.
+    producer loads them) instead of each consumer's own loads.
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -372,16 +369,11 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
         batch = 0
         kv_head = gl.program_id(1)
     else:
-        if KEY_TILES_SLOWEST:
-            start_n = gl.program_id(1) * BLOCK_N
-            batch_head = gl.program_id(0)
-        else:
-            start_n = gl.program_id(0) * BLOCK_N
-            batch_head = gl.program_id(1)
+        start_n = gl.program_id(0) * BLOCK_N
         q_start: gl.constexpr = 0
         k_start: gl.constexpr = 0
-        batch = batch_head // heads_kv
-        kv_head = batch_head % heads_kv
+        batch = gl.program_id(1) // heads_kv
+        kv_head = gl.program_id(1) % heads_kv
     first_q = 0
     if CAUSAL:  # query row i sees key j when j <= i + seqlen_k - seqlen_q
         first_q = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
