@@ -33,7 +33,11 @@
 #   backward-dq - the Gluon backward's three dQ schemes against each other (h200_backward_dq.json, by
 #            benchmarks/fa3_backward.py dq)
 #   backward-rows - its steps of 64 and 128 query rows at d = 64 against each other (h200_backward_rows.json)
+#   backward-row-vectors - its lse2 and D rows loaded by each consumer or brought by the producer
+#            (h200_backward_row_vectors.json)
 #   varlen-row-vectors - the same on the interfaces benchmark's packed batch (h200_varlen_row_vectors.json)
+#   three-consumers - the d = 64 forward with two consumer warpgroups against three (h200_three_consumers.json, by
+#            benchmarks/three_consumers_ab.py)
 #   persistent-bf16 - the bf16 Gluon forward, one CTA per work tile against the persistent kernel, on the protocol's
 #            shapes, three rounds (h200_persistent_bf16.json, by benchmarks/persistent_bf16_ab.py)
 #   persistent-host - the bf16 forward at 1K-4K one tile per CTA and persistent: do_bench's time, the kernel's and

@@ -338,10 +338,11 @@ def _backward_outputs(q, k, v):
 
 
 def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, packing, causal, scale,
-                     dq_mode, rows=None, rows_by_producer=False):
+                     dq_mode, rows, rows_by_producer):
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
     its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); packing: None, or (schedule,
-    cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals."""
+    cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals; dq_mode, rows,
+    rows_by_producer: as the two launchers take them."""
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, DQ_SPLIT, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
