@@ -1,7 +1,8 @@
 """The FP8 quantization pass of impl="triton_hopper_fp8" (fa_lab/kernels/hopper/fp8_quant.py) against a copy:
 its GPU time in a CUDA graph and its eager time, as bytes moved per second (Q, K, V read in bf16, written in
-e4m3) and as a fraction of a device-to-device copy's bandwidth in the same run, at num_warps 4 and 8 and at 4
-warps capped to 168 registers (three programs per SM, fp8_quant.quantize_fp8_operands says why); and the
+e4m3) and as a fraction of a device-to-device copy's bandwidth in the same run, one program per tile at num_warps 4
+and 8 and at 4 warps capped to 168 registers (three programs per SM, fp8_quant.quantize_fp8_operands says why),
+and the persistent kernel at four launches (programs per SM as its registers allow); and the
 FP8 forward end to end (quantization included) against the bf16 forward. FA3-paper protocol shapes, d = 128.
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/fp8_quant_bandwidth.py`` (prints, writes $OUT/fp8_quant.json).
@@ -42,9 +43,16 @@ def measure(seqlen: int) -> dict:
     target = torch.empty_like(q)
     copy_tbps = 2 * q.numel() * 2 / graph_ms(lambda: target.copy_(q)) / 1e9  # read + write
     row = {"seqlen": seqlen, "batch": batch, "copy_tbps": round(copy_tbps, 2)}
-    for name, warps, maxnreg in (("warps4", 4, None), ("warps4_maxnreg168", 4, 168), ("warps8", 8, None)):
-        def quantize(w=warps, r=maxnreg):
-            return quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, num_warps=w, maxnreg=r)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    launches = {"warps4": dict(num_warps=4), "warps4_maxnreg168": dict(num_warps=4, maxnreg=168),
+                "warps8": dict(num_warps=8),
+                "persistent_warps8_stages2": dict(num_warps=8, programs=sms, stages=2),
+                "persistent_warps8_stages3": dict(num_warps=8, programs=sms, stages=3),
+                "persistent_warps8_maxnreg128_stages2": dict(num_warps=8, maxnreg=128, programs=2 * sms, stages=2),
+                "persistent_warps4_stages2": dict(num_warps=4, programs=2 * sms, stages=2)}
+    for name, launch in launches.items():
+        def quantize(launch=launch):
+            return quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, **launch)
         gpu, eager = graph_ms(quantize), triton.testing.do_bench(quantize, warmup=25, rep=200)
         row[name] = {"graph_us": round(gpu * 1e3, 1), "eager_us": round(eager * 1e3, 1),
                                 "tbps": round(moved / gpu / 1e9, 2), "of_copy": round(moved / gpu / 1e9 / copy_tbps, 3)}

@@ -420,11 +420,12 @@ def test_gluon_fp8_key_order_matches_the_kernels_reordering_of_p(generator):
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype, head_dim, rotate", [(torch.bfloat16, 64, True), (torch.float16, 128, True),
                                                       (torch.bfloat16, 128, False)])
-def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim, rotate, generator):
-    """The Triton pass gives the PyTorch path's V^T bytes and largest V scale exactly (both divide amax by 448
-    in IEEE arithmetic, also on a GPU), V's exponents to float32 rounding (log2 is computed in the kernel); Q
-    and K, rotated in float32 there and in the input's dtype here, within one e4m3 step and at least as close
-    to the exact (float64) rotation."""
+@pytest.mark.parametrize("launch", [{}, dict(programs=3, stages=2)], ids=["tile_per_program", "persistent"])
+def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim, rotate, launch, generator):
+    """The Triton pass (one program per tile, or three programs walking every tile) gives the PyTorch path's V^T
+    bytes and largest V scale exactly (both divide amax by 448 in IEEE arithmetic, also on a GPU), V's exponents
+    to float32 rounding (log2 is computed in the kernel); Q and K, rotated in float32 there and in the input's
+    dtype here, within one e4m3 step and at least as close to the exact (float64) rotation."""
     from fa_lab.fp8 import hadamard_transform, random_signs
     from fa_lab.kernels.hopper import GLUON_TILES, V_SCALE_FLOOR, quantize_for_kernel
     from fa_lab.kernels.hopper.fp8_quant import quantize_fp8_operands
@@ -433,7 +434,7 @@ def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim
     v[0, 0, :128] *= 1e-3  # a quiet V tile: its exponent differs from the head's
     v[1, 1, 128:256] = 0  # an all-zero V tile: its exponent is the floor's, log2(V_SCALE_FLOOR)
     signs = random_signs(head_dim, torch.Generator().manual_seed(0)) if rotate else None
-    fused = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR)
+    fused = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, **launch)
     reference = quantize_for_kernel(q, k, v, GLUON_TILES, rotate, gluon=True, fused=False)
     assert torch.equal(fused[2].view(torch.uint8), reference[2].view(torch.uint8))
     torch.testing.assert_close(fused[3][2], reference[3][2], rtol=0, atol=1e-5)

@@ -53,11 +53,11 @@ def signed_hadamard(signs_ptr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _quantize_tile(x_ptr, out_ptr, descale_ptr, signs_ptr, tile, seqlen, out_keys, stride_xn,
+def _quantize_tile(x_ptr, out_ptr, descale_ptr, rotation, tile, seqlen, out_keys, stride_xn,
                    stride_orow, rsqrt_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
                    V_TRANSPOSED: tl.constexpr, FLOAT32_DOT: tl.constexpr):
     """Tile ``tile`` (BLOCK, HEAD_DIM) of one (batch, head) of x (pointers already at that head) -> e4m3,
-    its descale stored at descale_ptr.
+    its descale stored at descale_ptr. rotation: :func:`signed_hadamard`'s matrix when ROTATE (unread otherwise).
 
     V_TRANSPOSED: the tile's rows are the keys at positions [tile * BLOCK, +BLOCK) of the kernel's
     key order (common.gluon_fp8_key_order: position 16h + 4c + 2a + b of each 32 holds key
@@ -76,7 +76,7 @@ def _quantize_tile(x_ptr, out_ptr, descale_ptr, signs_ptr, tile, seqlen, out_key
     if ROTATE:  # x diag(signs) H / sqrt(d): the +-1 products are exact in x's dtype
         if FLOAT32_DOT:  # (the CPU interpreter: numpy has no bf16 matmul)
             x = x.to(tl.float32)
-        x = tl.dot(x, signed_hadamard(signs_ptr, HEAD_DIM).to(x.dtype)) * rsqrt_d
+        x = tl.dot(x, rotation.to(x.dtype)) * rsqrt_d
     else:
         x = x.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
@@ -107,20 +107,51 @@ def _quantize_qkv_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale
     bh = tl.program_id(1)
     q_tiles = tl.cdiv(seqlen_q, BLOCK)
     k_tiles = tl.cdiv(seqlen_k, BLOCK)
+    rotation = signed_hadamard(signs_ptr, HEAD_DIM) if ROTATE else 0.0
     if t < q_tiles:
         _quantize_tile(q_ptr + bh * stride_qbh, q8_ptr + bh * stride_q8bh, q_descale_ptr + bh * q_tiles + t,
-                       signs_ptr, t, seqlen_q, 0, stride_qn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
+                       rotation, t, seqlen_q, 0, stride_qn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
                        ROTATE, False, FLOAT32_DOT)
     elif t < q_tiles + k_tiles:
         t -= q_tiles
         _quantize_tile(k_ptr + bh * stride_kbh, k8_ptr + bh * stride_k8bh, k_descale_ptr + bh * k_tiles + t,
-                       signs_ptr, t, seqlen_k, 0, stride_kn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
+                       rotation, t, seqlen_k, 0, stride_kn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
                        ROTATE, False, FLOAT32_DOT)
     else:
         t -= q_tiles + k_tiles
         _quantize_tile(v_ptr + bh * stride_vbh, vt8_ptr + bh * stride_vt8bh, v_descale_ptr + bh * k_tiles + t,
-                       signs_ptr, t, seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False,
+                       rotation, t, seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False,
                        True, FLOAT32_DOT)
+
+
+@triton.jit
+def _quantize_qkv_persistent_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale_ptr, k_descale_ptr,
+                                    v_descale_ptr, signs_ptr, seqlen_q, seqlen_k, keys, bh_count, stride_qbh,
+                                    stride_qn, stride_kbh, stride_kn, stride_vbh, stride_vn, stride_q8bh,
+                                    stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK: tl.constexpr,
+                                    HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+                                    STAGES: tl.constexpr):
+    """The tiles of :func:`_quantize_qkv_kernel`, walked by a fixed number of programs (grid: (programs,)):
+    program p takes tiles p, p + programs, ... of Q's (bh, tile) list, then of K's, then of V's, each walk a
+    loop software-pipelined over STAGES tiles (the next tiles' loads in flight while one is rotated, reduced
+    and stored), and it makes the rotation's matrix once."""
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    q_tiles = tl.cdiv(seqlen_q, BLOCK)
+    k_tiles = tl.cdiv(seqlen_k, BLOCK)
+    rotation = signed_hadamard(signs_ptr, HEAD_DIM) if ROTATE else 0.0
+    for work in tl.range(program, bh_count * q_tiles, programs, num_stages=STAGES):
+        bh, t = work // q_tiles, work % q_tiles
+        _quantize_tile(q_ptr + bh * stride_qbh, q8_ptr + bh * stride_q8bh, q_descale_ptr + work, rotation, t,
+                       seqlen_q, 0, stride_qn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT)
+    for work in tl.range(program, bh_count * k_tiles, programs, num_stages=STAGES):
+        bh, t = work // k_tiles, work % k_tiles
+        _quantize_tile(k_ptr + bh * stride_kbh, k8_ptr + bh * stride_k8bh, k_descale_ptr + work, rotation, t,
+                       seqlen_k, 0, stride_kn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT)
+    for work in tl.range(program, bh_count * k_tiles, programs, num_stages=STAGES):
+        bh, t = work // k_tiles, work % k_tiles
+        _quantize_tile(v_ptr + bh * stride_vbh, vt8_ptr + bh * stride_vt8bh, v_descale_ptr + work, rotation, t,
+                       seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT)
 
 
 @triton.jit
@@ -151,13 +182,16 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_warps: int = 8,
-                          maxnreg: int | None = None):
+                          maxnreg: int | None = None, programs: int | None = None, stages: int = 2):
     """(q8, k8, vt8, (q_descale, k_descale, v_exponent, v_descale_max)) as quantize_for_kernel(gluon=True).
 
     num_warps, maxnreg: the quantization kernel's launch. The offline sm_90 build of the tile kernel takes 100
     registers a thread at 8 warps (two programs per SM) and 172 at 4 (two), 64 KB of shared memory (three);
     4 warps with ``maxnreg=168`` fit three programs per SM without spilling, yet on the H200 8 warps were the
     fastest of the three (benchmarks/h200_fp8_quant.json, by benchmarks/fp8_quant_bandwidth.py).
+    programs: None launches one program per tile (:func:`_quantize_qkv_kernel`); a number launches that many
+    programs of :func:`_quantize_qkv_persistent_kernel`, each walking its share of the tiles in a loop
+    pipelined over ``stages`` tiles.
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon
@@ -179,12 +213,17 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_
     q_descale, k_descale, v_descale, v_exponent, v_descale_max = small.split(
         [bh * q_tiles, bh * k_tiles, bh * k_tiles, bh * k_tiles, bh])
     if bh and q_tiles + k_tiles:
-        _quantize_qkv_kernel[(q_tiles + 2 * k_tiles, bh)](
-            q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs, seqlen_q,
-            seqlen_k, keys, q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1),
-            v_rows.stride(0), v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5,
-            BLOCK=block, HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), num_warps=num_warps,
-            **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
+        strides = (q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
+                   v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5)
+        launch = dict(BLOCK=block, HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), num_warps=num_warps,
+                      **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
+        operands = (q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k,
+                    keys)
+        if programs is None:
+            _quantize_qkv_kernel[(q_tiles + 2 * k_tiles, bh)](*operands, *strides, **launch)
+        else:
+            _quantize_qkv_persistent_kernel[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
+                *operands, bh, *strides, STAGES=stages, **launch)
         _v_exponent_kernel[(bh,)](v_descale, v_exponent, v_descale_max, k_tiles, v_scale_floor,
                                   BLOCK_T=128)
     descales = (q_descale.view(batch, heads, q_tiles), k_descale.view(batch, heads, k_tiles),
