@@ -53,6 +53,17 @@ def signed_hadamard(signs_ptr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _rotation(signs_ptr, HEAD_DIM: tl.constexpr, IN_MEMORY: tl.constexpr):
+    """diag(signs) H (HEAD_DIM, HEAD_DIM): read from signs_ptr when IN_MEMORY (the matrix itself, row-major, in
+    the operands' dtype), else made in registers from the signs by :func:`signed_hadamard`."""
+    if IN_MEMORY:
+        i = tl.arange(0, HEAD_DIM)
+        return tl.load(signs_ptr + i[:, None] * HEAD_DIM + i[None, :])
+    else:
+        return signed_hadamard(signs_ptr, HEAD_DIM)
+
+
+@triton.jit
 def _quantize_tile(x_ptr, out_ptr, descale_ptr, rotation, tile, seqlen, out_keys, stride_xn,
                    stride_orow, rsqrt_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
                    V_TRANSPOSED: tl.constexpr, FLOAT32_DOT: tl.constexpr):
@@ -99,7 +110,7 @@ def _quantize_qkv_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale
                          signs_ptr, seqlen_q, seqlen_k, keys, stride_qbh, stride_qn, stride_kbh,
                          stride_kn, stride_vbh, stride_vn, stride_q8bh, stride_k8bh, stride_vt8bh, rsqrt_d,
                          BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
-                         FLOAT32_DOT: tl.constexpr):
+                         FLOAT32_DOT: tl.constexpr, ROTATION_IN_MEMORY: tl.constexpr):
     """Program (t, bh): tile t of Q, then of K, then of V, of (batch, head) bh (grid: (q_tiles + 2 k_tiles,
     B * H)). q, k, v: (B * H, N, d) rows; q8, k8 the same in e4m3, contiguous; vt8 (B * H, d, keys);
     descales (B * H, tiles) float32."""
@@ -107,21 +118,48 @@ def _quantize_qkv_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale
     bh = tl.program_id(1)
     q_tiles = tl.cdiv(seqlen_q, BLOCK)
     k_tiles = tl.cdiv(seqlen_k, BLOCK)
-    rotation = signed_hadamard(signs_ptr, HEAD_DIM) if ROTATE else 0.0
     if t < q_tiles:
+        rotation = _rotation(signs_ptr, HEAD_DIM, ROTATION_IN_MEMORY) if ROTATE else 0.0
         _quantize_tile(q_ptr + bh * stride_qbh, q8_ptr + bh * stride_q8bh, q_descale_ptr + bh * q_tiles + t,
                        rotation, t, seqlen_q, 0, stride_qn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
                        ROTATE, False, FLOAT32_DOT)
     elif t < q_tiles + k_tiles:
         t -= q_tiles
+        rotation = _rotation(signs_ptr, HEAD_DIM, ROTATION_IN_MEMORY) if ROTATE else 0.0
         _quantize_tile(k_ptr + bh * stride_kbh, k8_ptr + bh * stride_k8bh, k_descale_ptr + bh * k_tiles + t,
                        rotation, t, seqlen_k, 0, stride_kn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
                        ROTATE, False, FLOAT32_DOT)
     else:
         t -= q_tiles + k_tiles
         _quantize_tile(v_ptr + bh * stride_vbh, vt8_ptr + bh * stride_vt8bh, v_descale_ptr + bh * k_tiles + t,
-                       rotation, t, seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False,
+                       0.0, t, seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False,
                        True, FLOAT32_DOT)
+
+
+@triton.jit
+def _walk_tiles(x_ptr, out_ptr, descale_ptr, rotation, tiles, seqlen, out_keys, bh_count, stride_xbh, stride_xn,
+                stride_obh, stride_orow, rsqrt_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
+                V_TRANSPOSED: tl.constexpr, FLOAT32_DOT: tl.constexpr, STAGES: tl.constexpr):
+    """This program's share of one tensor's (bh, tile) list: tiles p, p + programs, ... (``tiles`` per head)."""
+    for work in tl.range(tl.program_id(0), bh_count * tiles, tl.num_programs(0), num_stages=STAGES):
+        bh, t = work // tiles, work % tiles
+        _quantize_tile(x_ptr + bh * stride_xbh, out_ptr + bh * stride_obh, descale_ptr + work, rotation, t, seqlen,
+                       out_keys, stride_xn, stride_orow, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, V_TRANSPOSED, FLOAT32_DOT)
+
+
+@triton.jit
+def _walk_key_and_value_tiles(k_ptr, v_ptr, k8_ptr, vt8_ptr, k_descale_ptr, v_descale_ptr, rotation, tiles, seqlen_k,
+                              keys, bh_count, stride_kbh, stride_kn, stride_vbh, stride_vn, stride_k8bh,
+                              stride_vt8bh, rsqrt_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              ROTATE: tl.constexpr, FLOAT32_DOT: tl.constexpr, STAGES: tl.constexpr):
+    """K's and V's shares in one loop: each step a K tile (rotated) and the V tile of the same keys (no rotation),
+    independent work the compiler can interleave."""
+    for work in tl.range(tl.program_id(0), bh_count * tiles, tl.num_programs(0), num_stages=STAGES):
+        bh, t = work // tiles, work % tiles
+        _quantize_tile(k_ptr + bh * stride_kbh, k8_ptr + bh * stride_k8bh, k_descale_ptr + work, rotation, t,
+                       seqlen_k, 0, stride_kn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT)
+        _quantize_tile(v_ptr + bh * stride_vbh, vt8_ptr + bh * stride_vt8bh, v_descale_ptr + work, rotation, t,
+                       seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT)
 
 
 @triton.jit
@@ -130,28 +168,38 @@ def _quantize_qkv_persistent_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr
                                     stride_qn, stride_kbh, stride_kn, stride_vbh, stride_vn, stride_q8bh,
                                     stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK: tl.constexpr,
                                     HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-                                    STAGES: tl.constexpr):
+                                    ROTATION_IN_MEMORY: tl.constexpr, STAGES: tl.constexpr, ORDER: tl.constexpr):
     """The tiles of :func:`_quantize_qkv_kernel`, walked by a fixed number of programs (grid: (programs,)):
-    program p takes tiles p, p + programs, ... of Q's (bh, tile) list, then of K's, then of V's, each walk a
-    loop software-pipelined over STAGES tiles (the next tiles' loads in flight while one is rotated, reduced
-    and stored), and it makes the rotation's matrix once."""
-    program = tl.program_id(0)
-    programs = tl.num_programs(0)
+    program p takes tiles p, p + programs, ... of each tensor's (bh, tile) list, in loops software-pipelined
+    over STAGES tiles, and it makes the rotation's matrix once. ORDER 0: Q's, K's, then V's tiles; 1: the
+    second half of the programs takes V's first; 2: Q's, then K's and V's in one loop; 3: as 2, with the
+    second half of the programs taking K's and V's first."""
     q_tiles = tl.cdiv(seqlen_q, BLOCK)
     k_tiles = tl.cdiv(seqlen_k, BLOCK)
-    rotation = signed_hadamard(signs_ptr, HEAD_DIM) if ROTATE else 0.0
-    for work in tl.range(program, bh_count * q_tiles, programs, num_stages=STAGES):
-        bh, t = work // q_tiles, work % q_tiles
-        _quantize_tile(q_ptr + bh * stride_qbh, q8_ptr + bh * stride_q8bh, q_descale_ptr + work, rotation, t,
-                       seqlen_q, 0, stride_qn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT)
-    for work in tl.range(program, bh_count * k_tiles, programs, num_stages=STAGES):
-        bh, t = work // k_tiles, work % k_tiles
-        _quantize_tile(k_ptr + bh * stride_kbh, k8_ptr + bh * stride_k8bh, k_descale_ptr + work, rotation, t,
-                       seqlen_k, 0, stride_kn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT)
-    for work in tl.range(program, bh_count * k_tiles, programs, num_stages=STAGES):
-        bh, t = work // k_tiles, work % k_tiles
-        _quantize_tile(v_ptr + bh * stride_vbh, vt8_ptr + bh * stride_vt8bh, v_descale_ptr + work, rotation, t,
-                       seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT)
+    rotation = _rotation(signs_ptr, HEAD_DIM, ROTATION_IN_MEMORY) if ROTATE else 0.0
+    second_half = tl.program_id(0) >= tl.num_programs(0) // 2
+    if ORDER == 1:
+        if second_half:
+            _walk_tiles(v_ptr, vt8_ptr, v_descale_ptr, rotation, k_tiles, seqlen_k, keys, bh_count, stride_vbh,
+                        stride_vn, stride_vt8bh, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT, STAGES)
+    if ORDER == 3:
+        if second_half:
+            _walk_key_and_value_tiles(k_ptr, v_ptr, k8_ptr, vt8_ptr, k_descale_ptr, v_descale_ptr, rotation,
+                                      k_tiles, seqlen_k, keys, bh_count, stride_kbh, stride_kn, stride_vbh,
+                                      stride_vn, stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK, HEAD_DIM, ROTATE,
+                                      FLOAT32_DOT, STAGES)
+    _walk_tiles(q_ptr, q8_ptr, q_descale_ptr, rotation, q_tiles, seqlen_q, 0, bh_count, stride_qbh, stride_qn,
+                stride_q8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES)
+    if ORDER <= 1:
+        _walk_tiles(k_ptr, k8_ptr, k_descale_ptr, rotation, k_tiles, seqlen_k, 0, bh_count, stride_kbh, stride_kn,
+                    stride_k8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES)
+        if ORDER == 0 or not second_half:
+            _walk_tiles(v_ptr, vt8_ptr, v_descale_ptr, rotation, k_tiles, seqlen_k, keys, bh_count, stride_vbh,
+                        stride_vn, stride_vt8bh, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT, STAGES)
+    elif ORDER == 2 or not second_half:
+        _walk_key_and_value_tiles(k_ptr, v_ptr, k8_ptr, vt8_ptr, k_descale_ptr, v_descale_ptr, rotation, k_tiles,
+                                  seqlen_k, keys, bh_count, stride_kbh, stride_kn, stride_vbh, stride_vn,
+                                  stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, FLOAT32_DOT, STAGES)
 
 
 @triton.jit
@@ -182,7 +230,8 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_warps: int = 8,
-                          maxnreg: int | None = None, programs: int | None = None, stages: int = 2):
+                          maxnreg: int | None = None, programs: int | None = None, stages: int = 2,
+                          order: int = 0):
     """(q8, k8, vt8, (q_descale, k_descale, v_exponent, v_descale_max)) as quantize_for_kernel(gluon=True).
 
     num_warps, maxnreg: the quantization kernel's launch. The offline sm_90 build of the tile kernel takes 100
@@ -201,7 +250,11 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_
     batch, heads, _, head_dim = q.shape
     device = q.device
     rotate = signs is not None
-    signs = signs.to(device=device, dtype=torch.float32) if rotate else q  # (q: not read without the rotation)
+    in_memory = rotate and signs.dim() == 2  # diag(signs) H itself, in q's dtype
+    if rotate:
+        signs = signs.to(device=device, dtype=q.dtype if in_memory else torch.float32)
+    else:
+        signs = q  # (not read without the rotation)
     q_rows, k_rows, v_rows = _as_rows(q), _as_rows(k), _as_rows(v)
     (bh, seqlen_q, _), seqlen_k = q_rows.shape, k_rows.shape[1]
     q_tiles, k_tiles, keys = cdiv(seqlen_q, block), cdiv(seqlen_k, block), cdiv(seqlen_k, 32) * 32
@@ -215,7 +268,8 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_
     if bh and q_tiles + k_tiles:
         strides = (q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
                    v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5)
-        launch = dict(BLOCK=block, HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), num_warps=num_warps,
+        launch = dict(BLOCK=block, HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(),
+                      ROTATION_IN_MEMORY=in_memory, num_warps=num_warps,
                       **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
         operands = (q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k,
                     keys)
@@ -223,7 +277,7 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_
             _quantize_qkv_kernel[(q_tiles + 2 * k_tiles, bh)](*operands, *strides, **launch)
         else:
             _quantize_qkv_persistent_kernel[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
-                *operands, bh, *strides, STAGES=stages, **launch)
+                *operands, bh, *strides, STAGES=stages, ORDER=order, **launch)
         _v_exponent_kernel[(bh,)](v_descale, v_exponent, v_descale_max, k_tiles, v_scale_floor,
                                   BLOCK_T=128)
     descales = (q_descale.view(batch, heads, q_tiles), k_descale.view(batch, heads, k_tiles),
