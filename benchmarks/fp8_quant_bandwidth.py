@@ -1,11 +1,12 @@
 """The FP8 quantization pass of impl="triton_hopper_fp8" (fa_lab/kernels/hopper/fp8_quant.py) against a copy:
 its GPU time in a CUDA graph and its eager time, as bytes moved per second (Q, K, V read in bf16, written in
-e4m3) and as a fraction of a device-to-device copy's bandwidth in the same run, one program per tile at num_warps 4
-and 8 and at 4 warps capped to 168 registers (three programs per SM, fp8_quant.quantize_fp8_operands says why),
-and the persistent kernel at four launches (programs per SM as its registers allow); and the
-FP8 forward end to end (quantization included) against the bf16 forward. FA3-paper protocol shapes, d = 128.
+e4m3) and as a fraction of a device-to-device copy's bandwidth in the same run, at its default launch (two
+programs per SM walking the tiles) and three others, and, given --before FILE (a copy of an earlier
+fp8_quant.py with one program per tile), that kernel at 8 warps; and the FP8 forward end to end (quantization
+included) against the bf16 forward. FA3-paper protocol shapes, d = 128.
 
-On the H200: ``PYTHONPATH=. python3 benchmarks/fp8_quant_bandwidth.py`` (prints, writes $OUT/fp8_quant.json).
+On the H200: ``PYTHONPATH=. python3 benchmarks/fp8_quant_bandwidth.py [--before FILE]`` (prints, writes
+$OUT/fp8_quant.json).
 """
 import os
 
@@ -32,8 +33,8 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200)
 
 
-def measure(seqlen: int) -> dict:
-    """One protocol shape: the copy, the quantization at 4 and 8 warps, the two forwards."""
+def measure(seqlen: int, before=None) -> dict:
+    """One protocol shape: the copy, the quantization at each launch, the two forwards."""
     from fa_lab.kernels.hopper.fp8_quant import quantize_fp8_operands
 
     batch = TOKENS // seqlen
@@ -44,15 +45,15 @@ def measure(seqlen: int) -> dict:
     copy_tbps = 2 * q.numel() * 2 / graph_ms(lambda: target.copy_(q)) / 1e9  # read + write
     row = {"seqlen": seqlen, "batch": batch, "copy_tbps": round(copy_tbps, 2)}
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    launches = {"warps4": dict(num_warps=4), "warps4_maxnreg168": dict(num_warps=4, maxnreg=168),
-                "warps8": dict(num_warps=8),
-                "persistent_warps8_stages2": dict(num_warps=8, programs=sms, stages=2),
-                "persistent_warps8_stages3": dict(num_warps=8, programs=sms, stages=3),
-                "persistent_warps8_maxnreg128_stages2": dict(num_warps=8, maxnreg=128, programs=2 * sms, stages=2),
-                "persistent_warps4_stages2": dict(num_warps=4, programs=2 * sms, stages=2)}
-    for name, launch in launches.items():
-        def quantize(launch=launch):
-            return quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, **launch)
+    launches = {"persistent": (quantize_fp8_operands, {}),
+                "persistent_stages2": (quantize_fp8_operands, dict(stages=2)),
+                "one_program_per_sm": (quantize_fp8_operands, dict(programs=sms, maxnreg=None)),
+                "persistent_warps4": (quantize_fp8_operands, dict(num_warps=4, maxnreg=None))}
+    if before is not None:
+        launches["tile_per_program_before"] = (before.quantize_fp8_operands, dict(num_warps=8))
+    for name, (function, launch) in launches.items():
+        def quantize(function=function, launch=launch):
+            return function(q, k, v, signs, 128, V_SCALE_FLOOR, **launch)
         gpu, eager = graph_ms(quantize), triton.testing.do_bench(quantize, warmup=25, rep=200)
         row[name] = {"graph_us": round(gpu * 1e3, 1), "eager_us": round(eager * 1e3, 1),
                                 "tbps": round(moved / gpu / 1e9, 2), "of_copy": round(moved / gpu / 1e9 / copy_tbps, 3)}
@@ -63,14 +64,30 @@ def measure(seqlen: int) -> dict:
     return row
 
 
+def load_before(path: str):
+    """The module at path (an earlier fa_lab/kernels/hopper/fp8_quant.py), imported inside fa_lab.kernels.hopper."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fa_lab.kernels.hopper._fp8_quant_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main():
+    import argparse
+
     from fa_lab.bench.schema import environment, write_log
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", help="an earlier fp8_quant.py, timed beside the current kernel")
+    args = parser.parse_args()
     load_triton()
+    before = None if args.before is None else load_before(args.before)
     # (not "rows": this file is not in the results schema); written after each shape, so a cut run keeps some
     results = {**environment("cuda"), "what": __doc__.split("\n\n")[0].replace("\n", " "), "shapes": []}
     for seqlen in (1024, 2048, 4096, 8192, 16384):
-        results["shapes"].append(measure(seqlen))
+        results["shapes"].append(measure(seqlen, before))
         print(results["shapes"][-1], flush=True)
         write_log(results, os.path.join(os.environ.get("OUT", "."), "fp8_quant.json"))
 

@@ -24,8 +24,8 @@
 #            SDPA, interleaved rounds (h200_decode_tma.json, by benchmarks/decode_tma_probe.py)
 #   decode-tune - the decode kernel's candidate configs x split counts (h200_decode_tuning.json); the
 #            winners go into fa_lab/kernels/portable/decode.py
-#   fp8-quant - the FP8 quantization pass against a copy, at three launches, and FP8 end to end
-#            (benchmarks/fp8_quant_bandwidth.py): fp8_quant.json, committed as h200_fp8_quant.json
+#   fp8-quant - the FP8 quantization pass against a copy, at four launches (and an earlier kernel: --before FILE),
+#            and FP8 end to end (benchmarks/fp8_quant_bandwidth.py): fp8_quant.json, committed as h200_fp8_quant.json
 #   training-memory - one training step's peak memory, 8K-64K, ours beside SDPA's and fa4 (installed as for
 #            interfaces): h200_training_memory.json/.png (benchmarks/training_memory.py)
 #   backward - the Gluon FA3 backward against the portable one, SDPA's and flash-attn-4's (installed first as for
@@ -122,7 +122,7 @@ case "$step" in
   decode) $bench decode --json "$out/h200_decode.json" --plot "$out/h200_decode.png" \
            2>&1 | tee "$out/decode.log" | grep -v "^bench" ;;
   decode-tma) python3 benchmarks/decode_tma_probe.py "$out/h200_decode_tma.json" ;;
-  fp8-quant) OUT="$out" python3 benchmarks/fp8_quant_bandwidth.py 2>&1 | tee "$out/fp8_quant.log" ;;
+  fp8-quant) OUT="$out" python3 benchmarks/fp8_quant_bandwidth.py "$@" 2>&1 | tee "$out/fp8_quant.log" ;;
   training-memory) python3 benchmarks/training_memory.py run "$out" 2>&1 | tee "$out/training_memory.log"
          python3 benchmarks/training_memory.py plot "$out/h200_training_memory.json" "$out/h200_training_memory.png" ;;
   backward-dq) python3 benchmarks/fa3_backward.py dq "$out" 2>&1 | tee "$out/backward_dq.log" ;;

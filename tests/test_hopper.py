@@ -193,9 +193,9 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
         assert build.kv_loop_spills <= 1, (causal, varlen, mode, rows, build.kv_loop_spills)
 
 
-def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstring_says():
-    """quantize_fp8_operands's launches, built for sm_90 on this machine: none spills; 8 warps and 4 warps fit two
-    programs per SM by their registers, 4 warps capped at 168 registers three, and shared memory allows three."""
+def test_the_fp8_quantization_launch_fits_the_programs_per_sm_its_docstring_says():
+    """quantize_fp8_operands's default launch, built for sm_90 on this machine: 8 warps capped at 128 registers do
+    not spill, and two programs fit an SM by registers and by shared memory."""
     from fa_lab.kernels.hopper.sm90_offline import (
         compile_all_for_sm90,
         ctas_per_sm,
@@ -203,12 +203,10 @@ def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstring_s
         fp8_quant_job,
     )
 
-    launches = [(8, None, 2), (4, None, 2), (4, 168, 3)]
-    builds = compile_all_for_sm90([fp8_quant_job(warps, maxnreg) for warps, maxnreg, _ in launches])
-    for (warps, maxnreg, programs), build in zip(launches, builds):
-        assert build.stack_bytes == 0 and build.local_bytes == 0, (warps, maxnreg)
-        assert ctas_per_sm(build.shared_bytes) == 3, build.shared_bytes
-        assert ctas_per_sm_by_registers(build.registers, warps) == programs, (warps, maxnreg, build.registers)
+    capped, = compile_all_for_sm90([fp8_quant_job()])
+    assert capped.stack_bytes == 0 and capped.local_bytes == 0
+    assert ctas_per_sm(capped.shared_bytes) >= 2, capped.shared_bytes
+    assert ctas_per_sm_by_registers(capped.registers, 8) == 2, capped.registers
 
 
 def test_a_packed_batch_takes_the_gluon_backward_by_the_dense_rule(monkeypatch):
@@ -420,9 +418,9 @@ def test_gluon_fp8_key_order_matches_the_kernels_reordering_of_p(generator):
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype, head_dim, rotate", [(torch.bfloat16, 64, True), (torch.float16, 128, True),
                                                       (torch.bfloat16, 128, False)])
-@pytest.mark.parametrize("launch", [{}, dict(programs=3, stages=2)], ids=["tile_per_program", "persistent"])
+@pytest.mark.parametrize("launch", [{}, dict(programs=1, stages=2)], ids=["default", "one_program_pipelined"])
 def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim, rotate, launch, generator):
-    """The Triton pass (one program per tile, or three programs walking every tile) gives the PyTorch path's V^T
+    """The Triton pass (its default launch, or one program walking every tile) gives the PyTorch path's V^T
     bytes and largest V scale exactly (both divide amax by 448 in IEEE arithmetic, also on a GPU), V's exponents
     to float32 rounding (log2 is computed in the kernel); Q and K, rotated in float32 there and in the input's
     dtype here, within one e4m3 step and at least as close to the exact (float64) rotation."""

@@ -19,7 +19,7 @@ from . import interpreting
 
 __all__ = ["E4M3_MAX", "LN2", "LOG2E", "P_SCALE", "SUPPORTED", "SideWork", "cdiv", "check_triton_inputs", "descriptor",
            "device_capability", "gluon_descriptor", "gluon_fp8_key_order", "grouped_entries", "head_dim_bucket",
-           "kernel_operand", "on_device", "shared_layout"]
+           "kernel_operand", "on_device", "shared_layout", "sm_count"]
 
 LOG2E = math.log2(math.e)  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2E)
 LN2 = math.log(2.0)  # and their lse comes back from base 2: lse = LN2 * (m + log2 l)
@@ -120,6 +120,12 @@ def descriptor(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
 
     block_cols = head_dim_bucket(t.shape[-1]) if block_cols is None else block_cols
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, block_cols])
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU: a persistent kernel's grid."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ from ...block_info import BlockInfo
 from ...impls import has_score_options
 from ...reference import expand_kv
 from .. import interpreting, load_triton
-from ..common import LOG2E, cdiv, check_triton_inputs, device_capability, gluon_descriptor, head_dim_bucket
+from ..common import LOG2E, cdiv, check_triton_inputs, device_capability, gluon_descriptor, head_dim_bucket, sm_count
 from ..launch import cached_launch
 from ..portable.attention import (
     NO_OPTIONS,
@@ -145,12 +145,6 @@ def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
             and head_dim_bucket(q.shape[-1]) in (64, 128))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the GPU: the persistent kernel's grid."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions(), fp8_scales=None,
                   out_dtype=None, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
     """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse).
@@ -181,7 +175,7 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     if persistent is None:
         persistent = persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8, options.consumers)
     if persistent:
-        grid = (min(total_tiles, max(_sm_count(q.device) - options.spare_sms, 1)),)
+        grid = (min(total_tiles, max(sm_count(q.device) - options.spare_sms, 1)),)
         schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value,
                                    causal and not info.banded, grid[0], q.device)
     work = (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse)

@@ -7,11 +7,11 @@ transposed, its keys renumbered (:func:`fa_lab.kernels.common.gluon_fp8_key_orde
 Written as PyTorch operations that is a dozen passes over memory, several times the attention
 kernel's own time at long sequences. Here it is one pass over Q, K and V and a finish, two launches:
 
-1. :func:`_quantize_qkv_kernel`, one program per (tile, batch * head) of Q, K or V: load the tile,
-   for Q and K rotate it with one ``tl.dot`` against diag(signs) H, H Sylvester's +-1 matrix made in
-   registers (:func:`signed_hadamard`; exact bf16/fp16 products, float32 sums: no rounding between the
-   butterflies of a fast transform), take its
-   absolute maximum, store the descale and the e4m3 tile; a V tile's keys are gathered in the
+1. :func:`_quantize_qkv_kernel`, a fixed number of programs (two per SM on a GPU) walking the (batch * head,
+   tile) lists of Q, K and V: for each tile, load it, for Q and K rotate it with one ``tl.dot`` against
+   diag(signs) H, H Sylvester's +-1 matrix made in registers once per program (:func:`signed_hadamard`;
+   exact bf16/fp16 products, float32 sums: no rounding between the butterflies of a fast transform),
+   take its absolute maximum, store the descale and the e4m3 tile; a V tile's keys are gathered in the
    kernel's order and the tile is stored transposed.
 2. :func:`_v_exponent_kernel`, one program per (batch, head) on the tiny (B * H, tiles) array of V's
    descales: the head's largest, and each tile's exponent log2(descale / largest), which the Gluon
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .. import common, interpreting, load_triton
-from ..common import cdiv
+from ..common import cdiv, sm_count
 
 E4M3_MAX = tl.constexpr(common.E4M3_MAX)  # e4m3's largest finite value (a constexpr: read in the kernel)
 
@@ -50,17 +50,6 @@ def signed_hadamard(signs_ptr, HEAD_DIM: tl.constexpr):
     shared = shared ^ (shared >> 1)
     signs = tl.load(signs_ptr + tl.arange(0, HEAD_DIM))
     return signs[:, None] * (1 - 2 * (shared & 1)).to(tl.float32)
-
-
-@triton.jit
-def _rotation(signs_ptr, HEAD_DIM: tl.constexpr, IN_MEMORY: tl.constexpr):
-    """diag(signs) H (HEAD_DIM, HEAD_DIM): read from signs_ptr when IN_MEMORY (the matrix itself, row-major, in
-    the operands' dtype), else made in registers from the signs by :func:`signed_hadamard`."""
-    if IN_MEMORY:
-        i = tl.arange(0, HEAD_DIM)
-        return tl.load(signs_ptr + i[:, None] * HEAD_DIM + i[None, :])
-    else:
-        return signed_hadamard(signs_ptr, HEAD_DIM)
 
 
 @triton.jit
@@ -106,41 +95,11 @@ def _quantize_tile(x_ptr, out_ptr, descale_ptr, rotation, tile, seqlen, out_keys
 
 
 @triton.jit
-def _quantize_qkv_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale_ptr, k_descale_ptr, v_descale_ptr,
-                         signs_ptr, seqlen_q, seqlen_k, keys, stride_qbh, stride_qn, stride_kbh,
-                         stride_kn, stride_vbh, stride_vn, stride_q8bh, stride_k8bh, stride_vt8bh, rsqrt_d,
-                         BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
-                         FLOAT32_DOT: tl.constexpr, ROTATION_IN_MEMORY: tl.constexpr):
-    """Program (t, bh): tile t of Q, then of K, then of V, of (batch, head) bh (grid: (q_tiles + 2 k_tiles,
-    B * H)). q, k, v: (B * H, N, d) rows; q8, k8 the same in e4m3, contiguous; vt8 (B * H, d, keys);
-    descales (B * H, tiles) float32."""
-    t = tl.program_id(0)
-    bh = tl.program_id(1)
-    q_tiles = tl.cdiv(seqlen_q, BLOCK)
-    k_tiles = tl.cdiv(seqlen_k, BLOCK)
-    if t < q_tiles:
-        rotation = _rotation(signs_ptr, HEAD_DIM, ROTATION_IN_MEMORY) if ROTATE else 0.0
-        _quantize_tile(q_ptr + bh * stride_qbh, q8_ptr + bh * stride_q8bh, q_descale_ptr + bh * q_tiles + t,
-                       rotation, t, seqlen_q, 0, stride_qn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
-                       ROTATE, False, FLOAT32_DOT)
-    elif t < q_tiles + k_tiles:
-        t -= q_tiles
-        rotation = _rotation(signs_ptr, HEAD_DIM, ROTATION_IN_MEMORY) if ROTATE else 0.0
-        _quantize_tile(k_ptr + bh * stride_kbh, k8_ptr + bh * stride_k8bh, k_descale_ptr + bh * k_tiles + t,
-                       rotation, t, seqlen_k, 0, stride_kn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM,
-                       ROTATE, False, FLOAT32_DOT)
-    else:
-        t -= q_tiles + k_tiles
-        _quantize_tile(v_ptr + bh * stride_vbh, vt8_ptr + bh * stride_vt8bh, v_descale_ptr + bh * k_tiles + t,
-                       0.0, t, seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False,
-                       True, FLOAT32_DOT)
-
-
-@triton.jit
 def _walk_tiles(x_ptr, out_ptr, descale_ptr, rotation, tiles, seqlen, out_keys, bh_count, stride_xbh, stride_xn,
                 stride_obh, stride_orow, rsqrt_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
                 V_TRANSPOSED: tl.constexpr, FLOAT32_DOT: tl.constexpr, STAGES: tl.constexpr):
-    """This program's share of one tensor's (bh, tile) list: tiles p, p + programs, ... (``tiles`` per head)."""
+    """This program's share of one tensor's (bh, tile) list, ``tiles`` per head: entries p, p + programs, ...
+    (descales (B * H, tiles), so entry ``work``'s descale sits at descale_ptr + work)."""
     for work in tl.range(tl.program_id(0), bh_count * tiles, tl.num_programs(0), num_stages=STAGES):
         bh, t = work // tiles, work % tiles
         _quantize_tile(x_ptr + bh * stride_xbh, out_ptr + bh * stride_obh, descale_ptr + work, rotation, t, seqlen,
@@ -148,58 +107,23 @@ def _walk_tiles(x_ptr, out_ptr, descale_ptr, rotation, tiles, seqlen, out_keys, 
 
 
 @triton.jit
-def _walk_key_and_value_tiles(k_ptr, v_ptr, k8_ptr, vt8_ptr, k_descale_ptr, v_descale_ptr, rotation, tiles, seqlen_k,
-                              keys, bh_count, stride_kbh, stride_kn, stride_vbh, stride_vn, stride_k8bh,
-                              stride_vt8bh, rsqrt_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              ROTATE: tl.constexpr, FLOAT32_DOT: tl.constexpr, STAGES: tl.constexpr):
-    """K's and V's shares in one loop: each step a K tile (rotated) and the V tile of the same keys (no rotation),
-    independent work the compiler can interleave."""
-    for work in tl.range(tl.program_id(0), bh_count * tiles, tl.num_programs(0), num_stages=STAGES):
-        bh, t = work // tiles, work % tiles
-        _quantize_tile(k_ptr + bh * stride_kbh, k8_ptr + bh * stride_k8bh, k_descale_ptr + work, rotation, t,
-                       seqlen_k, 0, stride_kn, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT)
-        _quantize_tile(v_ptr + bh * stride_vbh, vt8_ptr + bh * stride_vt8bh, v_descale_ptr + work, rotation, t,
-                       seqlen_k, keys, stride_vn, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT)
-
-
-@triton.jit
-def _quantize_qkv_persistent_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale_ptr, k_descale_ptr,
-                                    v_descale_ptr, signs_ptr, seqlen_q, seqlen_k, keys, bh_count, stride_qbh,
-                                    stride_qn, stride_kbh, stride_kn, stride_vbh, stride_vn, stride_q8bh,
-                                    stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK: tl.constexpr,
-                                    HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-                                    ROTATION_IN_MEMORY: tl.constexpr, STAGES: tl.constexpr, ORDER: tl.constexpr):
-    """The tiles of :func:`_quantize_qkv_kernel`, walked by a fixed number of programs (grid: (programs,)):
-    program p takes tiles p, p + programs, ... of each tensor's (bh, tile) list, in loops software-pipelined
-    over STAGES tiles, and it makes the rotation's matrix once. ORDER 0: Q's, K's, then V's tiles; 1: the
-    second half of the programs takes V's first; 2: Q's, then K's and V's in one loop; 3: as 2, with the
-    second half of the programs taking K's and V's first."""
+def _quantize_qkv_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale_ptr, k_descale_ptr, v_descale_ptr,
+                         signs_ptr, seqlen_q, seqlen_k, keys, bh_count, stride_qbh, stride_qn, stride_kbh, stride_kn,
+                         stride_vbh, stride_vn, stride_q8bh, stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+                         STAGES: tl.constexpr):
+    """Grid (programs,): program p quantizes tiles p, p + programs, ... of Q's (bh, tile) list, then of K's, then
+    of V's, with the rotation's matrix made once. q, k, v: (B * H, N, d) rows; q8, k8 the same in e4m3,
+    contiguous; vt8 (B * H, d, keys); descales (B * H, tiles) float32. STAGES: the loops' software pipeline."""
     q_tiles = tl.cdiv(seqlen_q, BLOCK)
     k_tiles = tl.cdiv(seqlen_k, BLOCK)
-    rotation = _rotation(signs_ptr, HEAD_DIM, ROTATION_IN_MEMORY) if ROTATE else 0.0
-    second_half = tl.program_id(0) >= tl.num_programs(0) // 2
-    if ORDER == 1:
-        if second_half:
-            _walk_tiles(v_ptr, vt8_ptr, v_descale_ptr, rotation, k_tiles, seqlen_k, keys, bh_count, stride_vbh,
-                        stride_vn, stride_vt8bh, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT, STAGES)
-    if ORDER == 3:
-        if second_half:
-            _walk_key_and_value_tiles(k_ptr, v_ptr, k8_ptr, vt8_ptr, k_descale_ptr, v_descale_ptr, rotation,
-                                      k_tiles, seqlen_k, keys, bh_count, stride_kbh, stride_kn, stride_vbh,
-                                      stride_vn, stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK, HEAD_DIM, ROTATE,
-                                      FLOAT32_DOT, STAGES)
+    rotation = signed_hadamard(signs_ptr, HEAD_DIM) if ROTATE else 0.0
     _walk_tiles(q_ptr, q8_ptr, q_descale_ptr, rotation, q_tiles, seqlen_q, 0, bh_count, stride_qbh, stride_qn,
                 stride_q8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES)
-    if ORDER <= 1:
-        _walk_tiles(k_ptr, k8_ptr, k_descale_ptr, rotation, k_tiles, seqlen_k, 0, bh_count, stride_kbh, stride_kn,
-                    stride_k8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES)
-        if ORDER == 0 or not second_half:
-            _walk_tiles(v_ptr, vt8_ptr, v_descale_ptr, rotation, k_tiles, seqlen_k, keys, bh_count, stride_vbh,
-                        stride_vn, stride_vt8bh, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT, STAGES)
-    elif ORDER == 2 or not second_half:
-        _walk_key_and_value_tiles(k_ptr, v_ptr, k8_ptr, vt8_ptr, k_descale_ptr, v_descale_ptr, rotation, k_tiles,
-                                  seqlen_k, keys, bh_count, stride_kbh, stride_kn, stride_vbh, stride_vn,
-                                  stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, FLOAT32_DOT, STAGES)
+    _walk_tiles(k_ptr, k8_ptr, k_descale_ptr, rotation, k_tiles, seqlen_k, 0, bh_count, stride_kbh, stride_kn,
+                stride_k8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES)
+    _walk_tiles(v_ptr, vt8_ptr, v_descale_ptr, rotation, k_tiles, seqlen_k, keys, bh_count, stride_vbh, stride_vn,
+                stride_vt8bh, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT, STAGES)
 
 
 @triton.jit
@@ -229,18 +153,15 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_warps: int = 8,
-                          maxnreg: int | None = None, programs: int | None = None, stages: int = 2,
-                          order: int = 0):
-    """(q8, k8, vt8, (q_descale, k_descale, v_exponent, v_descale_max)) as quantize_for_kernel(gluon=True).
+def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, programs: int | None = None,
+                          num_warps: int = 8, maxnreg: int | None = 128, stages: int = 1):
+    """(q8, k8, vt8, (q_descale, k_descale, v_descale, v_descale_max)) as quantize_for_kernel(gluon=True).
 
-    num_warps, maxnreg: the quantization kernel's launch. The offline sm_90 build of the tile kernel takes 100
-    registers a thread at 8 warps (two programs per SM) and 172 at 4 (two), 64 KB of shared memory (three);
-    4 warps with ``maxnreg=168`` fit three programs per SM without spilling, yet on the H200 8 warps were the
-    fastest of the three (benchmarks/h200_fp8_quant.json, by benchmarks/fp8_quant_bandwidth.py).
-    programs: None launches one program per tile (:func:`_quantize_qkv_kernel`); a number launches that many
-    programs of :func:`_quantize_qkv_persistent_kernel`, each walking its share of the tiles in a loop
-    pipelined over ``stages`` tiles.
+    programs (default: two per SM on a GPU, four in the interpreter), num_warps, maxnreg, stages: the
+    quantization kernel's launch. Its offline sm_90 build takes 125 registers a thread at 8 warps (capped at 128,
+    so that two programs fit an SM) and 64 KB of shared memory. On the H200 it quantized the protocol's shapes
+    in 142 us, where one program per tile took 165 to 167 us in the same run, loops pipelined over two tiles
+    (``stages=2``) 152 us and one program per SM 210 us (benchmarks/h200_fp8_quant.json).
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon
@@ -250,11 +171,7 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_
     batch, heads, _, head_dim = q.shape
     device = q.device
     rotate = signs is not None
-    in_memory = rotate and signs.dim() == 2  # diag(signs) H itself, in q's dtype
-    if rotate:
-        signs = signs.to(device=device, dtype=q.dtype if in_memory else torch.float32)
-    else:
-        signs = q  # (not read without the rotation)
+    signs = signs.to(device=device, dtype=torch.float32) if rotate else q  # (q: not read without the rotation)
     q_rows, k_rows, v_rows = _as_rows(q), _as_rows(k), _as_rows(v)
     (bh, seqlen_q, _), seqlen_k = q_rows.shape, k_rows.shape[1]
     q_tiles, k_tiles, keys = cdiv(seqlen_q, block), cdiv(seqlen_k, block), cdiv(seqlen_k, 32) * 32
@@ -266,18 +183,14 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, num_
     q_descale, k_descale, v_descale, v_exponent, v_descale_max = small.split(
         [bh * q_tiles, bh * k_tiles, bh * k_tiles, bh * k_tiles, bh])
     if bh and q_tiles + k_tiles:
-        strides = (q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
-                   v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5)
-        launch = dict(BLOCK=block, HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(),
-                      ROTATION_IN_MEMORY=in_memory, num_warps=num_warps,
-                      **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
-        operands = (q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k,
-                    keys)
         if programs is None:
-            _quantize_qkv_kernel[(q_tiles + 2 * k_tiles, bh)](*operands, *strides, **launch)
-        else:
-            _quantize_qkv_persistent_kernel[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
-                *operands, bh, *strides, STAGES=stages, ORDER=order, **launch)
+            programs = 4 if interpreting() else 2 * sm_count(device)
+        _quantize_qkv_kernel[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
+            q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k, keys, bh,
+            q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
+            v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5, BLOCK=block,
+            HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), STAGES=stages, num_warps=num_warps,
+            **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
         _v_exponent_kernel[(bh,)](v_descale, v_exponent, v_descale_max, k_tiles, v_scale_floor,
                                   BLOCK_T=128)
     descales = (q_descale.view(batch, heads, q_tiles), k_descale.view(batch, heads, k_tiles),
