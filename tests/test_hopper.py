@@ -751,7 +751,7 @@ def test_gpu_gluon_backward_with_row_vectors_loaded_by_the_consumers(case, gener
 @pytest.mark.gpu
 def test_gpu_the_default_backward_is_the_gluon_one_where_it_was_measured_faster(monkeypatch):
     """impl="triton_hopper" takes the Gluon backward where gluon_backward_is_faster (without a mask at any length;
-    causal from 2K keys at d = 128, from 8K at d = 64), the portable one for short causal calls and wherever a
+    causal from 2K keys at d = 128 and 64), the portable one for short causal calls and wherever a
     score option is given."""
     import fa_lab.kernels.hopper.attention as hopper
 

@@ -121,10 +121,10 @@ def consumers_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: boo
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
 # many keys, per (head_dim, causal), the H200 measured it faster than the portable backward
-# (benchmarks/h200_backward.json; a CPU test holds this table to that file). At d = 128 it is 1.08-1.18x from 1K
-# without a mask and 1.06-1.20x causal from 2K (0.95x at 1K causal); at d = 64, in 128-row steps, 1.01-1.12x from 1K
-# without a mask and 1.04-1.08x causal from 8K (0.86-1.00x below).
-GLUON_BACKWARD_MIN_KEYS = {(128, False): 0, (128, True): 2048, (64, False): 0, (64, True): 8192}
+# (benchmarks/h200_backward.json; a CPU test holds this table to that file). At d = 128 it is 1.12-1.20x from 1K
+# without a mask and 1.11-1.30x causal from 2K (1.00x at 1K causal); at d = 64, in 128-row steps, 1.07-1.17x from 1K
+# without a mask and 1.02-1.20x causal from 2K (0.93x at 1K).
+GLUON_BACKWARD_MIN_KEYS = {(128, False): 0, (128, True): 2048, (64, False): 0, (64, True): 2048}
 
 
 def gluon_backward_is_faster(head_dim: int, causal: bool, seqlen_k: int) -> bool:
