@@ -245,7 +245,8 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
             if key0 + KEYS_PER_CONSUMER > seqlen_k:  # the sequence's last keys: the next sequence's follow them
                 keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
                 s_start = gl.where(keys[:, None] < seqlen_k, s_start, float("-inf"))
-        q_tile.wait_ready()
+        if not ROWS_BY_PRODUCER:  # (with the producer's rows, Q's wait came before reading them)
+            q_tile.wait_ready()
         do_tile.wait_ready()
         st = warpgroup_mma(k_own, q_smem.permute((1, 0)), s_start, is_async=True)
         dpt = warpgroup_mma(v_own, do_smem.permute((1, 0)), zeros - delta[None, :], is_async=True)
