@@ -1,9 +1,9 @@
 """The FP8 quantization pass of impl="triton_hopper_fp8" (fa_lab/kernels/hopper/fp8_quant.py) against a copy:
 its GPU time in a CUDA graph and its eager time, as bytes moved per second (Q, K, V read in bf16, written in
 e4m3) and as a fraction of a device-to-device copy's bandwidth in the same run, at its default launch (two
-programs per SM walking the tiles) and three others, and, given --before FILE (a copy of an earlier
-fp8_quant.py with one program per tile), that kernel at 8 warps; and the FP8 forward end to end (quantization
-included) against the bf16 forward. FA3-paper protocol shapes, d = 128.
+programs per SM walking the tiles) and five others (Q and K moved by TMA at three of them), and, given
+--before FILE (a copy of an earlier fp8_quant.py with one program per tile), that kernel at 8 warps; and the FP8
+forward end to end (quantization included) against the bf16 forward. FA3-paper protocol shapes, d = 128.
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/fp8_quant_bandwidth.py [--before FILE]`` (prints, writes
 $OUT/fp8_quant.json).
@@ -48,7 +48,9 @@ def measure(seqlen: int, before=None) -> dict:
     launches = {"persistent": (quantize_fp8_operands, {}),
                 "persistent_stages2": (quantize_fp8_operands, dict(stages=2)),
                 "one_program_per_sm": (quantize_fp8_operands, dict(programs=sms, maxnreg=None)),
-                "persistent_warps4": (quantize_fp8_operands, dict(num_warps=4, maxnreg=None))}
+                "tma": (quantize_fp8_operands, dict(tma=True)),
+                "tma_stages2": (quantize_fp8_operands, dict(tma=True, stages=2)),
+                "tma_stages3_one_program_per_sm": (quantize_fp8_operands, dict(tma=True, stages=3, programs=sms))}
     if before is not None:
         launches["tile_per_program_before"] = (before.quantize_fp8_operands, dict(num_warps=8))
     for name, (function, launch) in launches.items():

@@ -24,8 +24,9 @@
 #            SDPA, interleaved rounds (h200_decode_tma.json, by benchmarks/decode_tma_probe.py)
 #   decode-tune - the decode kernel's candidate configs x split counts (h200_decode_tuning.json); the
 #            winners go into fa_lab/kernels/portable/decode.py
-#   fp8-quant - the FP8 quantization pass against a copy, at four launches (and an earlier kernel: --before FILE),
-#            and FP8 end to end (benchmarks/fp8_quant_bandwidth.py): fp8_quant.json, committed as h200_fp8_quant.json
+#   fp8-quant - the FP8 quantization pass against a copy, at six launches (and an earlier kernel: --before FILE, whose
+#            column notebook 04 reads), and FP8 end to end (benchmarks/fp8_quant_bandwidth.py): fp8_quant.json,
+#            committed as h200_fp8_quant.json
 #   training-memory - one training step's peak memory, 8K-64K, ours beside SDPA's and fa4 (installed as for
 #            interfaces): h200_training_memory.json/.png (benchmarks/training_memory.py)
 #   backward - the Gluon FA3 backward against the portable one, SDPA's and flash-attn-4's (installed first as for

@@ -194,8 +194,9 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
 
 
 def test_the_fp8_quantization_launch_fits_the_programs_per_sm_its_docstring_says():
-    """quantize_fp8_operands's default launch, built for sm_90 on this machine: 8 warps capped at 128 registers do
-    not spill, and two programs fit an SM by registers and by shared memory."""
+    """quantize_fp8_operands's default launch and its TMA form pipelined over two tiles, built for sm_90 on this
+    machine: 8 warps capped at 128 registers do not spill, and two programs fit an SM by registers and by shared
+    memory."""
     from fa_lab.kernels.hopper.sm90_offline import (
         compile_all_for_sm90,
         ctas_per_sm,
@@ -203,10 +204,14 @@ def test_the_fp8_quantization_launch_fits_the_programs_per_sm_its_docstring_says
         fp8_quant_job,
     )
 
-    capped, = compile_all_for_sm90([fp8_quant_job()])
-    assert capped.stack_bytes == 0 and capped.local_bytes == 0
-    assert ctas_per_sm(capped.shared_bytes) >= 2, capped.shared_bytes
-    assert ctas_per_sm_by_registers(capped.registers, 8) == 2, capped.registers
+    capped, by_tma = compile_all_for_sm90([fp8_quant_job(), fp8_quant_job(tma=True, stages=2)])
+    for build in (capped, by_tma):
+        assert build.stack_bytes == 0 and build.local_bytes == 0
+        assert ctas_per_sm(build.shared_bytes) >= 2, build.shared_bytes
+        assert ctas_per_sm_by_registers(build.registers, 8) == 2, build.registers
+    # With tma=True, Q's and K's tiles come in and go out by TMA copies (two of each), and no thread stages a
+    # loaded tile in shared memory for the rotation's product (ldmatrix: the load's layout change).
+    assert by_tma.ptx.count("cp.async.bulk.tensor") >= 4 and "ldmatrix" not in by_tma.ptx
 
 
 def test_a_packed_batch_takes_the_gluon_backward_by_the_dense_rule(monkeypatch):
@@ -418,12 +423,13 @@ def test_gluon_fp8_key_order_matches_the_kernels_reordering_of_p(generator):
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype, head_dim, rotate", [(torch.bfloat16, 64, True), (torch.float16, 128, True),
                                                       (torch.bfloat16, 128, False)])
-@pytest.mark.parametrize("launch", [{}, dict(programs=1, stages=2)], ids=["default", "one_program_pipelined"])
+@pytest.mark.parametrize("launch", [{}, dict(programs=1, stages=2), dict(tma=True)],
+                         ids=["default", "one_program_pipelined", "tma"])
 def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim, rotate, launch, generator):
-    """The Triton pass (its default launch, or one program walking every tile) gives the PyTorch path's V^T
-    bytes and largest V scale exactly (both divide amax by 448 in IEEE arithmetic, also on a GPU), V's exponents
-    to float32 rounding (log2 is computed in the kernel); Q and K, rotated in float32 there and in the input's
-    dtype here, within one e4m3 step and at least as close to the exact (float64) rotation."""
+    """The Triton pass (its default launch, one program walking every tile, or Q and K moved by TMA) gives the
+    PyTorch path's V^T bytes and largest V scale exactly (both divide amax by 448 in IEEE arithmetic, also on a
+    GPU), V's exponents to float32 rounding (log2 is computed in the kernel); Q and K, rotated in float32 there
+    and in the input's dtype here, within one e4m3 step and at least as close to the exact (float64) rotation."""
     from fa_lab.fp8 import hadamard_transform, random_signs
     from fa_lab.kernels.hopper import GLUON_TILES, V_SCALE_FLOOR, quantize_for_kernel
     from fa_lab.kernels.hopper.fp8_quant import quantize_fp8_operands

@@ -95,15 +95,40 @@ def _quantize_tile(x_ptr, out_ptr, descale_ptr, rotation, tile, seqlen, out_keys
 
 
 @triton.jit
+def _quantize_tile_by_tma(x_desc, out_desc, descale_ptr, rotation, bh, tile, rsqrt_d, BLOCK: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+    """Q's or K's tile ``tile`` of (batch, head) bh through TMA: x_desc over x as (B * H, N, d) with blocks of
+    (1, BLOCK, HEAD_DIM), whose rows past N load as zeros and are not stored; out_desc the same over the e4m3
+    output. The tile goes from global to shared memory by a copy engine, where the rotation's product reads it,
+    and the e4m3 tile back the same way: no thread moves the tile's bytes. As :func:`_quantize_tile` with
+    ROTATE otherwise."""
+    x = x_desc.load([bh, tile * BLOCK, 0]).reshape(BLOCK, HEAD_DIM)
+    if FLOAT32_DOT:  # (the CPU interpreter: numpy has no bf16 matmul)
+        x = x.to(tl.float32)
+    x = tl.dot(x, rotation.to(x.dtype)) * rsqrt_d
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    descale = tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)
+    tl.store(descale_ptr, descale)
+    x8 = tl.clamp(x / descale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    out_desc.store([bh, tile * BLOCK, 0], x8.reshape(1, BLOCK, HEAD_DIM))
+
+
+@triton.jit
 def _walk_tiles(x_ptr, out_ptr, descale_ptr, rotation, tiles, seqlen, out_keys, bh_count, stride_xbh, stride_xn,
                 stride_obh, stride_orow, rsqrt_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
-                V_TRANSPOSED: tl.constexpr, FLOAT32_DOT: tl.constexpr, STAGES: tl.constexpr):
+                V_TRANSPOSED: tl.constexpr, FLOAT32_DOT: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr):
     """This program's share of one tensor's (bh, tile) list, ``tiles`` per head: entries p, p + programs, ...
-    (descales (B * H, tiles), so entry ``work``'s descale sits at descale_ptr + work)."""
+    (descales (B * H, tiles), so entry ``work``'s descale sits at descale_ptr + work). TMA: x_ptr and out_ptr
+    are the TMA descriptors of :func:`_quantize_tile_by_tma` (a rotated tensor's walk only)."""
     for work in tl.range(tl.program_id(0), bh_count * tiles, tl.num_programs(0), num_stages=STAGES):
         bh, t = work // tiles, work % tiles
-        _quantize_tile(x_ptr + bh * stride_xbh, out_ptr + bh * stride_obh, descale_ptr + work, rotation, t, seqlen,
-                       out_keys, stride_xn, stride_orow, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, V_TRANSPOSED, FLOAT32_DOT)
+        if TMA:
+            _quantize_tile_by_tma(x_ptr, out_ptr, descale_ptr + work, rotation, bh, t, rsqrt_d, BLOCK, HEAD_DIM,
+                                  FLOAT32_DOT)
+        else:
+            _quantize_tile(x_ptr + bh * stride_xbh, out_ptr + bh * stride_obh, descale_ptr + work, rotation, t,
+                           seqlen, out_keys, stride_xn, stride_orow, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, V_TRANSPOSED,
+                           FLOAT32_DOT)
 
 
 @triton.jit
@@ -111,19 +136,20 @@ def _quantize_qkv_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale
                          signs_ptr, seqlen_q, seqlen_k, keys, bh_count, stride_qbh, stride_qn, stride_kbh, stride_kn,
                          stride_vbh, stride_vn, stride_q8bh, stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK: tl.constexpr,
                          HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-                         STAGES: tl.constexpr):
+                         STAGES: tl.constexpr, TMA: tl.constexpr):
     """Grid (programs,): program p quantizes tiles p, p + programs, ... of Q's (bh, tile) list, then of K's, then
     of V's, with the rotation's matrix made once. q, k, v: (B * H, N, d) rows; q8, k8 the same in e4m3,
-    contiguous; vt8 (B * H, d, keys); descales (B * H, tiles) float32. STAGES: the loops' software pipeline."""
+    contiguous; vt8 (B * H, d, keys); descales (B * H, tiles) float32. STAGES: the loops' software pipeline.
+    TMA (with ROTATE): q, k, q8 and k8 are TMA descriptors over those tensors (:func:`_quantize_tile_by_tma`)."""
     q_tiles = tl.cdiv(seqlen_q, BLOCK)
     k_tiles = tl.cdiv(seqlen_k, BLOCK)
     rotation = signed_hadamard(signs_ptr, HEAD_DIM) if ROTATE else 0.0
     _walk_tiles(q_ptr, q8_ptr, q_descale_ptr, rotation, q_tiles, seqlen_q, 0, bh_count, stride_qbh, stride_qn,
-                stride_q8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES)
+                stride_q8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES, TMA)
     _walk_tiles(k_ptr, k8_ptr, k_descale_ptr, rotation, k_tiles, seqlen_k, 0, bh_count, stride_kbh, stride_kn,
-                stride_k8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES)
+                stride_k8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES, TMA)
     _walk_tiles(v_ptr, vt8_ptr, v_descale_ptr, rotation, k_tiles, seqlen_k, keys, bh_count, stride_vbh, stride_vn,
-                stride_vt8bh, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT, STAGES)
+                stride_vt8bh, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT, STAGES, False)
 
 
 @triton.jit
@@ -153,15 +179,29 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _tma_compatible(t: torch.Tensor) -> bool:
+    """Whether TMA can read t: its start and every stride but the last (which is 1) a multiple of 16 bytes."""
+    return t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+
+
+def _tile_descriptors(*tensors, block: int):
+    """TMA descriptors over (B * H, N, d) tensors with blocks of one head's (block, d) tile."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block, t.shape[-1]]) for t in tensors)
+
+
 def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, programs: int | None = None,
-                          num_warps: int = 8, maxnreg: int | None = 128, stages: int = 1):
+                          num_warps: int = 8, maxnreg: int | None = 128, stages: int = 1, tma: bool = False):
     """(q8, k8, vt8, (q_descale, k_descale, v_descale, v_descale_max)) as quantize_for_kernel(gluon=True).
 
     programs (default: two per SM on a GPU, four in the interpreter), num_warps, maxnreg, stages: the
     quantization kernel's launch. Its offline sm_90 build takes 125 registers a thread at 8 warps (capped at 128,
     so that two programs fit an SM) and 64 KB of shared memory. On the H200 it quantized the protocol's shapes
     in 142 us, where one program per tile took 165 to 167 us in the same run, loops pipelined over two tiles
-    (``stages=2``) 152 us and one program per SM 210 us (benchmarks/h200_fp8_quant.json).
+    (``stages=2``) 152 us and one program per SM 210 us (benchmarks/h200_fp8_quant.json). tma: Q's and K's tiles
+    move between global and shared memory by TMA (:func:`_quantize_tile_by_tma`; with a rotation only). Not yet
+    timed on a GPU: the default stays the threads' loads and stores.
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon
@@ -185,11 +225,15 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, prog
     if bh and q_tiles + k_tiles:
         if programs is None:
             programs = 4 if interpreting() else 2 * sm_count(device)
+        tma = tma and rotate and all(_tma_compatible(t) for t in (q_rows, k_rows))
+        q_src, k_src, q8_dst, k8_dst = (_tile_descriptors(q_rows, k_rows, q8, k8, block=block) if tma else
+                                        (q_rows, k_rows, q8, k8))
         _quantize_qkv_kernel[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
-            q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k, keys, bh,
+            q_src, k_src, v_rows, q8_dst, k8_dst, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k, keys,
+            bh,
             q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
             v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5, BLOCK=block,
-            HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), STAGES=stages, num_warps=num_warps,
+            HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), STAGES=stages, TMA=tma, num_warps=num_warps,
             **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
         _v_exponent_kernel[(bh,)](v_descale, v_exponent, v_descale_max, k_tiles, v_scale_floor,
                                   BLOCK_T=128)
