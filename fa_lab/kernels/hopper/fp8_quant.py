@@ -198,10 +198,11 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, prog
     programs (default: two per SM on a GPU, four in the interpreter), num_warps, maxnreg, stages: the
     quantization kernel's launch. Its offline sm_90 build takes 125 registers a thread at 8 warps (capped at 128,
     so that two programs fit an SM) and 64 KB of shared memory. On the H200 it quantized the protocol's shapes
-    in 142 us, where one program per tile took 165 to 167 us in the same run, loops pipelined over two tiles
-    (``stages=2``) 152 us and one program per SM 210 us (benchmarks/h200_fp8_quant.json). tma: Q's and K's tiles
-    move between global and shared memory by TMA (:func:`_quantize_tile_by_tma`; with a rotation only). Not yet
-    timed on a GPU: the default stays the threads' loads and stores.
+    in 140 to 141 us, where one program per tile took 164 to 166 us in the same run, loops pipelined over two tiles
+    (``stages=2``) 150 to 151 us and one program per SM 207 us (benchmarks/h200_fp8_quant.json). tma: Q's and K's
+    tiles move between global and shared memory by TMA (:func:`_quantize_tile_by_tma`; with a rotation only):
+    127 us of GPU time in that run, but its host path (four descriptors encoded at every launch) made the eager
+    call slower, so it is not the default.
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon
