@@ -456,6 +456,28 @@ def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim
         assert error(x8, descale) <= 0.05 * exact.pow(2).mean().sqrt().item()  # e4m3: 3 mantissa bits
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_quantization_by_tma_falls_back_where_tma_cannot_read(device, generator):
+    """quantize_fp8_operands(tma=True) on Q and K that TMA cannot read (a start 2 bytes past a 16-byte boundary)
+    takes the threads' loads instead, with the same bytes as the default launch; on readable inputs the TMA
+    launch gives the default's bytes too."""
+    from fa_lab.kernels.hopper import V_SCALE_FLOOR
+    from fa_lab.kernels.hopper.fp8_quant import _tma_compatible, quantize_fp8_operands
+
+    storage = torch.randn(2 * 2 * 200 * 64 + 1, generator=generator).to(device, torch.bfloat16)
+    shifted = storage[1:].view(2, 2, 200, 64)  # (one bf16 past the allocation's aligned start)
+    aligned = shifted.clone()
+    k, v = ((2 * torch.randn(2, 2, 300, 64, generator=generator)).to(device, torch.bfloat16) for _ in range(2))
+    signs = (torch.randint(0, 2, (64,), generator=generator) * 2 - 1).float()
+    assert not _tma_compatible(shifted.reshape(-1, 200, 64)) and _tma_compatible(aligned.reshape(-1, 200, 64))
+    for q in (shifted, aligned):
+        default = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR)
+        by_tma = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, tma=True)
+        for x, y in zip((*default[:3], *default[3]), (*by_tma[:3], *by_tma[3])):
+            assert torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                               y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y)
+
+
 @pytest.mark.gpu
 def test_gpu_triton_hopper_runs_the_gluon_kernel_where_it_applies():
     from fa_lab.kernels.hopper import HopperOptions, uses_gluon
