@@ -88,11 +88,21 @@ def run(out_dir: str) -> None:
                     json.dump({**environment("cuda"), "rows": rows}, file, indent=1)
 
 
+def time_in_turn(entry: dict, backward, variants: dict, flops: float, rounds: int) -> None:
+    """Time ``backward(**kwargs)`` for each name's kwargs in turn, ``rounds`` times; append each median's TFLOP/s
+    to entry[name]."""
+    from triton.testing import do_bench
+
+    for _round in range(rounds):
+        for name, kwargs in variants.items():
+            ms = do_bench(functools.partial(backward, **kwargs), return_mode="median")
+            entry.setdefault(name, []).append(round(flops / (ms * 1e-3) / 1e12, 1))
+
+
 def alternating(out_dir: str, filename: str, head_dims, seqlens, variants) -> None:
     """A/B of gluon_backward's keyword arguments on the FA3-paper shapes: ``variants(head_dim)`` maps a name to
     the arguments; each shape's variants are timed in turn, twice, into a log of TFLOP/s per name."""
     import torch
-    from triton.testing import do_bench
 
     from fa_lab.bench.gpu import HIDDEN, TOTAL_TOKENS
     from fa_lab.bench.schema import environment, write_log
@@ -111,11 +121,8 @@ def alternating(out_dir: str, filename: str, head_dims, seqlens, variants) -> No
                 scale = head_dim ** -0.5
                 out, lse = gluon_forward(q, k, v, causal, scale)
                 entry = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen}
-                for _round in (1, 2):
-                    for name, kwargs in variants(head_dim).items():
-                        ms = do_bench(functools.partial(gluon_backward, q, k, v, out, lse, grad, causal, scale,
-                                                        **kwargs), return_mode="median")
-                        entry.setdefault(name, []).append(round(attention_flops(shape, "bwd") / (ms * 1e-3) / 1e12, 1))
+                time_in_turn(entry, functools.partial(gluon_backward, q, k, v, out, lse, grad, causal, scale),
+                             variants(head_dim), attention_flops(shape, "bwd"), rounds=2)
                 log.append(entry)
                 print(entry, flush=True)
                 write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, filename))
@@ -147,7 +154,6 @@ def varlen_row_vectors(out_dir: str) -> None:
     causal and not at d = 128, causal at d = 64: gluon_varlen_backward with lse2 and D loaded by each consumer or
     brought by the producer, alternating, three rounds: h200_varlen_row_vectors.json."""
     import torch
-    from triton.testing import do_bench
 
     from fa_lab.bench.interfaces import HEADS, cu_seqlens, varlen_lengths
     from fa_lab.bench.schema import environment, write_log
@@ -168,11 +174,9 @@ def varlen_row_vectors(out_dir: str) -> None:
         out, lse = gluon_varlen_forward(q, k, v, cu, cu, bounds, causal, scale, ScoreOptions())
         flops = sum(attention_flops(AttentionShape(1, HEADS, n, head_dim, causal=causal), "bwd") for n in lengths)
         entry = {"head_dim": head_dim, "causal": causal, "lengths": len(lengths)}
-        for _round in range(3):
-            for name, by_producer in (("consumers", False), ("producer", True)):
-                ms = do_bench(functools.partial(gluon_varlen_backward, q, k, v, out, lse, grad, cu, cu, bounds, causal,
-                                                scale, rows_by_producer=by_producer), return_mode="median")
-                entry.setdefault(name, []).append(round(flops / (ms * 1e-3) / 1e12, 1))
+        backward = functools.partial(gluon_varlen_backward, q, k, v, out, lse, grad, cu, cu, bounds, causal, scale)
+        variants = {"consumers": {"rows_by_producer": False}, "producer": {"rows_by_producer": True}}
+        time_in_turn(entry, backward, variants, flops, rounds=3)
         log.append(entry)
         print(entry, flush=True)
         write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_varlen_row_vectors.json"))

@@ -461,15 +461,16 @@ def test_fp8_quantization_by_tma_falls_back_where_tma_cannot_read(device, genera
     """quantize_fp8_operands(tma=True) on Q and K that TMA cannot read (a start 2 bytes past a 16-byte boundary)
     takes the threads' loads instead, with the same bytes as the default launch; on readable inputs the TMA
     launch gives the default's bytes too."""
+    from fa_lab.kernels.common import tma_readable
     from fa_lab.kernels.hopper import V_SCALE_FLOOR
-    from fa_lab.kernels.hopper.fp8_quant import _tma_compatible, quantize_fp8_operands
+    from fa_lab.kernels.hopper.fp8_quant import quantize_fp8_operands
 
     storage = torch.randn(2 * 2 * 200 * 64 + 1, generator=generator).to(device, torch.bfloat16)
     shifted = storage[1:].view(2, 2, 200, 64)  # (one bf16 past the allocation's aligned start)
     aligned = shifted.clone()
     k, v = ((2 * torch.randn(2, 2, 300, 64, generator=generator)).to(device, torch.bfloat16) for _ in range(2))
     signs = (torch.randint(0, 2, (64,), generator=generator) * 2 - 1).float()
-    assert not _tma_compatible(shifted.reshape(-1, 200, 64)) and _tma_compatible(aligned.reshape(-1, 200, 64))
+    assert not tma_readable(shifted.reshape(-1, 200, 64)) and tma_readable(aligned.reshape(-1, 200, 64))
     for q in (shifted, aligned):
         default = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR)
         by_tma = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, tma=True)

@@ -19,7 +19,7 @@ from . import interpreting
 
 __all__ = ["E4M3_MAX", "LN2", "LOG2E", "P_SCALE", "SUPPORTED", "SideWork", "cdiv", "check_triton_inputs", "descriptor",
            "device_capability", "gluon_descriptor", "gluon_fp8_key_order", "grouped_entries", "head_dim_bucket",
-           "kernel_operand", "on_device", "shared_layout", "sm_count"]
+           "kernel_operand", "on_device", "shared_layout", "sm_count", "tma_readable"]
 
 LOG2E = math.log2(math.e)  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2E)
 LN2 = math.log(2.0)  # and their lse comes back from base 2: lse = LN2 * (m + log2 l)
@@ -62,10 +62,16 @@ def kernel_operand(t: torch.Tensor) -> torch.Tensor:
     multiple = 16 // item
     if t.shape[-1] % multiple:
         t = F.pad(t, (0, multiple - t.shape[-1] % multiple))
-    aligned = t.data_ptr() % 16 == 0 and all((s * item) % 16 == 0 for s in t.stride()[:-1])
-    if t.stride(-1) != 1 or not aligned:
+    if not tma_readable(t):
         t = t.contiguous()
     return t
+
+
+def tma_readable(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can describe t: a contiguous last dim, and the base and every other stride a
+    multiple of 16 bytes."""
+    item = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * item % 16 == 0 for s in t.stride()[:-1])
 
 
 def on_device(t: torch.Tensor):

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .. import common, interpreting, load_triton
-from ..common import cdiv, sm_count
+from ..common import cdiv, descriptor, sm_count, tma_readable
 
 E4M3_MAX = tl.constexpr(common.E4M3_MAX)  # e4m3's largest finite value (a constexpr: read in the kernel)
 
@@ -50,6 +50,28 @@ def signed_hadamard(signs_ptr, HEAD_DIM: tl.constexpr):
     shared = shared ^ (shared >> 1)
     signs = tl.load(signs_ptr + tl.arange(0, HEAD_DIM))
     return signs[:, None] * (1 - 2 * (shared & 1)).to(tl.float32)
+
+
+@triton.jit
+def _rotate(x, rotation, rsqrt_d, FLOAT32_DOT: tl.constexpr):
+    """x diag(signs) H / sqrt(d), float32: the +-1 products are exact in x's dtype."""
+    if FLOAT32_DOT:  # (the CPU interpreter: numpy has no bf16 matmul)
+        x = x.to(tl.float32)
+    return tl.dot(x, rotation.to(x.dtype)) * rsqrt_d
+
+
+@triton.jit
+def _to_e4m3(x, IEEE_DIVISION: tl.constexpr):
+    """(amax, descale, x8) of a float32 tile: its absolute maximum, the IEEE quotient amax / 448 as quantize_e4m3's
+    (1 for an all-zero tile), and x / descale in e4m3. IEEE_DIVISION: divide x with IEEE division too (a plain /
+    is approximate on a GPU), for bytes equal to the PyTorch path's."""
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    descale = tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)
+    if IEEE_DIVISION:
+        x8 = tl.clamp(tl.div_rn(x, descale), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    else:
+        x8 = tl.clamp(x / descale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    return amax, descale, x8
 
 
 @triton.jit
@@ -73,18 +95,8 @@ def _quantize_tile(x_ptr, out_ptr, descale_ptr, rotation, tile, seqlen, out_keys
     col = tl.arange(0, HEAD_DIM)
     inside = row[:, None] < seqlen
     x = tl.load(x_ptr + row[:, None] * stride_xn + col[None, :], mask=inside, other=0.0)
-    if ROTATE:  # x diag(signs) H / sqrt(d): the +-1 products are exact in x's dtype
-        if FLOAT32_DOT:  # (the CPU interpreter: numpy has no bf16 matmul)
-            x = x.to(tl.float32)
-        x = tl.dot(x, rotation.to(x.dtype)) * rsqrt_d
-    else:
-        x = x.to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    descale = tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)  # (the IEEE quotient, as quantize_e4m3's)
-    if V_TRANSPOSED:  # V's bytes are the PyTorch path's: IEEE quotients (a plain / is approximate on a GPU)
-        x8 = tl.clamp(tl.div_rn(x, descale), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
-    else:
-        x8 = tl.clamp(x / descale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+    x = _rotate(x, rotation, rsqrt_d, FLOAT32_DOT) if ROTATE else x.to(tl.float32)
+    amax, descale, x8 = _to_e4m3(x, V_TRANSPOSED)  # (V's bytes are the PyTorch path's)
     if V_TRANSPOSED:  # transposed in registers first, so that consecutive threads store consecutive keys
         tl.store(descale_ptr, tl.where(amax > 0, descale, 0.0))
         tl.store(out_ptr + col[:, None] * stride_orow + position[None, :], tl.trans(x8),
@@ -97,20 +109,15 @@ def _quantize_tile(x_ptr, out_ptr, descale_ptr, rotation, tile, seqlen, out_keys
 @triton.jit
 def _quantize_tile_by_tma(x_desc, out_desc, descale_ptr, rotation, bh, tile, rsqrt_d, BLOCK: tl.constexpr,
                           HEAD_DIM: tl.constexpr, FLOAT32_DOT: tl.constexpr):
-    """Q's or K's tile ``tile`` of (batch, head) bh through TMA: x_desc over x as (B * H, N, d) with blocks of
-    (1, BLOCK, HEAD_DIM), whose rows past N load as zeros and are not stored; out_desc the same over the e4m3
+    """Q's or K's tile ``tile`` of (batch, head) bh through TMA: x_desc over x as (1, B * H, N, d) with blocks of
+    (1, 1, BLOCK, HEAD_DIM), whose rows past N load as zeros and are not stored; out_desc the same over the e4m3
     output. The tile goes from global to shared memory by a copy engine, where the rotation's product reads it,
     and the e4m3 tile back the same way: no thread moves the tile's bytes. As :func:`_quantize_tile` with
     ROTATE otherwise."""
-    x = x_desc.load([bh, tile * BLOCK, 0]).reshape(BLOCK, HEAD_DIM)
-    if FLOAT32_DOT:  # (the CPU interpreter: numpy has no bf16 matmul)
-        x = x.to(tl.float32)
-    x = tl.dot(x, rotation.to(x.dtype)) * rsqrt_d
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    descale = tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)
+    x = _rotate(x_desc.load([0, bh, tile * BLOCK, 0]).reshape(BLOCK, HEAD_DIM), rotation, rsqrt_d, FLOAT32_DOT)
+    _amax, descale, x8 = _to_e4m3(x, False)
     tl.store(descale_ptr, descale)
-    x8 = tl.clamp(x / descale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
-    out_desc.store([bh, tile * BLOCK, 0], x8.reshape(1, BLOCK, HEAD_DIM))
+    out_desc.store([0, bh, tile * BLOCK, 0], x8.reshape(1, 1, BLOCK, HEAD_DIM))
 
 
 @triton.jit
@@ -179,18 +186,6 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _tma_compatible(t: torch.Tensor) -> bool:
-    """Whether TMA can read t: its start and every stride but the last (which is 1) a multiple of 16 bytes."""
-    return t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
-
-
-def _tile_descriptors(*tensors, block: int):
-    """TMA descriptors over (B * H, N, d) tensors with blocks of one head's (block, d) tile."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block, t.shape[-1]]) for t in tensors)
-
-
 def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, programs: int | None = None,
                           num_warps: int = 8, maxnreg: int | None = 128, stages: int = 1, tma: bool = False):
     """(q8, k8, vt8, (q_descale, k_descale, v_descale, v_descale_max)) as quantize_for_kernel(gluon=True).
@@ -226,13 +221,12 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, prog
     if bh and q_tiles + k_tiles:
         if programs is None:
             programs = 4 if interpreting() else 2 * sm_count(device)
-        tma = tma and rotate and all(_tma_compatible(t) for t in (q_rows, k_rows))
-        q_src, k_src, q8_dst, k8_dst = (_tile_descriptors(q_rows, k_rows, q8, k8, block=block) if tma else
-                                        (q_rows, k_rows, q8, k8))
+        tma = tma and rotate and tma_readable(q_rows) and tma_readable(k_rows)
+        q_src, k_src, q8_dst, k8_dst = ((descriptor(t.unsqueeze(0), block) for t in (q_rows, k_rows, q8, k8)) if tma
+                                        else (q_rows, k_rows, q8, k8))
         _quantize_qkv_kernel[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
             q_src, k_src, v_rows, q8_dst, k8_dst, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k, keys,
-            bh,
-            q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
+            bh, q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
             v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5, BLOCK=block,
             HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), STAGES=stages, TMA=tma, num_warps=num_warps,
             **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))

@@ -153,7 +153,7 @@ def fp8_quant_job(num_warps: int = 8, maxnreg: int | None = 128, head_dim: int =
                 "vt8_ptr": "*fp8e4nv", "q_descale_ptr": "*fp32", "k_descale_ptr": "*fp32", "v_descale_ptr": "*fp32",
                 "signs_ptr": "*fp32"}
     if tma:  # Q, K and their e4m3 outputs as TMA descriptors of one head's tile
-        block = [1, 128, head_dim]
+        block = [1, 1, 128, head_dim]
         pointers.update({name: f"tensordesc<{dtype}{block}>" for name, dtype in
                          (("q_ptr", "bf16"), ("k_ptr", "bf16"), ("q8_ptr", "fp8e4nv"), ("k8_ptr", "fp8e4nv"))})
     strides = ["stride_qbh", "stride_qn", "stride_kbh", "stride_kn", "stride_vbh", "stride_vn", "stride_q8bh",
