@@ -1,7 +1,7 @@
 """The FP8 quantization pass of impl="triton_hopper_fp8" (fa_lab/kernels/hopper/fp8_quant.py) against a copy:
 its GPU time in a CUDA graph and its eager time, as bytes moved per second (Q, K, V read in bf16, written in
-e4m3) and as a fraction of a device-to-device copy's bandwidth in the same run, at its default launch (two
-programs per SM walking the tiles) and five others (Q and K moved by TMA at three of them), and, given
+e4m3) and as a fraction of a device-to-device copy's bandwidth in the same run, two programs per SM walking the
+tiles with Q and K moved by TMA (``tma``, the default) or by the threads' loads (``threads``), and, given
 --before FILE (a copy of an earlier fp8_quant.py with one program per tile), that kernel at 8 warps; and the FP8
 forward end to end (quantization included) against the bf16 forward. FA3-paper protocol shapes, d = 128.
 
@@ -44,13 +44,7 @@ def measure(seqlen: int, before=None) -> dict:
     target = torch.empty_like(q)
     copy_tbps = 2 * q.numel() * 2 / graph_ms(lambda: target.copy_(q)) / 1e9  # read + write
     row = {"seqlen": seqlen, "batch": batch, "copy_tbps": round(copy_tbps, 2)}
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    launches = {"persistent": (quantize_fp8_operands, {}),
-                "persistent_stages2": (quantize_fp8_operands, dict(stages=2)),
-                "one_program_per_sm": (quantize_fp8_operands, dict(programs=sms, maxnreg=None)),
-                "tma": (quantize_fp8_operands, dict(tma=True)),
-                "tma_stages2": (quantize_fp8_operands, dict(tma=True, stages=2)),
-                "tma_stages3_one_program_per_sm": (quantize_fp8_operands, dict(tma=True, stages=3, programs=sms))}
+    launches = {"threads": (quantize_fp8_operands, dict(tma=False)), "tma": (quantize_fp8_operands, dict(tma=True))}
     if before is not None:
         launches["tile_per_program_before"] = (before.quantize_fp8_operands, dict(num_warps=8))
     for name, (function, launch) in launches.items():
@@ -58,7 +52,7 @@ def measure(seqlen: int, before=None) -> dict:
             return function(q, k, v, signs, 128, V_SCALE_FLOOR, **launch)
         gpu, eager = graph_ms(quantize), triton.testing.do_bench(quantize, warmup=25, rep=200)
         row[name] = {"graph_us": round(gpu * 1e3, 1), "eager_us": round(eager * 1e3, 1),
-                                "tbps": round(moved / gpu / 1e9, 2), "of_copy": round(moved / gpu / 1e9 / copy_tbps, 3)}
+                     "tbps": round(moved / gpu / 1e9, 2), "of_copy": round(moved / gpu / 1e9 / copy_tbps, 3)}
     flops = 4 * batch * HEADS * seqlen ** 2 * HEAD_DIM
     bf16 = triton.testing.do_bench(lambda: triton_hopper_attention(q, k, v, False, None), warmup=25, rep=100)
     fp8 = triton.testing.do_bench(lambda: triton_hopper_fp8_attention(q, k, v, False, None), warmup=25, rep=100)

@@ -423,13 +423,14 @@ def test_gluon_fp8_key_order_matches_the_kernels_reordering_of_p(generator):
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype, head_dim, rotate", [(torch.bfloat16, 64, True), (torch.float16, 128, True),
                                                       (torch.bfloat16, 128, False)])
-@pytest.mark.parametrize("launch", [{}, dict(programs=1, stages=2), dict(tma=True)],
-                         ids=["default", "one_program_pipelined", "tma"])
+@pytest.mark.parametrize("launch", [{}, dict(programs=1, stages=2), dict(tma=False)],
+                         ids=["default_tma", "one_program_pipelined", "threads"])
 def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim, rotate, launch, generator):
-    """The Triton pass (its default launch, one program walking every tile, or Q and K moved by TMA) gives the
-    PyTorch path's V^T bytes and largest V scale exactly (both divide amax by 448 in IEEE arithmetic, also on a
-    GPU), V's exponents to float32 rounding (log2 is computed in the kernel); Q and K, rotated in float32 there
-    and in the input's dtype here, within one e4m3 step and at least as close to the exact (float64) rotation."""
+    """The Triton pass (its default launch, Q and K moved by TMA; one program walking every tile; or Q and K loaded
+    by the threads) gives the PyTorch path's V^T bytes and largest V scale exactly (both divide amax by 448 in IEEE
+    arithmetic, also on a GPU), V's exponents to float32 rounding (log2 is computed in the kernel); Q and K, rotated
+    in float32 there and in the input's dtype here, within one e4m3 step and at least as close to the exact
+    (float64) rotation."""
     from fa_lab.fp8 import hadamard_transform, random_signs
     from fa_lab.kernels.hopper import GLUON_TILES, V_SCALE_FLOOR, quantize_for_kernel
     from fa_lab.kernels.hopper.fp8_quant import quantize_fp8_operands
@@ -458,9 +459,9 @@ def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fp8_quantization_by_tma_falls_back_where_tma_cannot_read(device, generator):
-    """quantize_fp8_operands(tma=True) on Q and K that TMA cannot read (a start 2 bytes past a 16-byte boundary)
-    takes the threads' loads instead, with the same bytes as the default launch; on readable inputs the TMA
-    launch gives the default's bytes too."""
+    """quantize_fp8_operands (tma=True, its default) on Q and K that TMA cannot read (a start 2 bytes past a 16-byte
+    boundary) takes the threads' loads instead, with the same bytes as tma=False; on readable inputs the TMA
+    launch gives the threads' bytes too."""
     from fa_lab.kernels.common import tma_readable
     from fa_lab.kernels.hopper import V_SCALE_FLOOR
     from fa_lab.kernels.hopper.fp8_quant import quantize_fp8_operands
@@ -472,8 +473,8 @@ def test_fp8_quantization_by_tma_falls_back_where_tma_cannot_read(device, genera
     signs = (torch.randint(0, 2, (64,), generator=generator) * 2 - 1).float()
     assert not tma_readable(shifted.reshape(-1, 200, 64)) and tma_readable(aligned.reshape(-1, 200, 64))
     for q in (shifted, aligned):
-        default = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR)
-        by_tma = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, tma=True)
+        default = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, tma=False)
+        by_tma = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR)
         for x, y in zip((*default[:3], *default[3]), (*by_tma[:3], *by_tma[3])):
             assert torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
                                y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y)

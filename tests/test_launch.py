@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from triton import knobs  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from fa_lab.kernels import launch  # noqa: E402
 
@@ -68,12 +69,15 @@ def test_a_repeated_call_launches_through_the_compiled_kernel(device, generator)
 
 
 @pytest.mark.parametrize("change", ["int not a multiple of 16", "int 1", "int past int32", "dtype",
-                                    "misaligned pointer", "constexpr", "option"])
+                                    "misaligned pointer", "constexpr", "option", "descriptor block",
+                                    "descriptor dtype"])
 def test_a_call_that_specializes_differently_takes_the_ordinary_path(change, device, generator):
     kernel = Kernel()
     cached = launch.CachedLaunch(kernel)
     x = torch.randn(64, generator=generator)
     args, kwargs = [x, 32, 0.5], {"BLOCK": 16, "num_warps": 4}
+    if change.startswith("descriptor"):  # a plain Triton TMA descriptor in x's place
+        args[0] = TensorDescriptor.from_tensor(x.view(4, 16), [2, 16])
     cached[(1,)](*args, **kwargs)
     if change == "int not a multiple of 16":
         args[1] = 33
@@ -85,12 +89,27 @@ def test_a_call_that_specializes_differently_takes_the_ordinary_path(change, dev
         args[0] = x.double()
     elif change == "misaligned pointer":
         args[0] = x[1:]
+    elif change == "descriptor block":
+        args[0] = TensorDescriptor.from_tensor(x.view(4, 16), [4, 16])
+    elif change == "descriptor dtype":
+        args[0] = TensorDescriptor.from_tensor(x.double().view(4, 16), [2, 16])
     elif change == "constexpr":
         kwargs["BLOCK"] = 32
     else:
         kwargs["num_warps"] = 8
     cached[(1,)](*args, **kwargs)
     assert len(kernel.ordinary) == 2
+
+
+def test_a_plain_triton_descriptor_of_the_same_dtype_and_block_launches_through_the_cached_kernel(device, generator):
+    """A plain TensorDescriptor specializes as its dtype and block shape only: another tensor or shape with those
+    takes the cached path."""
+    kernel = Kernel()
+    cached = launch.CachedLaunch(kernel)
+    x, y = torch.randn(64, generator=generator), torch.randn(96, generator=generator)
+    first = cached[(1,)](TensorDescriptor.from_tensor(x.view(4, 16), [2, 16]), 32, 0.5, BLOCK=16)
+    again = cached[(1,)](TensorDescriptor.from_tensor(y.view(6, 16), [2, 16]), 32, 0.5, BLOCK=16)
+    assert again is first and len(kernel.ordinary) == 1 and len(first.runs) == 1
 
 
 def test_launch_hooks_and_unknown_arguments_take_the_ordinary_path(device, generator):

@@ -13,7 +13,8 @@ calls with one launch key always have one specialization (``check_against_binder
 
 - an int: whether it is 1, whether it is a multiple of 16, and whether it fits int32 / int64;
 - a tensor: its dtype and whether its address is a multiple of 16;
-- a TMA descriptor: its tensor's dtype, its block shape and its shared-memory layout;
+- a Gluon TMA descriptor: its tensor's dtype, its block shape and its shared-memory layout; a plain Triton one
+  (``triton.tools.tensor_descriptor.TensorDescriptor``): its tensor's dtype and its block shape;
 - a float or a bool: its type; a constexpr: its value; the launch options (num_warps, maxnreg, ...): their values;
   the device and Triton's debug switch. (Triton's instrumentation mode, a compile option from the environment, is
   taken as fixed for the process.)
@@ -28,6 +29,7 @@ import inspect
 import torch
 from triton import knobs
 from triton.runtime import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -71,6 +73,8 @@ def argument_feature(arg):
     layout = getattr(arg, "layout", None)
     if layout is not None and hasattr(arg, "block_shape"):  # a Gluon TMA descriptor
         return arg.base.dtype, tuple(arg.block_shape), _layout_key(layout)
+    if kind is TensorDescriptor:  # a plain Triton one: its specialization is "tensordesc<dtype[block]>"
+        return TensorDescriptor, arg.base.dtype, tuple(arg.block_shape)
     raise _Unkeyable(kind)
 
 

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .. import common, interpreting, load_triton
 from ..common import cdiv, descriptor, sm_count, tma_readable
+from ..launch import cached_launch
 
 E4M3_MAX = tl.constexpr(common.E4M3_MAX)  # e4m3's largest finite value (a constexpr: read in the kernel)
 
@@ -187,17 +188,18 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, programs: int | None = None,
-                          num_warps: int = 8, maxnreg: int | None = 128, stages: int = 1, tma: bool = False):
+                          num_warps: int = 8, maxnreg: int | None = 128, stages: int = 1, tma: bool = True):
     """(q8, k8, vt8, (q_descale, k_descale, v_descale, v_descale_max)) as quantize_for_kernel(gluon=True).
 
     programs (default: two per SM on a GPU, four in the interpreter), num_warps, maxnreg, stages: the
-    quantization kernel's launch. Its offline sm_90 build takes 125 registers a thread at 8 warps (capped at 128,
-    so that two programs fit an SM) and 64 KB of shared memory. On the H200 it quantized the protocol's shapes
-    in 140 to 141 us, where one program per tile took 164 to 166 us in the same run, loops pipelined over two tiles
-    (``stages=2``) 150 to 151 us and one program per SM 207 us (benchmarks/h200_fp8_quant.json). tma: Q's and K's
-    tiles move between global and shared memory by TMA (:func:`_quantize_tile_by_tma`; with a rotation only):
-    127 us of GPU time in that run, but its host path (four descriptors encoded at every launch) made the eager
-    call slower, so it is not the default.
+    quantization kernel's launch. Its offline sm_90 build takes at most 128 registers a thread at 8 warps (the cap,
+    so that two programs fit an SM) and 64 KB of shared memory. tma (the default, where TMA can read Q and K and
+    with a rotation): Q's and K's tiles move between global and shared memory by TMA
+    (:func:`_quantize_tile_by_tma`), else by the threads' loads and stores. On the H200 the protocol's shapes took
+    126 to 127 us with TMA and 140 to 141 us without, where one program per tile took 164 to 165 us
+    (benchmarks/h200_fp8_quant.json; loops pipelined over two tiles and one program per SM measured slower:
+    docs/experiments/hopper_forward.md). Both launches go through :func:`fa_lab.kernels.launch.cached_launch`,
+    which brought an eager call from 231-338 us, bound by the host, to the GPU's time.
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon
@@ -224,13 +226,13 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, prog
         tma = tma and rotate and tma_readable(q_rows) and tma_readable(k_rows)
         q_src, k_src, q8_dst, k8_dst = ((descriptor(t.unsqueeze(0), block) for t in (q_rows, k_rows, q8, k8)) if tma
                                         else (q_rows, k_rows, q8, k8))
-        _quantize_qkv_kernel[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
+        cached_launch(_quantize_qkv_kernel)[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
             q_src, k_src, v_rows, q8_dst, k8_dst, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k, keys,
             bh, q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
             v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5, BLOCK=block,
             HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), STAGES=stages, TMA=tma, num_warps=num_warps,
             **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
-        _v_exponent_kernel[(bh,)](v_descale, v_exponent, v_descale_max, k_tiles, v_scale_floor,
+        cached_launch(_v_exponent_kernel)[(bh,)](v_descale, v_exponent, v_descale_max, k_tiles, v_scale_floor,
                                   BLOCK_T=128)
     descales = (q_descale.view(batch, heads, q_tiles), k_descale.view(batch, heads, k_tiles),
                 v_exponent.view(batch, heads, k_tiles), v_descale_max.view(batch, heads))
