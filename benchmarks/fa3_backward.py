@@ -15,7 +15,8 @@ d = 128, "split") against each other, alternating, two rounds, into $OUT/h200_ba
 rows); ``... fa3_backward.py rows $OUT`` its steps of 64 and 128 query rows at d = 64 the same way, into
 $OUT/h200_backward_rows.json; ``... fa3_backward.py row-vectors $OUT`` the lse2 and D rows loaded by the consumers
 or by the producer, into $OUT/h200_backward_row_vectors.json; ``... fa3_backward.py varlen-row-vectors $OUT`` the same
-on a packed batch, into $OUT/h200_varlen_row_vectors.json.
+on a packed batch, into $OUT/h200_varlen_row_vectors.json; ``... fa3_backward.py head-groups $OUT`` the causal
+launch's CTAs head by head against in groups of heads, key tile by key tile, into $OUT/h200_backward_head_groups.json.
 """
 import functools
 import json
@@ -182,6 +183,40 @@ def varlen_row_vectors(out_dir: str) -> None:
         write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_varlen_row_vectors.json"))
 
 
+def head_groups(out_dir: str) -> None:
+    """Causal, 2K-16K: the dense launch's CTAs head by head (head_group 1) against heads_per_group's groups run key
+    tile by key tile, on the FA3-paper shapes at d = 128 and 64 and on chapter 05's grouped-query shape (32 query
+    heads over 8 K/V heads, d = 128, 16K tokens), alternating, two rounds: h200_backward_head_groups.json."""
+    import torch
+
+    from fa_lab.bench.gpu import HIDDEN, TOTAL_TOKENS
+    from fa_lab.bench.schema import environment, write_log
+    from fa_lab.iomodel import AttentionShape, attention_flops
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.attention import gluon_backward, gluon_forward
+
+    load_triton()
+    log = []
+    for head_dim, heads, heads_kv in ((128, 32, 8), (128, None, None), (64, None, None)):
+        heads = heads or HIDDEN // head_dim
+        heads_kv = heads_kv or heads
+        for seqlen in (2048, 4096, 8192, 16384):
+            batch = TOTAL_TOKENS // seqlen
+            shape = AttentionShape(batch, heads, seqlen, head_dim, causal=True)
+            q, grad = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(2))
+            k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+            scale = head_dim ** -0.5
+            out, lse = gluon_forward(q, k, v, True, scale)
+            entry = {"head_dim": head_dim, "heads": heads, "heads_kv": heads_kv, "causal": True, "seqlen": seqlen}
+            time_in_turn(entry, functools.partial(gluon_backward, q, k, v, out, lse, grad, True, scale),
+                         {"head by head": {"head_group": 1}, "grouped": {}}, attention_flops(shape, "bwd"), rounds=2)
+            log.append(entry)
+            print(entry, flush=True)
+            write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_backward_head_groups.json"))
+
+
 def plot(results_path: str, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -218,5 +253,7 @@ if __name__ == "__main__":
         row_vectors(sys.argv[2])
     elif sys.argv[1] == "varlen-row-vectors":
         varlen_row_vectors(sys.argv[2])
+    elif sys.argv[1] == "head-groups":
+        head_groups(sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])

@@ -37,6 +37,8 @@
 #   backward-row-vectors - its lse2 and D rows loaded by each consumer or brought by the producer
 #            (h200_backward_row_vectors.json)
 #   varlen-row-vectors - the same on the interfaces benchmark's packed batch (h200_varlen_row_vectors.json)
+#   backward-head-groups - its causal CTAs head by head against in groups of heads, key tile by key tile
+#            (h200_backward_head_groups.json)
 #   three-consumers - the d = 64 forward with two consumer warpgroups against three (h200_three_consumers.json, by
 #            benchmarks/three_consumers_ab.py)
 #   persistent-bf16 - the bf16 Gluon forward, one CTA per work tile against the persistent kernel, on the protocol's
@@ -129,6 +131,7 @@ case "$step" in
   backward-dq) python3 benchmarks/fa3_backward.py dq "$out" 2>&1 | tee "$out/backward_dq.log" ;;
   backward-rows) python3 benchmarks/fa3_backward.py rows "$out" 2>&1 | tee "$out/backward_rows.log" ;;
   backward-row-vectors) python3 benchmarks/fa3_backward.py row-vectors "$out" 2>&1 | tee "$out/backward_row_vectors.log" ;;
+  backward-head-groups) python3 benchmarks/fa3_backward.py head-groups "$out" 2>&1 | tee "$out/backward_head_groups.log" ;;
   varlen-row-vectors) python3 benchmarks/fa3_backward.py varlen-row-vectors "$out" 2>&1 \
            | tee "$out/varlen_row_vectors.log" ;;
   backward) python3 benchmarks/fa3_backward.py run "$out" 2>&1 | tee "$out/backward.log"
@@ -148,5 +151,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

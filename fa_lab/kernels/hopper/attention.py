@@ -282,23 +282,29 @@ DQ_MODES = ("turns", "partial", "split")  # fa3_backward.DQ_SCHEMES's names; "sp
 
 
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str = "turns",
-                   rows: int | None = None, rows_by_producer: bool = True):
+                   rows: int | None = None, rows_by_producer: bool = True, head_group: int | None = None):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
     dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns), "partial" (each consumer
     adds a partial dQ tile over its own keys) or "split" (:mod:`.fa3_backward`); rows: query rows per step
     (None: :data:`.fa3_backward.BWD_ROWS` by head_dim); rows_by_producer: each step's lse2 and D rows brought
     into shared memory by the producer warp (1.02-1.11x on the H200, benchmarks/h200_backward_row_vectors.json),
-    or (False) loaded by each consumer."""
+    or (False) loaded by each consumer; head_group: (batch, K/V head) pairs whose CTAs run key tile by key tile
+    together (:func:`.fa3_backward.key_tile_of_cta`; None: :func:`.tile_schedule.heads_per_group` with a causal
+    mask, 1 without)."""
     from .fa3_backward import BWD_BLOCK_N
+    from .tile_schedule import heads_per_group
 
     batch, heads, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    key_tiles = cdiv(seqlen_k, BWD_BLOCK_N)
+    if head_group is None:
+        head_group = heads_per_group(batch * heads_kv, key_tiles, sm_count(q.device)) if causal else 1
     grad_out = grad_out.contiguous()
     delta, lse2 = backward_preprocess(out, grad_out, lse)
     dq, dk, dv = _backward_outputs(q, k, v)
-    _launch_backward((cdiv(seqlen_k, BWD_BLOCK_N), batch * heads_kv), (q, k, v, grad_out, dq), dk, dv, lse2, delta,
-                     heads, seqlen_q, seqlen_k, None, causal, scale, dq_mode, rows, rows_by_producer)
+    _launch_backward((key_tiles * batch * heads_kv,), (q, k, v, grad_out, dq), dk, dv, lse2, delta, heads, seqlen_q,
+                     seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer)
     return dq.to(q.dtype), dk, dv
 
 
@@ -320,7 +326,8 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     # The preprocess writes (total_q, H), the order of out's rows; the kernel reads each head's rows together.
     delta, lse2 = (t.t().contiguous() for t in backward_preprocess(out, grad_out, lse.t().contiguous()))
     _launch_backward((len(tiles), k.shape[1]), [heads_view(t) for t in (q, k, v, grad_out, dq)], dk, dv, lse2, delta,
-                     heads, total_q, k.shape[0], (tiles, cu_q, cu_k), causal, scale, dq_mode, rows, rows_by_producer)
+                     heads, total_q, k.shape[0], 1, (tiles, cu_q, cu_k), causal, scale, dq_mode, rows,
+                     rows_by_producer)
     return dq.to(q.dtype), dk, dv
 
 
@@ -331,10 +338,11 @@ def _backward_outputs(q, k, v):
     return dq, *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
 
 
-def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, packing, causal, scale,
-                     dq_mode, rows, rows_by_producer):
+def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, head_group, packing, causal,
+                     scale, dq_mode, rows, rows_by_producer):
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
-    its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); packing: None, or (schedule,
+    its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); head_group: the kernel's argument
+    (dense launches); packing: None, or (schedule,
     cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals; dq_mode, rows,
     rows_by_producer: as the two launchers take them."""
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, DQ_SPLIT, attention_bwd_fa3_kernel, backward_blocks
@@ -351,7 +359,7 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
     cached_launch(attention_bwd_fa3_kernel)[grid](
         gluon_descriptor(q, row_block), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
         gluon_descriptor(grad_out, row_block), gluon_descriptor(dq, dq_block),
-        dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, *(packing or (lse2,) * 3),
+        dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, head_group, *(packing or (lse2,) * 3),
         scale * LOG2E, scale, CAUSAL=causal, STAGES=2, VARLEN=packing is not None, DQ_SCHEME=scheme,
         ROWS_BY_PRODUCER=rows_by_producer, num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
 

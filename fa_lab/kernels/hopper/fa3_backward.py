@@ -335,9 +335,24 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
 
 
 @gluon.jit
+def key_tile_of_cta(cta, key_tiles, head_group):
+    """(key tile, batch * K/V head) of CTA ``cta`` of a dense launch (key_tiles x (B * H // group) CTAs). The
+    (batch, head) pairs go in groups of head_group, a divisor of their count; within a group the CTAs run key tile
+    by key tile across its heads, so that with a causal mask the tiles with the most query steps start first
+    while the group's Q and dO rows stay in L2 (:func:`.tile_schedule.heads_per_group`). head_group 1 is head by
+    head, each head's key tiles in order. (Two integer divisions: more in this prologue made the d = 64 causal
+    loop spill.)"""
+    span = head_group * key_tiles  # the CTAs of one group
+    group_index = cta // span
+    rest = cta - group_index * span
+    key_tile = rest // head_group
+    return key_tile, group_index * head_group + rest - key_tile * head_group
+
+
+@gluon.jit
 def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
-                             heads, group, seqlen_q, seqlen_k, schedule_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale,
-                             scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False,
+                             heads, group, seqlen_q, seqlen_k, head_group, schedule_ptr, cu_seqlens_q, cu_seqlens_k,
+                             qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False,
                              DQ_SCHEME: gl.constexpr = DQ_TURNS, ROWS_BY_PRODUCER: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
@@ -346,15 +361,16 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     (1, 1, rows, dq_tile_columns(d));
     dk_ptr, dv_ptr: (B, H // group, Nk, d) contiguous; lse2_ptr (lse * log2 e, +inf for rows that see no
     key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64 or 128.
-    STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128), B * H // group). schedule_ptr, cu_seqlens_q/k
-    are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL or DQ_SPLIT (d = 128), the module docstring's
-    dQ schemes. ROWS_BY_PRODUCER: each step's lse2 and D rows reach the consumers through shared memory (the
-    producer loads them) instead of each consumer's own loads.
+    STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128) * B * H // group,), the CTAs in the order of
+    :func:`key_tile_of_cta` with head_group (batch, K/V head) pairs per group (a divisor of B * H // group).
+    schedule_ptr, cu_seqlens_q/k are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL or DQ_SPLIT (d = 128),
+    the module docstring's dQ schemes. ROWS_BY_PRODUCER: each step's lse2 and D rows reach the consumers through
+    shared memory (the producer loads them) instead of each consumer's own loads.
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
     seqlen_k: not read; cu_seqlens_q/k: int32 (batch + 1,); schedule_ptr: the (sequence, first key) int32 pairs of
-    ``varlen_schedule`` for 128-key tiles. Grid: (pairs, H // group).
+    ``varlen_schedule`` for 128-key tiles. Grid: (pairs, H // group); head_group is not read.
     """
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -370,11 +386,12 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
         batch = 0
         kv_head = gl.program_id(1)
     else:
-        start_n = gl.program_id(0) * BLOCK_N
+        key_tile, batch_head = key_tile_of_cta(gl.program_id(0), gl.cdiv(seqlen_k, BLOCK_N), head_group)
+        start_n = key_tile * BLOCK_N
         q_start: gl.constexpr = 0
         k_start: gl.constexpr = 0
-        batch = gl.program_id(1) // heads_kv
-        kv_head = gl.program_id(1) % heads_kv
+        batch = batch_head // heads_kv
+        kv_head = batch_head - batch * heads_kv
     first_q = 0
     if CAUSAL:  # query row i sees key j when j <= i + seqlen_k - seqlen_q
         first_q = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M

@@ -134,8 +134,8 @@ def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf
                  "v_desc": descriptor_type(dtype, keys), "do_desc": descriptor_type(dtype, row_block),
                  "dq_desc": descriptor_type("fp32", dq_rows), "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
                  "lse2_ptr": "*fp32", "delta_ptr": "*fp32", "heads": "i32", "group": "i32", "seqlen_q": "i32",
-                 "seqlen_k": "i32", "schedule_ptr": "*i32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
-                 "qk_scale": "fp32", "scale": "fp32"}
+                 "seqlen_k": "i32", "head_group": "i32", "schedule_ptr": "*i32", "cu_seqlens_q": "*i32",
+                 "cu_seqlens_k": "*i32", "qk_scale": "fp32", "scale": "fp32"}
     return dict(kernel=attention_bwd_fa3_kernel, signature=signature,
                 constants=dict(CAUSAL=causal, STAGES=2, VARLEN=varlen, DQ_SCHEME=scheme,
                                ROWS_BY_PRODUCER=rows_by_producer),

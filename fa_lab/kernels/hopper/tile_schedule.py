@@ -36,10 +36,25 @@ def encode_tile(pid_bh: int, pid_m: int, m_tiles: int, causal: bool) -> int:
     return pid_bh * m_tiles + (m_tiles - 1 - pid_m if causal else pid_m)
 
 
+def group_count(batch_heads: int, tiles_per_head: int, ctas: int) -> int:
+    """In how many groups to hand out the (batch, head) pairs: as many as give each group at least two tiles per
+    CTA, so that the longest-first order can balance within each while the group's K and V (or, in the backward,
+    Q and dO) stay in L2."""
+    return min(max(batch_heads * tiles_per_head // (2 * ctas), 1), batch_heads)
+
+
+def heads_per_group(batch_heads: int, tiles_per_head: int, ctas: int) -> int:
+    """The Gluon backward's head_group (:func:`.fa3_backward.key_tile_of_cta`) for a causal launch of
+    tiles_per_head key tiles per (batch, K/V head) on ``ctas`` SMs: the smallest divisor of batch_heads that makes
+    at most :func:`group_count` groups (the kernel's order needs equal groups)."""
+    least = cdiv(batch_heads, group_count(batch_heads, tiles_per_head, ctas))
+    return next(size for size in range(least, batch_heads + 1) if batch_heads % size == 0)
+
+
 def head_groups(batch_heads: int, m_tiles: int, ctas: int) -> list[range]:
-    """The (batch, head) pairs handed out together: as many equal groups as give each at least two tiles
-    per CTA, so that the LPT order can balance within each (a small last group would leave a ragged tail)."""
-    groups = min(max(batch_heads * m_tiles // (2 * ctas), 1), batch_heads)
+    """The (batch, head) pairs handed out together: :func:`group_count` equal groups (a small last group would
+    leave a ragged tail)."""
+    groups = group_count(batch_heads, m_tiles, ctas)
     bounds = [round(i * batch_heads / groups) for i in range(groups + 1)]
     return [range(first, end) for first, end in zip(bounds, bounds[1:])]
 
