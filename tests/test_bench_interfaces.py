@@ -68,6 +68,22 @@ def test_rows_follow_the_schema_and_the_ratios_read_them():
     assert found["softcap forward time / none, triton"] == pytest.approx(1.1)
 
 
+def test_the_first_forward_timing_is_thrown_away():
+    """measure keeps the second timing of the forward: the first of a shape measured low on the H200."""
+    calls = []
+
+    def timer(fn, return_mode, grad_to_none=()):
+        calls.append(fn)
+        return (5.0, 2.0, 3.0)[len(calls) - 1]  # discarded forward, kept forward, backward
+
+    def prepare(case):
+        q = torch.randn(1, 2, 8, 4, requires_grad=True)
+        return (lambda: (q * 2).sum(-1)), (q,)
+
+    row = interfaces.measure("triton", prepare, interfaces.InterfaceCase("mha", (interfaces.OPTION_SEQLEN,)), timer)
+    assert (row["fwd_ms"], row["bwd_ms"]) == (2.0, 3.0) and calls[0] is calls[1]
+
+
 def test_decode_headline_rows_keep_the_median_of_interleaved_rounds():
     """interleaved times every row once per round, all rows in turn, and keeps each row's median; a refused
     row stays null."""
