@@ -18,7 +18,7 @@ import torch
 
 from fa_lab import bench
 from fa_lab.bench import cli, cpu, gpu, schema, tuning
-from fa_lab.iomodel import AttentionShape
+from fa_lab.iomodel import AttentionShape, attention_flops
 from fa_lab.memory import modelled_peak_bytes
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -260,15 +260,11 @@ def test_hopper_protocol_resumes_a_run_cut_short(fake_gpu, monkeypatch, tmp_path
 
 
 def test_hopper_plot_draws_the_fp8_kernel_alone_and_with_its_quantization(fake_gpu, monkeypatch, tmp_path):
-    """fa-lab bench hopper --plot labels the FP8 kernel's line "kernel only" and draws the FP8 quantization plus
-    kernel beside it: the attention's FLOPs over the two rows' summed medians."""
+    """fa-lab bench hopper --plot labels the FP8 kernel's line "kernel only" and draws the FP8 forward from bf16
+    inputs, quantization included, beside it (from the recorded run), and no line for the quantization alone."""
     from fa_lab.bench import hopper, hopper_report
 
     recorded = bench.load_results(BENCHMARKS / "h200_hopper.json")
-    rows = {(r["impl"], r["causal"], r["seqlen_q"]): r for r in recorded["rows"] if r["head_dim"] == 128}
-    kernel, quant = rows[("triton_hopper_fp8", True, 4096)], rows[("triton_hopper_fp8_quant", True, 4096)]
-    assert hopper_report.fp8_end_to_end(recorded["rows"])[(True, 4096)] == pytest.approx(
-        kernel["fwd_tflops"] * kernel["fwd_ms"] / (kernel["fwd_ms"] + quant["fwd_ms"]))
     monkeypatch.setattr(hopper, "run_ablation", lambda causals: [])
     monkeypatch.setattr(hopper, "save_ablation_log", lambda path, entries: None)
     monkeypatch.setattr(hopper, "run_hopper_protocol", lambda *args: recorded)
@@ -280,7 +276,28 @@ def test_hopper_plot_draws_the_fp8_kernel_alone_and_with_its_quantization(fake_g
     assert png.stat().st_size > 0 and len(figures) == 1
     labels = [text.get_text() for text in figures[0].legends[0].get_texts()]
     assert labels[:3] == ["triton_hopper", "triton_hopper_fp8 (kernel only)", "triton_hopper_fp8 + quantization"]
-    assert "triton_hopper_fp8" not in labels and "triton_hopper_fp8_quant" not in labels
+    assert not {"triton_hopper_fp8", "triton_hopper_fp8_quant", "triton_hopper_fp8_end_to_end"} & set(labels)
+
+
+def test_fp8_end_to_end_reads_the_one_call_row_or_sums_the_two_others():
+    """fp8_end_to_end: the triton_hopper_fp8_end_to_end row's TFLOP/s where the run has one; in an older run, the
+    attention's FLOPs over the kernel's and the quantization's medians summed."""
+    from fa_lab.bench import hopper_report
+
+    shape = AttentionShape(4, 16, 4096, 128, causal=True)
+    flops = attention_flops(shape)
+
+    def row(impl, ms):
+        return {**schema.empty_row(impl, shape), "fwd_ms": ms,
+                "fwd_tflops": None if impl.endswith("quant") else flops / (ms * 1e-3) / 1e12}
+
+    older = [row("triton_hopper_fp8", 0.5), row("triton_hopper_fp8_quant", 0.25)]
+    assert hopper_report.fp8_end_to_end(older) == {(True, 4096): pytest.approx(flops / 0.75e-3 / 1e12)}
+    newer = [*older, row("triton_hopper_fp8_end_to_end", 0.6)]
+    assert hopper_report.fp8_end_to_end(newer) == {(True, 4096): pytest.approx(flops / 0.6e-3 / 1e12)}
+    plotted = hopper_report.with_end_to_end({"rows": newer})["rows"]
+    assert [(r["impl"], r["fwd_ms"]) for r in plotted] == [(hopper_report.FP8_KERNEL, 0.5),
+                                                           (hopper_report.FP8_END_TO_END, 0.6)]
 
 
 def test_hopper_protocol_rows_follow_the_asked_shapes(fake_gpu, monkeypatch, tmp_path):
@@ -292,11 +309,12 @@ def test_hopper_protocol_rows_follow_the_asked_shapes(fake_gpu, monkeypatch, tmp
     path = tmp_path / "r.json"
     results = hopper.run_hopper_protocol((2048,), (True,), path, (128,))
     assert [row["impl"] for row in results["rows"]] == [*hopper.HOPPER_PEERS, "triton_hopper", "triton_hopper_fp8",
-                                                        "triton_hopper_fp8_quant"]
+                                                        "triton_hopper_fp8_quant", "triton_hopper_fp8_end_to_end"]
     assert {(r["seqlen_q"], r["seqlen_k"], r["head_dim"], r["causal"], r["batch"]) for r in results["rows"]} == {
         (2048, 2048, 128, True, 8)}
-    fp8 = results["rows"][-2]
-    assert fp8["fwd_ms"] == 2.0 and fp8["fwd_tflops"] == pytest.approx(4 * 8 * 16 * 2048**2 * 128 / 2 / 2e-3 / 1e12)
+    for fp8 in (results["rows"][-3], results["rows"][-1]):
+        assert fp8["fwd_ms"] == 2.0
+        assert fp8["fwd_tflops"] == pytest.approx(4 * 8 * 16 * 2048**2 * 128 / 2 / 2e-3 / 1e12)
     assert bench.load_results(path) == results
 
 

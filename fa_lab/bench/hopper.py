@@ -15,7 +15,8 @@
    and cuDNN back ends, FlexAttention and, where installed, the upstream flash-attn-4 kernels
    (``fa4``, whose SM90 path is FA3's design), in the results schema. FP8 rows time the kernel
    alone on inputs quantized beforehand; the quantization and rotation are timed as impl
-   ``triton_hopper_fp8_quant``.
+   ``triton_hopper_fp8_quant``, and the whole call from bf16 inputs (quantization, kernel, bf16 output) as
+   ``triton_hopper_fp8_end_to_end``.
 """
 from __future__ import annotations
 
@@ -169,6 +170,16 @@ def quant_row(shape: AttentionShape, fn) -> dict:
     return row
 
 
+def end_to_end_row(shape: AttentionShape) -> dict:
+    """The FP8 forward as a caller with bf16 Q, K and V runs it (quantization, kernel, bf16 output: one call of
+    ``triton_hopper_fp8_attention``) as a schema row, ``triton_hopper_fp8_end_to_end``."""
+    row = empty_row("triton_hopper_fp8_end_to_end", shape)
+    ms = time_fwd_bwd(lambda q, k, v, causal: triton_hopper_fp8_attention(q, k, v, causal, None)[0], shape,
+                      backward=False)[0]
+    row.update(fwd_ms=ms, fwd_tflops=attention_flops(shape) / (ms * 1e-3) / 1e12)
+    return row
+
+
 def fa4_fn():
     """fn(q, k, v, causal) -> out of flash-attn-4 on the protocol's (B, heads, N, d) tensors, passed as (B, N, heads,
     d) views (the package takes any strides with a unit last one, so nothing is copied); None where the package
@@ -218,7 +229,7 @@ def run_hopper_protocol(seqlens=HOPPER_SEQLENS, causals=(False, True), json_path
         row = empty_row("triton_hopper_fp8", shape)
         ms = time_fwd_bwd(fp8_kernel_fn(None, FP8_OPTIONS), shape, backward=False)[0]
         row.update(fwd_ms=ms, fwd_tflops=attention_flops(shape) / (ms * 1e-3) / 1e12)
-        results["rows"] += [row, quant_row(shape, fp8_quant_fn(None, FP8_OPTIONS))]
+        results["rows"] += [row, quant_row(shape, fp8_quant_fn(None, FP8_OPTIONS)), end_to_end_row(shape)]
         if json_path:
             save_results(results, json_path)
         print(f"done d={shape.head_dim} N={shape.seqlen_q} causal={shape.causal}", file=sys.stderr)

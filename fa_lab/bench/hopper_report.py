@@ -2,10 +2,12 @@
 
 A ``triton_hopper_fp8`` row times the FP8 kernel alone, on inputs quantized beforehand (kernel only); the
 quantization it needs (the rotation, per-tile scales, V^T in the kernel's key order) is timed on its own,
-as ``triton_hopper_fp8_quant``. A caller with bf16 Q, K and V pays both: :func:`fp8_end_to_end` divides the
-attention's FLOPs by the sum of the two medians of a shape (two separate timings, not one call), and
-:func:`plot_hopper` draws the kernel-only line, labelled so, beside that end-to-end line. Needs neither
-Triton nor a GPU: notebook 04 reads the recorded results through it.
+as ``triton_hopper_fp8_quant``, and a ``triton_hopper_fp8_end_to_end`` row times what a caller with bf16 Q, K
+and V pays: one call from bf16 inputs to bf16 output, quantization included. :func:`fp8_end_to_end` reads that
+row; results files from before it existed get the attention's FLOPs over the sum of the two other rows' medians
+(two separate timings, not one call, and the quantization's eager median is as noisy as a call that short is).
+:func:`plot_hopper` draws the kernel-only line, labelled so, beside the end-to-end line. Needs neither Triton nor
+a GPU: notebook 04 reads the recorded results through it.
 """
 from __future__ import annotations
 
@@ -14,40 +16,44 @@ from .plots import plot_results
 
 FP8_KERNEL = "triton_hopper_fp8 (kernel only)"
 FP8_END_TO_END = "triton_hopper_fp8 + quantization"
+FP8_ROWS = ("triton_hopper_fp8", "triton_hopper_fp8_quant", "triton_hopper_fp8_end_to_end")  # as the files name them
 
 
-def _fp8_pairs(rows: list[dict]) -> dict:
-    """(head_dim, causal, seqlen_q) -> (kernel row, quantization row) for every shape whose two FP8 rows have a
-    time."""
+def _end_to_end_rows(rows: list[dict]) -> dict:
+    """(head_dim, causal, seqlen_q) -> the FP8 kernel row with the end-to-end fwd_ms and fwd_tflops, for every shape
+    with a timed ``triton_hopper_fp8_end_to_end`` row or, failing that, timed kernel and quantization rows."""
     by_shape = {(row["impl"], (row["head_dim"], row["causal"], row["seqlen_q"])): row for row in rows}
-    return {shape: (kernel, by_shape[("triton_hopper_fp8_quant", shape)])
-            for (impl, shape), kernel in by_shape.items()
-            if impl == "triton_hopper_fp8" and kernel["fwd_ms"] is not None
-            and by_shape.get(("triton_hopper_fp8_quant", shape), {}).get("fwd_ms") is not None}
-
-
-def _end_to_end_tflops(kernel: dict, quant: dict) -> float:
-    """Forward TFLOP/s of one shape's FP8 kernel row and quantization row, their medians summed."""
-    shape = AttentionShape(kernel["batch"], kernel["heads"], kernel["seqlen_q"], kernel["head_dim"],
-                           kernel["seqlen_k"], causal=kernel["causal"])
-    return attention_flops(shape) / ((kernel["fwd_ms"] + quant["fwd_ms"]) * 1e-3) / 1e12
+    found = {}
+    for (impl, shape), kernel in by_shape.items():
+        if impl != "triton_hopper_fp8" or kernel["fwd_ms"] is None:
+            continue
+        measured = by_shape.get(("triton_hopper_fp8_end_to_end", shape), {})
+        quant = by_shape.get(("triton_hopper_fp8_quant", shape), {})
+        if measured.get("fwd_ms") is not None:
+            found[shape] = {**kernel, "fwd_ms": measured["fwd_ms"], "fwd_tflops": measured["fwd_tflops"]}
+        elif quant.get("fwd_ms") is not None:
+            ms = kernel["fwd_ms"] + quant["fwd_ms"]
+            flops = attention_flops(AttentionShape(kernel["batch"], kernel["heads"], kernel["seqlen_q"],
+                                                   kernel["head_dim"], kernel["seqlen_k"], causal=kernel["causal"]))
+            found[shape] = {**kernel, "fwd_ms": ms, "fwd_tflops": flops / (ms * 1e-3) / 1e12}
+    return found
 
 
 def fp8_end_to_end(rows: list[dict], head_dim: int = 128) -> dict:
-    """(causal, seqlen_q) -> forward TFLOP/s of the FP8 quantization plus the FP8 kernel at ``head_dim``, for every
-    shape whose ``triton_hopper_fp8`` and ``triton_hopper_fp8_quant`` rows both have a time."""
-    return {(causal, seqlen): _end_to_end_tflops(kernel, quant)
-            for (d, causal, seqlen), (kernel, quant) in _fp8_pairs(rows).items() if d == head_dim}
+    """(causal, seqlen_q) -> forward TFLOP/s of the FP8 forward from bf16 inputs, quantization included, at
+    ``head_dim`` (the module docstring says from which rows)."""
+    return {(causal, seqlen): row["fwd_tflops"]
+            for (d, causal, seqlen), row in _end_to_end_rows(rows).items() if d == head_dim}
 
 
 def with_end_to_end(results: dict) -> dict:
     """A copy of Hopper protocol ``results`` for plots and tables: the FP8 kernel's rows renamed
-    :data:`FP8_KERNEL`, and one :data:`FP8_END_TO_END` row per shape (the kernel row with the two rows'
-    summed time and the :func:`fp8_end_to_end` TFLOP/s). Never written to a results file."""
+    :data:`FP8_KERNEL`, one :data:`FP8_END_TO_END` row per shape (the kernel row with the end-to-end time and
+    TFLOP/s of :func:`fp8_end_to_end`), and no quantization or end-to-end rows. Never written to a results file."""
     rows = results["rows"]
-    renamed = [{**row, "impl": FP8_KERNEL} if row["impl"] == "triton_hopper_fp8" else row for row in rows]
-    added = [{**kernel, "impl": FP8_END_TO_END, "fwd_ms": kernel["fwd_ms"] + quant["fwd_ms"],
-              "fwd_tflops": _end_to_end_tflops(kernel, quant)} for kernel, quant in _fp8_pairs(rows).values()]
+    renamed = [{**row, "impl": FP8_KERNEL} if row["impl"] == "triton_hopper_fp8" else row for row in rows
+               if row["impl"] not in FP8_ROWS[1:]]
+    added = [{**row, "impl": FP8_END_TO_END} for row in _end_to_end_rows(rows).values()]
     return {**results, "rows": renamed + added}
 
 
@@ -59,8 +65,7 @@ def plot_hopper(results: dict, impls=None, panel_size=(4.2, 3.8), **options):
     plotted = with_end_to_end(results)
     if impls is None:
         first = ["triton_hopper", FP8_KERNEL, FP8_END_TO_END]
-        impls = first + [impl for impl in dict.fromkeys(row["impl"] for row in plotted["rows"])
-                         if impl not in first and impl != "triton_hopper_fp8_quant"]
+        impls = first + [impl for impl in dict.fromkeys(row["impl"] for row in plotted["rows"]) if impl not in first]
     fig = plot_results(plotted, metrics=("fwd_tflops",), impls=impls, panel_size=panel_size, **options)
     handles, labels = fig.axes[0].get_legend_handles_labels()
     for ax in fig.axes:

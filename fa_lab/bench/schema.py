@@ -9,7 +9,8 @@ where ``device`` names the machine (``"NVIDIA H200"``, ``"CPU: <model>, 2 thread
 is one implementation at one shape, with exactly these keys (a figure that was not measured is null):
 
 - ``impl``: ``naive``, ``torch``, ``sdpa`` (CPU); ``triton``, ``triton_hopper``, ``triton_hopper_fp8``,
-  ``triton_hopper_fp8_quant`` (the FP8 quantization alone), ``sdpa_flash``, ``sdpa_cudnn``,
+  ``triton_hopper_fp8_quant`` (the FP8 quantization alone), ``triton_hopper_fp8_end_to_end`` (the FP8 forward
+  from bf16 inputs, quantization included, one call), ``sdpa_flash``, ``sdpa_cudnn``,
   ``sdpa_efficient``, ``sdpa_math``, ``flex`` (new ones in the same style);
 - ``dtype``: input precision, ``fp32``, ``bf16`` or ``fp16``; ``head_dim``: d; ``causal``: bool
   (bottom-right aligned mask);
