@@ -40,6 +40,15 @@ dQ, and their dK, dV rows are not stored. The preprocess (D = rowsum(dO * O), ls
 backward's; the launchers (:func:`fa_lab.kernels.hopper.attention.gluon_backward`, ``gluon_varlen_backward``)
 cast dQ at the end.
 
+Launch order (dense): the CTAs run in groups of ``head_group`` (batch, K/V head) pairs, key tile by key tile
+across a group's heads (:func:`key_tile_of_cta`; causal launches take the group size from
+:func:`.tile_schedule.heads_per_group`, others run head by head), so that the tiles with the most query steps
+start first while the group's Q and dO rows stay in L2.
+
+No deterministic mode: the writers of different CTAs add into dQ in whatever order the CTAs reach a tile, so dQ's
+last bits can differ between two calls (dK and dV, each computed whole by one CTA, do not). flash-attn's
+``deterministic=True`` orders those adds with a semaphore per dQ tile (notebook 04, section 8).
+
 Packed batches (``VARLEN``): one CTA per (sequence, key tile) pair of ``varlen_schedule`` and K/V head, the
 descriptors seeing the packed (total, heads, d) tensors as (1, heads, total, d). A tile at a sequence's end
 reads the next sequence's rows. Its rows past seqlen_q get lse2 = +inf as above. Its keys past seqlen_k are
