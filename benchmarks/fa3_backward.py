@@ -100,9 +100,12 @@ def time_in_turn(entry: dict, backward, variants: dict, flops: float, rounds: in
             entry.setdefault(name, []).append(round(flops / (ms * 1e-3) / 1e12, 1))
 
 
-def alternating(out_dir: str, filename: str, head_dims, seqlens, variants) -> None:
-    """A/B of gluon_backward's keyword arguments on the FA3-paper shapes: ``variants(head_dim)`` maps a name to
-    the arguments; each shape's variants are timed in turn, twice, into a log of TFLOP/s per name."""
+def alternating(out_dir: str, filename: str, head_dims, seqlens, variants, causals=(False, True),
+                grouped_query=()) -> None:
+    """A/B of gluon_backward's keyword arguments on the FA3-paper shapes (16K tokens, hidden 2048), and at the
+    head_dims in ``grouped_query`` also on chapter 05's grouped-query shape (32 query heads over 8 K/V heads, 16K
+    tokens): ``variants(head_dim)`` maps a name to the arguments; each shape's variants are timed in turn, twice,
+    into a log of TFLOP/s per name."""
     import torch
 
     from fa_lab.bench.gpu import HIDDEN, TOTAL_TOKENS
@@ -112,16 +115,21 @@ def alternating(out_dir: str, filename: str, head_dims, seqlens, variants) -> No
     from fa_lab.kernels.hopper.attention import gluon_backward, gluon_forward
 
     load_triton()
+    layouts = [(head_dim, 32, 8) for head_dim in grouped_query]
+    layouts += [(head_dim, HIDDEN // head_dim, HIDDEN // head_dim) for head_dim in head_dims]
     log = []
-    for head_dim in head_dims:
-        for causal in (False, True):
+    for head_dim, heads, heads_kv in layouts:
+        for causal in causals:
             for seqlen in seqlens:
-                shape = AttentionShape(TOTAL_TOKENS // seqlen, HIDDEN // head_dim, seqlen, head_dim, causal=causal)
-                q, k, v, grad = (torch.randn(shape.batch, shape.heads, seqlen, head_dim, device="cuda",
-                                             dtype=torch.bfloat16) for _ in range(4))
+                shape = AttentionShape(TOTAL_TOKENS // seqlen, heads, seqlen, head_dim, causal=causal)
+                q, grad = (torch.randn(shape.batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+                           for _ in range(2))
+                k, v = (torch.randn(shape.batch, heads_kv, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
                 scale = head_dim ** -0.5
                 out, lse = gluon_forward(q, k, v, causal, scale)
-                entry = {"head_dim": head_dim, "causal": causal, "seqlen": seqlen}
+                entry = {"head_dim": head_dim, "heads": heads, "heads_kv": heads_kv, "causal": causal,
+                         "seqlen": seqlen}
                 time_in_turn(entry, functools.partial(gluon_backward, q, k, v, out, lse, grad, causal, scale),
                              variants(head_dim), attention_flops(shape, "bwd"), rounds=2)
                 log.append(entry)
@@ -185,36 +193,11 @@ def varlen_row_vectors(out_dir: str) -> None:
 
 def head_groups(out_dir: str) -> None:
     """Causal, 2K-16K: the dense launch's CTAs head by head (head_group 1) against heads_per_group's groups run key
-    tile by key tile, on the FA3-paper shapes at d = 128 and 64 and on chapter 05's grouped-query shape (32 query
-    heads over 8 K/V heads, d = 128, 16K tokens), alternating, two rounds: h200_backward_head_groups.json."""
-    import torch
-
-    from fa_lab.bench.gpu import HIDDEN, TOTAL_TOKENS
-    from fa_lab.bench.schema import environment, write_log
-    from fa_lab.iomodel import AttentionShape, attention_flops
-    from fa_lab.kernels import load_triton
-    from fa_lab.kernels.hopper.attention import gluon_backward, gluon_forward
-
-    load_triton()
-    log = []
-    for head_dim, heads, heads_kv in ((128, 32, 8), (128, None, None), (64, None, None)):
-        heads = heads or HIDDEN // head_dim
-        heads_kv = heads_kv or heads
-        for seqlen in (2048, 4096, 8192, 16384):
-            batch = TOTAL_TOKENS // seqlen
-            shape = AttentionShape(batch, heads, seqlen, head_dim, causal=True)
-            q, grad = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
-                       for _ in range(2))
-            k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
-                    for _ in range(2))
-            scale = head_dim ** -0.5
-            out, lse = gluon_forward(q, k, v, True, scale)
-            entry = {"head_dim": head_dim, "heads": heads, "heads_kv": heads_kv, "causal": True, "seqlen": seqlen}
-            time_in_turn(entry, functools.partial(gluon_backward, q, k, v, out, lse, grad, True, scale),
-                         {"head by head": {"head_group": 1}, "grouped": {}}, attention_flops(shape, "bwd"), rounds=2)
-            log.append(entry)
-            print(entry, flush=True)
-            write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_backward_head_groups.json"))
+    tile by key tile, on chapter 05's grouped-query shape at d = 128 and the FA3-paper shapes at d = 128 and 64:
+    h200_backward_head_groups.json."""
+    alternating(out_dir, "h200_backward_head_groups.json", (128, 64), (2048, 4096, 8192, 16384),
+                lambda head_dim: {"head by head": {"head_group": 1}, "grouped": {}}, causals=(True,),
+                grouped_query=(128,))
 
 
 def plot(results_path: str, png_path: str) -> None:

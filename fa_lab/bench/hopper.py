@@ -170,14 +170,19 @@ def quant_row(shape: AttentionShape, fn) -> dict:
     return row
 
 
+def forward_row(impl: str, fn, shape: AttentionShape) -> dict:
+    """A schema row of ``fn(q, k, v, causal)``'s forward alone (median and TFLOP/s), as impl."""
+    row = empty_row(impl, shape)
+    ms = time_fwd_bwd(fn, shape, backward=False)[0]
+    row.update(fwd_ms=ms, fwd_tflops=attention_flops(shape) / (ms * 1e-3) / 1e12)
+    return row
+
+
 def end_to_end_row(shape: AttentionShape) -> dict:
     """The FP8 forward as a caller with bf16 Q, K and V runs it (quantization, kernel, bf16 output: one call of
     ``triton_hopper_fp8_attention``) as a schema row, ``triton_hopper_fp8_end_to_end``."""
-    row = empty_row("triton_hopper_fp8_end_to_end", shape)
-    ms = time_fwd_bwd(lambda q, k, v, causal: triton_hopper_fp8_attention(q, k, v, causal, None)[0], shape,
-                      backward=False)[0]
-    row.update(fwd_ms=ms, fwd_tflops=attention_flops(shape) / (ms * 1e-3) / 1e12)
-    return row
+    return forward_row("triton_hopper_fp8_end_to_end",
+                       lambda q, k, v, causal: triton_hopper_fp8_attention(q, k, v, causal, None)[0], shape)
 
 
 def fa4_fn():
@@ -226,10 +231,8 @@ def run_hopper_protocol(seqlens=HOPPER_SEQLENS, causals=(False, True), json_path
             continue
         for name, fn in impls.items():
             results["rows"].append(measure(name, fn, shape))
-        row = empty_row("triton_hopper_fp8", shape)
-        ms = time_fwd_bwd(fp8_kernel_fn(None, FP8_OPTIONS), shape, backward=False)[0]
-        row.update(fwd_ms=ms, fwd_tflops=attention_flops(shape) / (ms * 1e-3) / 1e12)
-        results["rows"] += [row, quant_row(shape, fp8_quant_fn(None, FP8_OPTIONS)), end_to_end_row(shape)]
+        results["rows"] += [forward_row("triton_hopper_fp8", fp8_kernel_fn(None, FP8_OPTIONS), shape),
+                            quant_row(shape, fp8_quant_fn(None, FP8_OPTIONS)), end_to_end_row(shape)]
         if json_path:
             save_results(results, json_path)
         print(f"done d={shape.head_dim} N={shape.seqlen_q} causal={shape.causal}", file=sys.stderr)

@@ -35,7 +35,7 @@ from ..portable.attention import (
     varlen_schedule,
 )
 from ..portable.configs import TileConfig, forward_config
-from .tile_schedule import schedule_tensor
+from .tile_schedule import heads_per_group, schedule_tensor
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,6 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     together (:func:`.fa3_backward.key_tile_of_cta`; None: :func:`.tile_schedule.heads_per_group` with a causal
     mask, 1 without)."""
     from .fa3_backward import BWD_BLOCK_N
-    from .tile_schedule import heads_per_group
 
     batch, heads, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
