@@ -1,9 +1,10 @@
 """The FP8 quantization pass of impl="triton_hopper_fp8" (fa_lab/kernels/hopper/fp8_quant.py) against a copy:
 its GPU time in a CUDA graph and its eager time, as bytes moved per second (Q, K, V read in bf16, written in
-e4m3) and as a fraction of a device-to-device copy's bandwidth in the same run, two programs per SM walking the
-tiles with Q and K moved by TMA (``tma``, the default) or by the threads' loads (``threads``), and, given
---before FILE (a copy of an earlier fp8_quant.py with one program per tile), that kernel at 8 warps; and the FP8
-forward end to end (quantization included) against the bf16 forward. FA3-paper protocol shapes, d = 128.
+e4m3) and as a fraction of a device-to-device copy's bandwidth in the same run: the Gluon pass (``gluon``, the
+default on sm_90: Q's and K's next tile copied by TMA while this one finishes) and the plain-Triton pass (``triton``,
+the threads' loads), both two programs per SM walking the tiles, and, given --before FILE (a copy of an earlier
+fp8_quant.py with one program per tile), that kernel at 8 warps; and the FP8 forward end to end (quantization
+included) against the bf16 forward. FA3-paper protocol shapes, d = 128.
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/fp8_quant_bandwidth.py [--before FILE]`` (prints, writes
 $OUT/fp8_quant.json).
@@ -44,7 +45,8 @@ def measure(seqlen: int, before=None) -> dict:
     target = torch.empty_like(q)
     copy_tbps = 2 * q.numel() * 2 / graph_ms(lambda: target.copy_(q)) / 1e9  # read + write
     row = {"seqlen": seqlen, "batch": batch, "copy_tbps": round(copy_tbps, 2)}
-    launches = {"threads": (quantize_fp8_operands, dict(tma=False)), "tma": (quantize_fp8_operands, dict(tma=True))}
+    launches = {"gluon": (quantize_fp8_operands, dict(kernel="gluon")),
+                "triton": (quantize_fp8_operands, dict(kernel="triton"))}
     if before is not None:
         launches["tile_per_program_before"] = (before.quantize_fp8_operands, dict(num_warps=8))
     for name, (function, launch) in launches.items():

@@ -193,25 +193,29 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
         assert build.kv_loop_spills <= 1, (causal, varlen, mode, rows, build.kv_loop_spills)
 
 
-def test_the_fp8_quantization_launch_fits_the_programs_per_sm_its_docstring_says():
-    """quantize_fp8_operands's default launch and its TMA form pipelined over two tiles, built for sm_90 on this
-    machine: 8 warps capped at 128 registers do not spill, and two programs fit an SM by registers and by shared
-    memory."""
+def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstrings_say():
+    """Both quantization passes as quantize_fp8_operands launches them, built for sm_90 on this machine: the Triton
+    pass and the Gluon pass (d = 128 and 64, bf16 and fp16) take 8 warps at most 128 registers without spilling,
+    and two programs fit an SM by registers and by shared memory. The Gluon pass moves Q's and K's tiles in and out
+    by TMA (two copies each way), feeds the product from shared memory (no ldmatrix), and converts with saturation
+    (``satfinite``), the Triton pass's clamp to +-448."""
     from fa_lab.kernels.hopper.sm90_offline import (
         compile_all_for_sm90,
         ctas_per_sm,
         ctas_per_sm_by_registers,
+        fp8_quant_gluon_job,
         fp8_quant_job,
     )
 
-    capped, by_tma = compile_all_for_sm90([fp8_quant_job(), fp8_quant_job(tma=True, stages=2)])
-    for build in (capped, by_tma):
+    triton_pass, *gluon_passes = compile_all_for_sm90([fp8_quant_job(), fp8_quant_gluon_job(128),
+                                                       fp8_quant_gluon_job(64), fp8_quant_gluon_job(128, "fp16")])
+    for build in (triton_pass, *gluon_passes):
         assert build.stack_bytes == 0 and build.local_bytes == 0
         assert ctas_per_sm(build.shared_bytes) >= 2, build.shared_bytes
-        assert ctas_per_sm_by_registers(build.registers, 8) == 2, build.registers
-    # With tma=True, Q's and K's tiles come in and go out by TMA copies (two of each), and no thread stages a
-    # loaded tile in shared memory for the rotation's product (ldmatrix: the load's layout change).
-    assert by_tma.ptx.count("cp.async.bulk.tensor") >= 4 and "ldmatrix" not in by_tma.ptx
+        assert ctas_per_sm_by_registers(build.registers, 8) >= 2, build.registers
+    for build in gluon_passes:
+        assert build.ptx.count("cp.async.bulk.tensor") >= 4 and "ldmatrix" not in build.ptx
+        assert "cvt.rn.satfinite.e4m3x2.f32" in build.ptx
 
 
 def test_a_packed_batch_takes_the_gluon_backward_by_the_dense_rule(monkeypatch):
@@ -423,14 +427,14 @@ def test_gluon_fp8_key_order_matches_the_kernels_reordering_of_p(generator):
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype, head_dim, rotate", [(torch.bfloat16, 64, True), (torch.float16, 128, True),
                                                       (torch.bfloat16, 128, False)])
-@pytest.mark.parametrize("launch", [{}, dict(programs=1, stages=2), dict(tma=False)],
-                         ids=["default_tma", "one_program_pipelined", "threads"])
+@pytest.mark.parametrize("launch", [{}, dict(programs=1, stages=2, kernel="triton")],
+                         ids=["default", "triton_one_program_pipelined"])
 def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim, rotate, launch, generator):
-    """The Triton pass (its default launch, Q and K moved by TMA; one program walking every tile; or Q and K loaded
-    by the threads) gives the PyTorch path's V^T bytes and largest V scale exactly (both divide amax by 448 in IEEE
-    arithmetic, also on a GPU), V's exponents to float32 rounding (log2 is computed in the kernel); Q and K, rotated
-    in float32 there and in the input's dtype here, within one e4m3 step and at least as close to the exact
-    (float64) rotation."""
+    """The quantization pass (its default: the Gluon pass on the H200, the Triton pass in the interpreter; or the
+    Triton pass with one program walking every tile, pipelined) gives the PyTorch path's V^T bytes and largest V
+    scale exactly (both divide amax by 448 in IEEE arithmetic, also on a GPU), V's exponents to float32 rounding
+    (log2 is computed in the kernel); Q and K, rotated in float32 there and in the input's dtype here, within one
+    e4m3 step and at least as close to the exact (float64) rotation."""
     from fa_lab.fp8 import hadamard_transform, random_signs
     from fa_lab.kernels.hopper import GLUON_TILES, V_SCALE_FLOOR, quantize_for_kernel
     from fa_lab.kernels.hopper.fp8_quant import quantize_fp8_operands
@@ -457,27 +461,41 @@ def test_fused_fp8_quantization_matches_the_pytorch_path(device, dtype, head_dim
         assert error(x8, descale) <= 0.05 * exact.pow(2).mean().sqrt().item()  # e4m3: 3 mantissa bits
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=CPU_ONLY), pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_fp8_quantization_by_tma_falls_back_where_tma_cannot_read(device, generator):
-    """quantize_fp8_operands (tma=True, its default) on Q and K that TMA cannot read (a start 2 bytes past a 16-byte
-    boundary) takes the threads' loads instead, with the same bytes as tma=False; on readable inputs the TMA
-    launch gives the threads' bytes too."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 64)])
+def test_gpu_the_gluon_quantization_gives_the_triton_passs_bytes(dtype, head_dim, generator):
+    """On the H200 the Gluon pass (the default where it applies) writes the Triton pass's bytes: Q, K and V^T in
+    e4m3 and every descale and exponent, at odd lengths, with a quiet and an all-zero V tile. Q and K that TMA
+    cannot read (a start 2 bytes past a 16-byte boundary) take the Triton pass."""
     from fa_lab.kernels.common import tma_readable
     from fa_lab.kernels.hopper import V_SCALE_FLOOR
+    from fa_lab.kernels.hopper.fp8_attention import rotation_signs
     from fa_lab.kernels.hopper.fp8_quant import quantize_fp8_operands
+    from fa_lab.kernels.hopper.fp8_quant_gluon import gluon_quantization_applies
 
-    storage = torch.randn(2 * 2 * 200 * 64 + 1, generator=generator).to(device, torch.bfloat16)
-    shifted = storage[1:].view(2, 2, 200, 64)  # (one bf16 past the allocation's aligned start)
-    aligned = shifted.clone()
-    k, v = ((2 * torch.randn(2, 2, 300, 64, generator=generator)).to(device, torch.bfloat16) for _ in range(2))
-    signs = (torch.randint(0, 2, (64,), generator=generator) * 2 - 1).float()
-    assert not tma_readable(shifted.reshape(-1, 200, 64)) and tma_readable(aligned.reshape(-1, 200, 64))
-    for q in (shifted, aligned):
-        default = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, tma=False)
-        by_tma = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR)
-        for x, y in zip((*default[:3], *default[3]), (*by_tma[:3], *by_tma[3])):
-            assert torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
-                               y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y)
+    def same(x, y):
+        return torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.dtype == torch.float8_e4m3fn else \
+            torch.equal(x, y)
+
+    signs = rotation_signs(head_dim, torch.device("cuda"))
+    for nq, nk in ((200, 300), (1000, 333), (4096, 4096)):
+        q, k, v = ((3 * torch.randn(2, 3, n, head_dim, generator=generator)).to("cuda", dtype) for n in (nq, nk, nk))
+        v[0, 0, :128] *= 1e-3
+        v[1, 1, 128:256] = 0
+        assert gluon_quantization_applies(q.reshape(-1, nq, head_dim), k.reshape(-1, nk, head_dim), 128, True)
+        by_gluon = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR)
+        by_triton = quantize_fp8_operands(q, k, v, signs, 128, V_SCALE_FLOOR, kernel="triton")
+        for x, y in zip((*by_gluon[:3], *by_gluon[3]), (*by_triton[:3], *by_triton[3])):
+            assert same(x, y), (nq, nk)
+    storage = torch.randn(2 * 2 * 200 * head_dim + 1, generator=generator).to("cuda", dtype)
+    shifted = storage[1:].view(2, 2, 200, head_dim)  # (one element past the allocation's aligned start)
+    k, v = (torch.randn(2, 2, 300, head_dim, generator=generator).to("cuda", dtype) for _ in range(2))
+    rows = shifted.reshape(-1, 200, head_dim)
+    assert not tma_readable(rows) and not gluon_quantization_applies(rows, k.reshape(-1, 300, head_dim), 128, True)
+    fallback = quantize_fp8_operands(shifted, k, v, signs, 128, V_SCALE_FLOOR)
+    aligned = quantize_fp8_operands(shifted.clone(), k, v, signs, 128, V_SCALE_FLOOR)
+    for x, y in zip((*fallback[:3], *fallback[3]), (*aligned[:3], *aligned[3])):
+        assert same(x, y)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""The FP8 quantization of the Gluon FA3 kernel's operands in one Triton pass and a tiny finish.
+"""The FP8 quantization of the Gluon FA3 kernel's operands in one pass and a tiny finish.
 
 :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` prepares what ``impl="triton_hopper_fp8"``
 feeds the Gluon kernel: Q and K rotated by M = diag(signs) H / sqrt(d) and quantized to
@@ -7,7 +7,9 @@ transposed, its keys renumbered (:func:`fa_lab.kernels.common.gluon_fp8_key_orde
 Written as PyTorch operations that is a dozen passes over memory, several times the attention
 kernel's own time at long sequences. Here it is one pass over Q, K and V and a finish, two launches:
 
-1. :func:`_quantize_qkv_kernel`, a fixed number of programs (two per SM on a GPU) walking the (batch * head,
+1. On an sm_90 GPU the Gluon pass of :mod:`.fp8_quant_gluon` (Q's and K's tiles by TMA, the next one's copy
+   in flight while this one finishes); elsewhere, and in the CPU interpreter,
+   :func:`_quantize_qkv_kernel`, a fixed number of programs (two per SM on a GPU) walking the (batch * head,
    tile) lists of Q, K and V: for each tile, load it, for Q and K rotate it with one ``tl.dot`` against
    diag(signs) H, H Sylvester's +-1 matrix made in registers once per program (:func:`signed_hadamard`;
    exact bf16/fp16 products, float32 sums: no rounding between the butterflies of a fast transform),
@@ -22,9 +24,9 @@ kernel's own time at long sequences. Here it is one pass over Q, K and V and a f
 Q and K match the PyTorch path (:func:`fa_lab.fp8.quantize_e4m3`) up to the rotation's rounding (float32
 here, the input's dtype there), so to one e4m3 step at most, in a few values. V's bytes match it exactly
 (both take the IEEE quotient amax / 448 as a tile's scale and divide by it with IEEE division), but in a
-tile below the floor. The kernels are
-plain Triton, so the CPU tests run them in the interpreter. Like the other kernel modules it imports
-triton: import it after :func:`fa_lab.kernels.load_triton` (``quantize_for_kernel`` does, on a GPU only).
+tile below the floor. This module's kernels are plain Triton, so the CPU tests run them in the interpreter; a
+gpu test holds the Gluon pass to their bytes. Like the other kernel modules it imports triton: import it after
+:func:`fa_lab.kernels.load_triton` (``quantize_for_kernel`` does, on a GPU only).
 """
 from __future__ import annotations
 
@@ -33,24 +35,46 @@ import triton
 import triton.language as tl
 
 from .. import common, interpreting, load_triton
-from ..common import cdiv, descriptor, sm_count, tma_readable
+from ..common import cdiv, sm_count
 from ..launch import cached_launch
 
 E4M3_MAX = tl.constexpr(common.E4M3_MAX)  # e4m3's largest finite value (a constexpr: read in the kernel)
 
 
 @triton.jit
-def signed_hadamard(signs_ptr, HEAD_DIM: tl.constexpr):
-    """diag(signs) H (HEAD_DIM, HEAD_DIM) float32, H Sylvester's +-1 matrix, made in registers: H[i, j] is
-    (-1) to the number of bits i and j share (their AND's parity, folded by shifts; HEAD_DIM <= 256). Made
-    here, the matrix costs each program a few integer operations per entry instead of a 64 KB read."""
-    i = tl.arange(0, HEAD_DIM)[:, None]
-    shared = i & tl.arange(0, HEAD_DIM)[None, :]
+def hadamard_sign(row, col):
+    """H[row, col] of Sylvester's +-1 matrix (HEAD_DIM <= 256) as float32: (-1) to the number of bits row and col
+    share (their AND's parity, folded by shifts). Plain integer arithmetic on tensors of any layout, so the Gluon
+    pass (:mod:`.fp8_quant_gluon`) calls it too."""
+    shared = row & col
     shared = shared ^ (shared >> 4)
     shared = shared ^ (shared >> 2)
     shared = shared ^ (shared >> 1)
-    signs = tl.load(signs_ptr + tl.arange(0, HEAD_DIM))
-    return signs[:, None] * (1 - 2 * (shared & 1)).to(tl.float32)
+    return (1 - 2 * (shared & 1)).to(tl.float32)
+
+
+@triton.jit
+def fp8_key_of_position(position):
+    """The key the Gluon FP8 kernel expects at V^T's position ``position``: position 16h + 4c + 2a + b of each
+    32 holds key 16h + 8a + 2c + b (common.gluon_fp8_key_order; shared with the Gluon pass)."""
+    r = position % 32
+    return position - r + 16 * (r // 16) + 8 * (r % 4 // 2) + 2 * (r % 16 // 4) + r % 2
+
+
+@triton.jit
+def e4m3_descale(amax):
+    """A tile's descale from its absolute maximum: the IEEE quotient amax / 448 as quantize_e4m3's (1 for an
+    all-zero tile; shared with the Gluon pass)."""
+    return tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)
+
+
+@triton.jit
+def signed_hadamard(signs_ptr, HEAD_DIM: tl.constexpr):
+    """diag(signs) H (HEAD_DIM, HEAD_DIM) float32, made in registers: a few integer operations per entry per
+    program instead of a 64 KB read."""
+    i = tl.arange(0, HEAD_DIM)
+    signs = tl.load(signs_ptr + i)
+    return signs[:, None] * hadamard_sign(i[:, None], tl.arange(0, HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -67,7 +91,7 @@ def _to_e4m3(x, IEEE_DIVISION: tl.constexpr):
     (1 for an all-zero tile), and x / descale in e4m3. IEEE_DIVISION: divide x with IEEE division too (a plain /
     is approximate on a GPU), for bytes equal to the PyTorch path's."""
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    descale = tl.where(amax > 0, tl.div_rn(amax, E4M3_MAX), 1.0)
+    descale = e4m3_descale(amax)
     if IEEE_DIVISION:
         x8 = tl.clamp(tl.div_rn(x, descale), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
     else:
@@ -89,8 +113,7 @@ def _quantize_tile(x_ptr, out_ptr, descale_ptr, rotation, tile, seqlen, out_keys
     """
     position = tile * BLOCK + tl.arange(0, BLOCK)
     if V_TRANSPOSED:
-        r = position % 32
-        row = position - r + 16 * (r // 16) + 8 * (r % 4 // 2) + 2 * (r % 16 // 4) + r % 2
+        row = fp8_key_of_position(position)
     else:
         row = position
     col = tl.arange(0, HEAD_DIM)
@@ -108,35 +131,15 @@ def _quantize_tile(x_ptr, out_ptr, descale_ptr, rotation, tile, seqlen, out_keys
 
 
 @triton.jit
-def _quantize_tile_by_tma(x_desc, out_desc, descale_ptr, rotation, bh, tile, rsqrt_d, BLOCK: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, FLOAT32_DOT: tl.constexpr):
-    """Q's or K's tile ``tile`` of (batch, head) bh through TMA: x_desc over x as (1, B * H, N, d) with blocks of
-    (1, 1, BLOCK, HEAD_DIM), whose rows past N load as zeros and are not stored; out_desc the same over the e4m3
-    output. The tile goes from global to shared memory by a copy engine, where the rotation's product reads it,
-    and the e4m3 tile back the same way: no thread moves the tile's bytes. As :func:`_quantize_tile` with
-    ROTATE otherwise."""
-    x = _rotate(x_desc.load([0, bh, tile * BLOCK, 0]).reshape(BLOCK, HEAD_DIM), rotation, rsqrt_d, FLOAT32_DOT)
-    _amax, descale, x8 = _to_e4m3(x, False)
-    tl.store(descale_ptr, descale)
-    out_desc.store([0, bh, tile * BLOCK, 0], x8.reshape(1, 1, BLOCK, HEAD_DIM))
-
-
-@triton.jit
 def _walk_tiles(x_ptr, out_ptr, descale_ptr, rotation, tiles, seqlen, out_keys, bh_count, stride_xbh, stride_xn,
                 stride_obh, stride_orow, rsqrt_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr,
-                V_TRANSPOSED: tl.constexpr, FLOAT32_DOT: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr):
+                V_TRANSPOSED: tl.constexpr, FLOAT32_DOT: tl.constexpr, STAGES: tl.constexpr):
     """This program's share of one tensor's (bh, tile) list, ``tiles`` per head: entries p, p + programs, ...
-    (descales (B * H, tiles), so entry ``work``'s descale sits at descale_ptr + work). TMA: x_ptr and out_ptr
-    are the TMA descriptors of :func:`_quantize_tile_by_tma` (a rotated tensor's walk only)."""
+    (descales (B * H, tiles), so entry ``work``'s descale sits at descale_ptr + work)."""
     for work in tl.range(tl.program_id(0), bh_count * tiles, tl.num_programs(0), num_stages=STAGES):
         bh, t = work // tiles, work % tiles
-        if TMA:
-            _quantize_tile_by_tma(x_ptr, out_ptr, descale_ptr + work, rotation, bh, t, rsqrt_d, BLOCK, HEAD_DIM,
-                                  FLOAT32_DOT)
-        else:
-            _quantize_tile(x_ptr + bh * stride_xbh, out_ptr + bh * stride_obh, descale_ptr + work, rotation, t,
-                           seqlen, out_keys, stride_xn, stride_orow, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, V_TRANSPOSED,
-                           FLOAT32_DOT)
+        _quantize_tile(x_ptr + bh * stride_xbh, out_ptr + bh * stride_obh, descale_ptr + work, rotation, t, seqlen,
+                       out_keys, stride_xn, stride_orow, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, V_TRANSPOSED, FLOAT32_DOT)
 
 
 @triton.jit
@@ -144,20 +147,19 @@ def _quantize_qkv_kernel(q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, vt8_ptr, q_descale
                          signs_ptr, seqlen_q, seqlen_k, keys, bh_count, stride_qbh, stride_qn, stride_kbh, stride_kn,
                          stride_vbh, stride_vn, stride_q8bh, stride_k8bh, stride_vt8bh, rsqrt_d, BLOCK: tl.constexpr,
                          HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, FLOAT32_DOT: tl.constexpr,
-                         STAGES: tl.constexpr, TMA: tl.constexpr):
+                         STAGES: tl.constexpr):
     """Grid (programs,): program p quantizes tiles p, p + programs, ... of Q's (bh, tile) list, then of K's, then
     of V's, with the rotation's matrix made once. q, k, v: (B * H, N, d) rows; q8, k8 the same in e4m3,
-    contiguous; vt8 (B * H, d, keys); descales (B * H, tiles) float32. STAGES: the loops' software pipeline.
-    TMA (with ROTATE): q, k, q8 and k8 are TMA descriptors over those tensors (:func:`_quantize_tile_by_tma`)."""
+    contiguous; vt8 (B * H, d, keys); descales (B * H, tiles) float32. STAGES: the loops' software pipeline."""
     q_tiles = tl.cdiv(seqlen_q, BLOCK)
     k_tiles = tl.cdiv(seqlen_k, BLOCK)
     rotation = signed_hadamard(signs_ptr, HEAD_DIM) if ROTATE else 0.0
     _walk_tiles(q_ptr, q8_ptr, q_descale_ptr, rotation, q_tiles, seqlen_q, 0, bh_count, stride_qbh, stride_qn,
-                stride_q8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES, TMA)
+                stride_q8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES)
     _walk_tiles(k_ptr, k8_ptr, k_descale_ptr, rotation, k_tiles, seqlen_k, 0, bh_count, stride_kbh, stride_kn,
-                stride_k8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES, TMA)
+                stride_k8bh, HEAD_DIM, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, False, FLOAT32_DOT, STAGES)
     _walk_tiles(v_ptr, vt8_ptr, v_descale_ptr, rotation, k_tiles, seqlen_k, keys, bh_count, stride_vbh, stride_vn,
-                stride_vt8bh, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT, STAGES, False)
+                stride_vt8bh, keys, 1.0, BLOCK, HEAD_DIM, False, True, FLOAT32_DOT, STAGES)
 
 
 @triton.jit
@@ -188,23 +190,25 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, programs: int | None = None,
-                          num_warps: int = 8, maxnreg: int | None = 128, stages: int = 1, tma: bool = True):
+                          num_warps: int = 8, maxnreg: int | None = 128, stages: int = 1, kernel: str | None = None):
     """(q8, k8, vt8, (q_descale, k_descale, v_descale, v_descale_max)) as quantize_for_kernel(gluon=True).
 
-    programs (default: two per SM on a GPU, four in the interpreter), num_warps, maxnreg, stages: the
-    quantization kernel's launch. Its offline sm_90 build takes at most 128 registers a thread at 8 warps (the cap,
-    so that two programs fit an SM) and 64 KB of shared memory. tma (the default, where TMA can read Q and K and
-    with a rotation): Q's and K's tiles move between global and shared memory by TMA
-    (:func:`_quantize_tile_by_tma`), else by the threads' loads and stores. On the H200 the protocol's shapes took
-    126 to 127 us with TMA and 140 to 141 us without, where one program per tile took 164 to 165 us
-    (benchmarks/h200_fp8_quant.json; loops pipelined over two tiles and one program per SM measured slower:
-    docs/experiments/hopper_forward.md). Both launches go through :func:`fa_lab.kernels.launch.cached_launch`,
-    which brought an eager call from 231-338 us, bound by the host, to the GPU's time.
+    kernel: "gluon" (:mod:`.fp8_quant_gluon`: Q's and K's next tile copied by TMA while this one finishes), or
+    "triton" (:func:`_quantize_qkv_kernel`, the threads' loads; the interpreter's and every other input's); None
+    takes the Gluon pass where :func:`.fp8_quant_gluon.gluon_quantization_applies`. On the H200 the protocol's
+    shapes took 117 to 118 us with the Gluon pass, 0.71 of a copy's bandwidth (benchmarks/h200_fp8_quant.json),
+    against 140 us for this module's kernel. programs (default: two per SM on a GPU, four in the interpreter);
+    num_warps, maxnreg, stages: the Triton kernel's launch (8 warps capped at 128 registers fit two programs an
+    SM; loops pipelined over two tiles and one program per SM measured slower: docs/experiments/hopper_forward.md).
+    Both kernels and V's finish go through :func:`fa_lab.kernels.launch.cached_launch`, so an eager call takes
+    about the GPU's time.
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon
     kernel's key order; descales (B, H, tiles) float32, v_descale_max (B, H). Two launches.
     """
+    from .fp8_quant_gluon import gluon_quantization_applies, launch_gluon_quantization
+
     load_triton()
     batch, heads, _, head_dim = q.shape
     device = q.device
@@ -220,20 +224,24 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, prog
     small = torch.empty(bh * (q_tiles + 3 * k_tiles + 1), dtype=torch.float32, device=device)
     q_descale, k_descale, v_descale, v_exponent, v_descale_max = small.split(
         [bh * q_tiles, bh * k_tiles, bh * k_tiles, bh * k_tiles, bh])
+    if kernel is None:
+        gluon = not interpreting() and gluon_quantization_applies(q_rows, k_rows, block, rotate)
+        kernel = "gluon" if gluon else "triton"
     if bh and q_tiles + k_tiles:
         if programs is None:
             programs = 4 if interpreting() else 2 * sm_count(device)
-        tma = tma and rotate and tma_readable(q_rows) and tma_readable(k_rows)
-        q_src, k_src, q8_dst, k8_dst = ((descriptor(t.unsqueeze(0), block) for t in (q_rows, k_rows, q8, k8)) if tma
-                                        else (q_rows, k_rows, q8, k8))
-        cached_launch(_quantize_qkv_kernel)[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
-            q_src, k_src, v_rows, q8_dst, k8_dst, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k, keys,
-            bh, q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
-            v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5, BLOCK=block,
-            HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), STAGES=stages, TMA=tma, num_warps=num_warps,
-            **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
+        if kernel == "gluon":
+            launch_gluon_quantization(q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs,
+                                      programs)
+        else:
+            cached_launch(_quantize_qkv_kernel)[(min(programs, bh * (q_tiles + 2 * k_tiles)),)](
+                q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_descale, v_descale, signs, seqlen_q, seqlen_k, keys,
+                bh, q_rows.stride(0), q_rows.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
+                v_rows.stride(1), q8.stride(0), k8.stride(0), vt8.stride(0), head_dim ** -0.5, BLOCK=block,
+                HEAD_DIM=head_dim, ROTATE=rotate, FLOAT32_DOT=interpreting(), STAGES=stages, num_warps=num_warps,
+                **({} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}))
         cached_launch(_v_exponent_kernel)[(bh,)](v_descale, v_exponent, v_descale_max, k_tiles, v_scale_floor,
-                                  BLOCK_T=128)
+                                                 BLOCK_T=128)
     descales = (q_descale.view(batch, heads, q_tiles), k_descale.view(batch, heads, k_tiles),
                 v_exponent.view(batch, heads, k_tiles), v_descale_max.view(batch, heads))
     return (q8.view(batch, heads, seqlen_q, head_dim), k8.view(batch, heads, seqlen_k, head_dim),

@@ -143,8 +143,7 @@ def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf
                 aligned=("dk_ptr", "dv_ptr", "lse2_ptr", "delta_ptr"))
 
 
-def fp8_quant_job(num_warps: int = 8, maxnreg: int | None = 128, head_dim: int = 128, stages: int = 1,
-                  tma: bool = False) -> dict:
+def fp8_quant_job(num_warps: int = 8, maxnreg: int | None = 128, head_dim: int = 128, stages: int = 1) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fp8_quant._quantize_qkv_kernel` as
     :func:`.fp8_quant.quantize_fp8_operands` launches it on bf16 operands with the rotation (its defaults)."""
     from .fp8_quant import _quantize_qkv_kernel
@@ -152,18 +151,30 @@ def fp8_quant_job(num_warps: int = 8, maxnreg: int | None = 128, head_dim: int =
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "q8_ptr": "*fp8e4nv", "k8_ptr": "*fp8e4nv",
                 "vt8_ptr": "*fp8e4nv", "q_descale_ptr": "*fp32", "k_descale_ptr": "*fp32", "v_descale_ptr": "*fp32",
                 "signs_ptr": "*fp32"}
-    if tma:  # Q, K and their e4m3 outputs as TMA descriptors of one head's tile
-        block = [1, 1, 128, head_dim]
-        pointers.update({name: f"tensordesc<{dtype}{block}>" for name, dtype in
-                         (("q_ptr", "bf16"), ("k_ptr", "bf16"), ("q8_ptr", "fp8e4nv"), ("k8_ptr", "fp8e4nv"))})
     strides = ["stride_qbh", "stride_qn", "stride_kbh", "stride_kn", "stride_vbh", "stride_vn", "stride_q8bh",
                "stride_k8bh", "stride_vt8bh"]
     signature = {**pointers, "seqlen_q": "i32", "seqlen_k": "i32", "keys": "i32", "bh_count": "i32",
                  **dict.fromkeys(strides, "i32"), "rsqrt_d": "fp32"}
     return dict(kernel=_quantize_qkv_kernel, signature=signature,
-                constants=dict(BLOCK=128, HEAD_DIM=head_dim, ROTATE=True, FLOAT32_DOT=False, STAGES=stages, TMA=tma),
-                num_warps=num_warps, maxnreg=maxnreg,
-                aligned=(*(name for name, kind in pointers.items() if kind.startswith("*")), *strides, "keys"))
+                constants=dict(BLOCK=128, HEAD_DIM=head_dim, ROTATE=True, FLOAT32_DOT=False, STAGES=stages),
+                num_warps=num_warps, maxnreg=maxnreg, aligned=(*pointers, *strides, "keys"))
+
+
+def fp8_quant_gluon_job(head_dim: int = 128, dtype: str = "bf16") -> dict:
+    """The :func:`compile_all_for_sm90` job of :func:`.fp8_quant_gluon.quantize_qkv_gluon_kernel` as
+    :func:`.fp8_quant_gluon.launch_gluon_quantization` launches it."""
+    from .fp8_quant_gluon import MAXNREG, NUM_WARPS, TILE_ROWS, quantize_qkv_gluon_kernel
+
+    block = [1, 1, TILE_ROWS, head_dim]
+    pointers = {"v_ptr": f"*{dtype}", "vt8_ptr": "*fp8e4nv", "q_descale_ptr": "*fp32", "k_descale_ptr": "*fp32",
+                "v_descale_ptr": "*fp32", "signs_ptr": "*fp32"}
+    strides = ["stride_vbh", "stride_vn", "stride_vt8bh"]
+    signature = {"q_desc": descriptor_type(dtype, block), "k_desc": descriptor_type(dtype, block),
+                 "q8_desc": descriptor_type("fp8e4nv", block), "k8_desc": descriptor_type("fp8e4nv", block),
+                 **pointers, **dict.fromkeys(["seqlen_k", "keys", "bh_count", "q_tiles", "k_tiles", *strides], "i32"),
+                 "rsqrt_d": "fp32"}
+    return dict(kernel=quantize_qkv_gluon_kernel, signature=signature, constants={}, num_warps=NUM_WARPS,
+                maxnreg=MAXNREG, aligned=(*pointers, *strides, "keys"))
 
 
 def ctas_per_sm_by_registers(registers: int, num_warps: int) -> int:
