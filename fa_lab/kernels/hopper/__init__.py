@@ -4,7 +4,8 @@
 The kernel is split by role: :mod:`.fa3_kernel` (entry), :mod:`.fa3_producer`, :mod:`.fa3_consumer`,
 :mod:`.fa3_softmax`, the shared state :mod:`.fa3_state`, the constants :mod:`.fa3_config`, the loop
 bounds :mod:`.block_range`. Around it: the persistent kernel's schedule (:mod:`.tile_schedule`),
-the fused FP8 quantization of its operands (:mod:`.fp8_quant`, plain Triton) and its offline
+the fused FP8 quantization of its operands (:mod:`.fp8_quant`, plain Triton, and on sm_90 its Gluon pass
+:mod:`.fp8_quant_gluon`) and its offline
 sm_90 build (:mod:`.sm90_offline`). Elsewhere both impls run the portable kernel
 (:mod:`fa_lab.kernels.portable.pipelined_forward`).
 

@@ -41,13 +41,14 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon:
     ``gluon`` (for the Gluon kernel only): V^T's keys in the order of
     :func:`fa_lab.kernels.common.gluon_fp8_key_order`,
     and V's descales given as the exponents log2(v_descale / v_descale_max) that the kernel adds to P's.
-    On a GPU this runs as one Triton pass and a finish (:mod:`.fp8_quant`, which rotates in float32
-    rather than in q's dtype) where they apply; ``fused=False`` keeps the PyTorch operations below.
+    On a GPU this runs as one pass and a finish (:mod:`.fp8_quant`: in Gluon on sm_90, in Triton elsewhere; both
+    rotate in float32 rather than in q's dtype) where they apply; ``fused=False`` keeps the PyTorch operations
+    below.
     """
     from ...fp8 import incoherent_rotation, quantize_e4m3
 
     signs = rotation_signs(q.shape[-1], q.device) if rotate else None
-    # The Triton pass covers the Gluon kernel's operands: head_dim 64 or 128, 128-row tiles.
+    # The fused pass covers the Gluon kernel's operands: head_dim 64 or 128, 128-row tiles.
     if (fused and gluon and q.is_cuda and not interpreting() and q.shape[-1] in (64, 128)
             and config.block_m == config.block_n == 128):
         load_triton()
