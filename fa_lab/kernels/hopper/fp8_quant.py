@@ -196,8 +196,8 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, prog
     kernel: "gluon" (:mod:`.fp8_quant_gluon`: Q's and K's next tile copied by TMA while this one finishes), or
     "triton" (:func:`_quantize_qkv_kernel`, the threads' loads; the interpreter's and every other input's); None
     takes the Gluon pass where :func:`.fp8_quant_gluon.gluon_quantization_applies`. On the H200 the protocol's
-    shapes took 117 to 118 us with the Gluon pass, 0.71 of a copy's bandwidth (benchmarks/h200_fp8_quant.json),
-    against 140 us for this module's kernel. programs (default: two per SM on a GPU, four in the interpreter);
+    shapes took 112 to 113 us with the Gluon pass, 0.74 to 0.75 of a copy's bandwidth, against 144 us for this
+    module's kernel (benchmarks/h200_fp8_quant.json). programs (default: two per SM on a GPU, four in the interpreter);
     num_warps, maxnreg, stages: the Triton kernel's launch (8 warps capped at 128 registers fit two programs an
     SM; loops pipelined over two tiles and one program per SM measured slower: docs/experiments/hopper_forward.md).
     Both kernels and V's finish go through :func:`fa_lab.kernels.launch.cached_launch`, so an eager call takes
