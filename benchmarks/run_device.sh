@@ -51,6 +51,8 @@
 #            by benchmarks/nsa_dq_warps.py)
 #   decode-check-ab - the default call's value check read back first against decided on the device, and the
 #            unchecked call (h200_decode_check_ab.json, by benchmarks/decode_check_ab.py)
+#   gqa-mha-ab - grouped-query attention (32 / 8 heads) against MHA, triton_hopper forward and backward, in turn for
+#            three rounds at the interfaces shapes (h200_gqa_mha_ab.json, by benchmarks/gqa_mha_ab.py)
 #   window-variants - the window (1024, 0) at 16K through each switch of the Gluon forward, and dense
 #            (h200_window_variants.json, by benchmarks/window_variants.py)
 #   nsa-dkdv-variants - NSA's dK/dV gather at other tiles, warps and stages, fla's NSA backward kernel by kernel,
@@ -142,6 +144,7 @@ case "$step" in
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;
   window-variants) python3 benchmarks/window_variants.py "$out" 2>&1 | tee "$out/window_variants.log" ;;
+  gqa-mha-ab) OUT="$out" python3 benchmarks/gqa_mha_ab.py 2>&1 | tee "$out/gqa_mha_ab.log" ;;
   three-consumers) python3 benchmarks/three_consumers_ab.py "$out" 2>&1 | tee "$out/three_consumers.log" ;;
   moba-gaps) python3 benchmarks/moba_forward_gaps.py "$out" 2>&1 | tee "$out/moba_forward_gaps.log" ;;
   nsa-dkdv-variants) python3 benchmarks/nsa_dkdv_variants.py "$out" 2>&1 | tee "$out/nsa_dkdv_variants.log" ;;
@@ -151,5 +154,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|persistent-bf16|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
