@@ -137,7 +137,7 @@ def _walk_tiles(x_ptr, out_ptr, descale_ptr, rotation, tiles, seqlen, out_keys, 
     """This program's share of one tensor's (bh, tile) list, ``tiles`` per head: entries p, p + programs, ...
     (descales (B * H, tiles), so entry ``work``'s descale sits at descale_ptr + work)."""
     for work in tl.range(tl.program_id(0), bh_count * tiles, tl.num_programs(0), num_stages=STAGES):
-        bh, t = work // tiles, work % tiles
+        bh, t = (work // tiles).to(tl.int64), work % tiles  # (a head's offset may pass 2^31 elements)
         _quantize_tile(x_ptr + bh * stride_xbh, out_ptr + bh * stride_obh, descale_ptr + work, rotation, t, seqlen,
                        out_keys, stride_xn, stride_orow, rsqrt_d, BLOCK, HEAD_DIM, ROTATE, V_TRANSPOSED, FLOAT32_DOT)
 

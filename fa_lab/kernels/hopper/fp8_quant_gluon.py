@@ -74,9 +74,9 @@ def quantize_qkv_gluon_kernel(q_desc, k_desc, q8_desc, k8_desc, v_ptr, vt8_ptr, 
     # (HEAD_DIM, BLOCK) V^T, 16 keys a thread: 16-byte stores of e4m3
     vt_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
 
-    i = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, row_layout))
+    dims_down = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, row_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, row_layout))
-    rotation = gl.load(signs_ptr + i)[:, None] * hadamard_sign(i[:, None], cols[None, :])  # diag(signs) H
+    rotation = gl.load(signs_ptr + dims_down)[:, None] * hadamard_sign(dims_down[:, None], cols[None, :])  # diag(s) H
     rotation_smem = gl.allocate_shared_memory(q_desc.dtype, [HEAD_DIM, HEAD_DIM],
                                               gl.NVMMASharedLayout.get_default_for([HEAD_DIM, HEAD_DIM], q_desc.dtype),
                                               rotation.to(q_desc.dtype))
@@ -117,7 +117,7 @@ def quantize_qkv_gluon_kernel(q_desc, k_desc, q8_desc, k8_desc, v_ptr, vt8_ptr, 
     # 2. V's tiles: rows gathered in the FP8 kernel's key order, stored transposed
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, vt_layout))
     for work in range(gl.program_id(0), bh_count * k_tiles, gl.num_programs(0)):
-        bh = work // k_tiles
+        bh = (work // k_tiles).to(gl.int64)  # (a head's offset may pass 2^31 elements)
         first = (work % k_tiles) * BLOCK
         row = fp8_key_of_position(first + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, row_layout)))
         x = gl.load(v_ptr + bh * stride_vbh + row[:, None] * stride_vn + cols[None, :],
