@@ -197,8 +197,9 @@ def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstrings_
     """Both quantization passes as quantize_fp8_operands launches them, built for sm_90 on this machine: the Triton
     pass and the Gluon pass (d = 128 and 64, bf16 and fp16) take 8 warps at most 128 registers without spilling,
     and two programs fit an SM by registers and by shared memory. The Gluon pass moves Q's and K's tiles in and out
-    by TMA (two copies each way), feeds the product from shared memory (no ldmatrix), and converts with saturation
-    (``satfinite``), the Triton pass's clamp to +-448."""
+    by TMA (two copies each way), issues the next tile's copy between this tile's product and its store, feeds the
+    product from shared memory (no ldmatrix), and converts with saturation (``satfinite``), the Triton pass's clamp
+    to +-448."""
     from fa_lab.kernels.hopper.sm90_offline import (
         compile_all_for_sm90,
         ctas_per_sm,
@@ -216,6 +217,12 @@ def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstrings_
     for build in gluon_passes:
         assert build.ptx.count("cp.async.bulk.tensor") >= 4 and "ldmatrix" not in build.ptx
         assert "cvt.rn.satfinite.e4m3x2.f32" in build.ptx
+        # In the Q/K loop the next tile's copy is issued after the product and before this tile's store.
+        loop = build.ttgir[build.ttgir.index("scf.for"):]
+        loop = loop[:loop.index("scf.for", 1)]
+        product, copy_in, copy_out = (loop.index(op) for op in ("warp_group_dot ", "async_tma_copy_global_to_local",
+                                                                "async_tma_copy_local_to_global"))
+        assert product < copy_in < copy_out
 
 
 def test_a_packed_batch_takes_the_gluon_backward_by_the_dense_rule(monkeypatch):
