@@ -4,7 +4,6 @@ turn for three rounds; medians and the GQA / MHA ratio of the medians per shape 
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/gqa_mha_ab.py`` (prints, and writes $OUT/gqa_mha_ab.json).
 """
-import json
 import os
 import statistics
 
@@ -12,7 +11,7 @@ import torch
 from triton.testing import do_bench
 
 from fa_lab.bench.interfaces import fa_lab_impl, interface_cases, time_forward_backward
-from fa_lab.bench.schema import environment
+from fa_lab.bench.schema import environment, write_log
 
 ROUNDS = 3
 
@@ -39,8 +38,7 @@ def main():
         print(seqlen, causal, row["mha"]["fwd_tflops"], row["gqa"]["fwd_tflops"], row["gqa_over_mha"], flush=True)
         del prepared
         torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), "gqa_mha_ab.json"), "w") as file:
-        json.dump(results, file, indent=1)
+    write_log(results, os.path.join(os.environ.get("OUT", "."), "gqa_mha_ab.json"))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..common import cdiv, device_capability, gluon_descriptor, tma_readable
+from ..launch import cached_launch
 from .fp8_quant import e4m3_descale, fp8_key_of_position, hadamard_sign
 
 TILE_ROWS = 128  # rows of a tile: the FP8 kernel's 128-row quantization blocks (one descale each)
@@ -134,8 +136,6 @@ def quantize_qkv_gluon_kernel(q_desc, k_desc, q8_desc, k8_desc, v_ptr, vt8_ptr, 
 def gluon_quantization_applies(q_rows: torch.Tensor, k_rows: torch.Tensor, block: int, rotate: bool) -> bool:
     """Whether :func:`launch_gluon_quantization` takes these (B * H, N, d) rows: on an sm_90 GPU, with the rotation,
     128-row tiles, d in HEAD_DIMS, bf16 or fp16, and Q and K readable by TMA."""
-    from ..common import device_capability, tma_readable
-
     return (q_rows.is_cuda and rotate and block == TILE_ROWS and q_rows.shape[-1] in HEAD_DIMS
             and q_rows.dtype in (torch.bfloat16, torch.float16) and device_capability(q_rows.device) == (9, 0)
             and tma_readable(q_rows) and tma_readable(k_rows))
@@ -146,9 +146,6 @@ def launch_gluon_quantization(q_rows, k_rows, v_rows, q8, k8, vt8, q_descale, k_
     """:func:`quantize_qkv_gluon_kernel` over the (B * H, N, d) rows, into the outputs that
     :func:`.fp8_quant.quantize_fp8_operands` allocated (q8, k8 like the rows, vt8 (B * H, d, keys), descales
     (B * H * tiles,) float32)."""
-    from ..common import cdiv, gluon_descriptor
-    from ..launch import cached_launch
-
     bh, _, head_dim = q_rows.shape
     q_tiles, k_tiles = cdiv(q_rows.shape[1], TILE_ROWS), cdiv(k_rows.shape[1], TILE_ROWS)
     block = [1, 1, TILE_ROWS, head_dim]
