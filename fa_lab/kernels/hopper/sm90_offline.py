@@ -52,6 +52,13 @@ class Sm90Build:
         """Local-memory loads and stores (LDL/STL) inside the SASS loops that issue WGMMAs (:func:`kv_loop_spills`)."""
         return kv_loop_spills(self.sass)
 
+    @property
+    def injected_waits(self) -> int:
+        """WGMMA waits ptxas adds on its own (its note C7517, "warpgroup.wait is injected ... to allow use of registers
+        defined by GMMA"): each makes a warpgroup wait for a product the source left in flight, so two products the
+        kernel issues back to back run one after the other. Assembles the PTX again (about a second)."""
+        return ptxas_notes(self.ptx).count("(C7517)")
+
 
 def descriptor_type(dtype: str, block: list[int]) -> str:
     """The signature string Triton gives a Gluon TMA descriptor argument of this dtype ("bf16", "fp16",
@@ -203,16 +210,30 @@ def _compile(module, name, signature, constants, num_warps, maxnreg, aligned=(),
                      compiled.metadata.shared, usage["REG"], usage["STACK"], usage["LOCAL"])
 
 
+def ptxas_notes(ptx: str) -> str:
+    """What Triton's bundled ``ptxas -v`` reports while assembling ``ptx`` for sm_90a: the resource lines and its
+    numbered notes, such as the waits it injects (C7517) or WGMMAs it serializes (C7515)."""
+    return _run_bundled("ptxas", ptx, "kernel.ptx", "-v", "--gpu-name=sm_90a", output="kernel.cubin").stderr
+
+
 def _cuobjdump(cubin: bytes, *flags: str) -> str:
     """What Triton's bundled ``cuobjdump`` prints for the cubin with these flags."""
+    return _run_bundled("cuobjdump", cubin, "kernel.cubin", *flags).stdout
+
+
+def _run_bundled(tool: str, contents: str | bytes, name: str, *flags: str,
+                 output: str | None = None) -> subprocess.CompletedProcess:
+    """Triton's bundled ``tool`` (ptxas, cuobjdump) run with flags on ``contents`` written to a temporary file
+    ``name`` (then ``-o output`` beside it, if given)."""
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as file:
-            file.write(cubin)
-        return subprocess.run([tool, *flags, path], capture_output=True, text=True, check=True).stdout
+        source = os.path.join(tmp, name)
+        with open(source, "wb" if isinstance(contents, bytes) else "w") as file:
+            file.write(contents)
+        command = [path, *flags, source] + (["-o", os.path.join(tmp, output)] if output else [])
+        return subprocess.run(command, capture_output=True, text=True, check=True)
 
 
 def _resource_usage(cubin: bytes) -> dict:
