@@ -174,7 +174,8 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
     dV, dK and dQ). With the products' accumulators started from -lse2 and -D, the row vectors no longer sit beside
     them: on Triton 3.6 the loops keep at most one value in local memory (7 / 51 loads and stores at d = 128 dense
     before, 17 / 68 packed, and 226 / 360 for 128-row steps at d = 64). ptxas injects one WGMMA wait, in one
-    consumer between S^T and dP^T (docs/experiments/backward.md, "Offline: a wait ptxas adds"), and no more."""
+    consumer between S^T and dP^T (docs/experiments/backward.md, "Offline: a wait ptxas adds"), and no more. P^T is
+    rounded to bf16 two values an instruction (F2FP), never one at a time (F2F: 32 a step before ``_widen``)."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
 
     variants = [(causal, varlen, "turns", None) for varlen in (False, True) for causal in (False, True)]
@@ -193,6 +194,7 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
         assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.bf16.bf16" in build.ptx
         assert build.kv_loop_spills <= 1, (causal, varlen, mode, rows, build.kv_loop_spills)
         assert build.injected_waits <= 1, (causal, varlen, mode, rows, build.injected_waits)
+        assert build.loop_instructions("F2F.BF16.F32") == 0 and build.loop_instructions("F2FP.BF16.F32.PACK_AB") > 0
 
 
 def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstrings_say():

@@ -138,6 +138,20 @@ def _row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, row
 
 
 @gluon.jit
+def _widen(x):
+    """The float32 values of a 16-bit tensor, read out of the 32-bit registers that hold them two by two.
+
+    (``x.to(gl.float32)`` converts the same values, but on bf16 it made ptxas round P^T to bf16 one value at a
+    time: 32 F2F.BF16.F32 and 16 PRMT a step where the operand alone takes 16 F2FP, since each value then had a
+    second use. Read from the packed registers, the values have none.)"""
+    if x.dtype == gl.bfloat16:  # a bf16 is the top half of the float32 with the same value
+        asm: gl.constexpr = "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }"
+    else:
+        asm: gl.constexpr = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
+    return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+
+
+@gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr, delta_ptr,
                   batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start, k_start, lse_rows,
                   ROWS_BY_PRODUCER: gl.constexpr):
@@ -266,7 +280,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
-        pt_back = gl.convert_layout(pt_op, st_layout).to(gl.float32)
+        pt_back = gl.convert_layout(_widen(pt_op), st_layout)
         dst = (pt_back * dpt).to(dtype)
         ds_op = gl.convert_layout(dst, op_layout)
         slot = t % 2

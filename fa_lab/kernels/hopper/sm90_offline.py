@@ -52,6 +52,12 @@ class Sm90Build:
         """Local-memory loads and stores (LDL/STL) inside the SASS loops that issue WGMMAs (:func:`kv_loop_spills`)."""
         return kv_loop_spills(self.sass)
 
+    def loop_instructions(self, opcode: str) -> int:
+        """How many instructions of the K/V loops (:func:`wgmma_loop_bodies`) have this opcode (as "F2F.BF16.F32",
+        or a prefix of it)."""
+        return sum(1 for body in wgmma_loop_bodies(self.sass) for text in body
+                   if re.sub(r"^@!?U?P\w+\s+", "", text.strip()).startswith(opcode))
+
     @property
     def injected_waits(self) -> int:
         """WGMMA waits ptxas adds on its own (its note C7517, "warpgroup.wait is injected ... to allow use of registers
@@ -242,12 +248,11 @@ def _resource_usage(cubin: bytes) -> dict:
     return {key: int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", report)}
 
 
-def kv_loop_spills(sass: str) -> int:
-    """LDL/STL instructions inside the innermost SASS loops that issue WGMMAs (the K/V loops).
+def wgmma_loop_bodies(sass: str) -> list[list[str]]:
+    """The instructions of each innermost SASS loop that issues WGMMAs (the K/V loops), one list per loop.
 
     A loop is a predicated backward branch (the unpredicated ones return from the out-of-line retry
     blocks of mbarrier waits); the K/V loops are the smallest ones holding a GMMA instruction.
-    Spills outside them (a few scalars reloaded once per work tile) cost next to nothing.
     """
     code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
@@ -261,7 +266,13 @@ def kv_loop_spills(sass: str) -> int:
                  if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in gmma_loops)]
     if not innermost:
         raise ValueError("no SASS loop issues a GMMA: is this the FA3 kernel?")
-    return sum(1 for loop in innermost for text in body[loop] if re.search(r"\b(LDL|STL)\b", text))
+    return [body[loop] for loop in innermost]
+
+
+def kv_loop_spills(sass: str) -> int:
+    """LDL/STL instructions inside the innermost SASS loops that issue WGMMAs (:func:`wgmma_loop_bodies`).
+    Spills outside them (a few scalars reloaded once per work tile) cost next to nothing."""
+    return sum(1 for body in wgmma_loop_bodies(sass) for text in body if re.search(r"\b(LDL|STL)\b", text))
 
 
 if __name__ == "__main__":  # python -m fa_lab.kernels.hopper.sm90_offline '[{"module": ...}, ...]' -> builds as JSON
