@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import torch
 
@@ -58,12 +59,23 @@ class Sm90Build:
         return sum(1 for body in wgmma_loop_bodies(self.sass) for text in body
                    if re.sub(r"^@!?U?P\w+\s+", "", text.strip()).startswith(opcode))
 
+    @cached_property
+    def ptxas_report(self) -> str:
+        """What ``ptxas -v`` says while assembling this build's PTX again (:func:`ptxas_notes`; about a second)."""
+        return ptxas_notes(self.ptx)
+
     @property
     def injected_waits(self) -> int:
         """WGMMA waits ptxas adds on its own (its note C7517, "warpgroup.wait is injected ... to allow use of registers
         defined by GMMA"): each makes a warpgroup wait for a product the source left in flight, so two products the
-        kernel issues back to back run one after the other. Assembles the PTX again (about a second)."""
-        return ptxas_notes(self.ptx).count("(C7517)")
+        kernel issues back to back run one after the other."""
+        return self.ptxas_report.count("(C7517)")
+
+    @property
+    def serialized_wgmma(self) -> bool:
+        """Whether ptxas gave up pipelining the WGMMAs (its note C7512, "wgmma.mma_async instructions are serialized
+        due to insufficient register resources"): then every product waits for the one before it."""
+        return "(C7512)" in self.ptxas_report
 
 
 def descriptor_type(dtype: str, block: list[int]) -> str:
@@ -218,7 +230,7 @@ def _compile(module, name, signature, constants, num_warps, maxnreg, aligned=(),
 
 def ptxas_notes(ptx: str) -> str:
     """What Triton's bundled ``ptxas -v`` reports while assembling ``ptx`` for sm_90a: the resource lines and its
-    numbered notes, such as the waits it injects (C7517) or WGMMAs it serializes (C7515)."""
+    numbered notes, such as the waits it injects (C7517) or WGMMAs it serializes (C7512)."""
     return _run_bundled("ptxas", ptx, "kernel.ptx", "-v", "--gpu-name=sm_90a", output="kernel.cubin").stderr
 
 
