@@ -56,8 +56,7 @@ class Sm90Build:
     def loop_instructions(self, opcode: str) -> int:
         """How many instructions of the K/V loops (:func:`wgmma_loop_bodies`) have this opcode (as "F2F.BF16.F32",
         or a prefix of it)."""
-        return sum(1 for body in wgmma_loop_bodies(self.sass) for text in body
-                   if re.sub(r"^@!?U?P\w+\s+", "", text.strip()).startswith(opcode))
+        return sum(1 for body in wgmma_loop_bodies(self.sass) for text in body if sass_opcode(text).startswith(opcode))
 
     @cached_property
     def ptxas_report(self) -> str:
@@ -279,6 +278,11 @@ def wgmma_loop_bodies(sass: str) -> list[list[str]]:
     if not innermost:
         raise ValueError("no SASS loop issues a GMMA: is this the FA3 kernel?")
     return [body[loop] for loop in innermost]
+
+
+def sass_opcode(instruction: str) -> str:
+    """The opcode of one SASS instruction's text, its predicate dropped: "@!P0 FSEL R1, ..." -> "FSEL"."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction.strip()).split()[0]
 
 
 def kv_loop_spills(sass: str) -> int:
