@@ -175,7 +175,9 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
     them: on Triton 3.6 the loops keep at most one value in local memory (7 / 51 loads and stores at d = 128 dense
     before, 17 / 68 packed, and 226 / 360 for 128-row steps at d = 64). ptxas injects one WGMMA wait, in one
     consumer between S^T and dP^T (docs/experiments/backward.md, "Offline: a wait ptxas adds"), and no more. P^T is
-    rounded to bf16 two values an instruction (F2FP), never one at a time (F2F: 32 a step before ``_widen``)."""
+    rounded to bf16 two values an instruction (F2FP), never one at a time (F2F: 32 a step before ``_widen``), and
+    the products' start rows come ready from the producer (no float additions in the consumers' loops: before, a
+    step divided -lse2 by the scale and negated D there)."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
 
     variants = [(causal, varlen, "turns", None) for varlen in (False, True) for causal in (False, True)]
@@ -195,6 +197,7 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
         assert build.kv_loop_spills <= 1, (causal, varlen, mode, rows, build.kv_loop_spills)
         assert build.injected_waits <= 1 and not build.serialized_wgmma, (causal, varlen, mode, rows)
         assert build.loop_instructions("F2F.BF16.F32") == 0 and build.loop_instructions("F2FP.BF16.F32.PACK_AB") > 0
+        assert build.loop_instructions("FADD") == build.loop_instructions("FFMA") == 0  # start rows come ready
 
 
 def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstrings_say():

@@ -4,9 +4,9 @@ One CTA owns a tile of 128 keys of one (batch, K/V head) and walks down the quer
 128 at d = 64: :data:`BWD_ROWS`) that see it, in FA3's loop order (notebook 04, section 8). Its partitions:
 
 * **Producer** (one warp): TMA copies of K and V once, then of each step's Q_i and dO_i into a ring of
-  ``STAGES`` slots; with ``ROWS_BY_PRODUCER`` (the launchers' default) it also stores each step's lse2 and D rows
-  in shared memory beside them, so that no consumer waits on global memory for them (1.02-1.11x dense and
-  1.06-1.17x packed on the H200: docs/experiments/backward.md).
+  ``STAGES`` slots; with ``ROWS_BY_PRODUCER`` (the launchers' default) it also stores each step's rows of
+  -lse2 / (scale * log2 e) and -D in shared memory beside them, so that no consumer waits on global memory for
+  them (1.02-1.11x dense and 1.06-1.17x packed on the H200: docs/experiments/backward.md) nor computes them.
 * **Two consumer warpgroups**, 64 keys each. Per step a consumer computes, for its keys,
   S^T = K Q_i^T and dP^T = V dO_i^T (asynchronous WGMMAs), P^T = exp2(S^T * scale * log2 e - lse2),
   dV += P^T dO_i and dS^T = P^T * (dP^T - D), dK += dS^T Q_i (both from registers: the accumulator
@@ -128,13 +128,14 @@ def _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q):
-    """lse2 and D of a step's rows (in rows' layout), from (B, H, Nq), or (H, total_q) packed (lse_rows rows per
-    head, the sequence's from q_start); rows past seqlen_q get lse2 = +inf (probability 0) and D = 0."""
+def _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q, qk_scale):
+    """What the S^T and dP^T products of a step's rows start from (in rows' layout): -lse2 / qk_scale and -D, from
+    lse2 and D in (B, H, Nq), or (H, total_q) packed (lse_rows rows per head, the sequence's from q_start). Rows
+    past seqlen_q get lse2 = +inf (probability 0) and D = 0."""
     base = (batch * heads + head) * lse_rows + q_start
     valid = rows < seqlen_q
-    return (gl.load(lse2_ptr + base + rows, mask=valid, other=float("inf")),
-            gl.load(delta_ptr + base + rows, mask=valid, other=0.0))
+    lse2 = gl.load(lse2_ptr + base + rows, mask=valid, other=float("inf"))
+    return -(lse2 / qk_scale), -gl.load(delta_ptr + base + rows, mask=valid, other=0.0)
 
 
 @gluon.jit
@@ -154,10 +155,11 @@ def _widen(x):
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr, delta_ptr,
                   batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start, k_start, lse_rows,
-                  ROWS_BY_PRODUCER: gl.constexpr):
+                  qk_scale, ROWS_BY_PRODUCER: gl.constexpr):
     """TMA copies: K and V of the CTA's keys once, then Q_i and dO_i of every step (q_start, k_start: the
-    sequence's first row in a packed batch, else 0). ROWS_BY_PRODUCER: also step i's lse2 and D rows, into
-    row_bufs[2 slot] and [2 slot + 1] before Q_i's copy is announced on the slot's ready barrier."""
+    sequence's first row in a packed batch, else 0). ROWS_BY_PRODUCER: also the start rows of step i's two products
+    (:func:`_product_starts`), into row_bufs[2 slot] and [2 slot + 1] before Q_i's copy is announced on the slot's
+    ready barrier."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     k_ring.at(0).fill(k_desc, [batch, kv_head, k_start + start_n, 0])
     v_ring.at(0).fill(v_desc, [batch, kv_head, k_start + start_n, 0])
@@ -167,9 +169,10 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
         if ROWS_BY_PRODUCER:
             wait_until_empty(q_ring.empty.index(q_tile.slot), ring_phase(t, q_ring.bufs.type.shape[0]))
             rows = start_m + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
-            lse2, delta = _row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q)
-            row_bufs.index(2 * q_tile.slot).store(lse2)
-            row_bufs.index(2 * q_tile.slot + 1).store(delta)
+            s_rows, dp_rows = _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
+                                              seqlen_q, qk_scale)
+            row_bufs.index(2 * q_tile.slot).store(s_rows)
+            row_bufs.index(2 * q_tile.slot + 1).store(dp_rows)
             gl.thread_barrier()  # every lane's rows stored before the ready barrier's arrival below
         q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])
         do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
@@ -251,14 +254,15 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
         do_smem = do_tile.buf().reshape([BLOCK_M, HEAD_DIM])
         if ROWS_BY_PRODUCER:  # (the producer stored them before Q's ready barrier)
             q_tile.wait_ready()
-            lse2 = row_bufs.index(2 * q_tile.slot).load(query_layout)
-            delta = row_bufs.index(2 * q_tile.slot + 1).load(query_layout)
+            s_rows = row_bufs.index(2 * q_tile.slot).load(query_layout)
+            dp_rows = row_bufs.index(2 * q_tile.slot + 1).load(query_layout)
         else:
-            lse2, delta = _row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q)
+            s_rows, dp_rows = _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
+                                              seqlen_q, qk_scale)
         # The accumulators start at -lse2 / qk_scale and -D: the products then leave S^T - lse2 / qk_scale and
-        # dP^T - D, and neither row vector stays live beside them.
+        # dP^T - D, and neither row vector stays live beside them. (Broadcast, not added to zeros: no instruction.)
         zeros = gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, st_layout)
-        s_start = zeros - (lse2 / qk_scale)[None, :]
+        s_start = gl.broadcast(s_rows[None, :], zeros)[0]
         # A masked pair starts at -inf, so that its probability is 0.
         if CAUSAL:
             if start_m + offset < key0 + KEYS_PER_CONSUMER - 1:  # the diagonal: some keys come after a row
@@ -272,7 +276,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
             q_tile.wait_ready()
         do_tile.wait_ready()
         st = warpgroup_mma(k_own, q_smem.permute((1, 0)), s_start, is_async=True)
-        dpt = warpgroup_mma(v_own, do_smem.permute((1, 0)), zeros - delta[None, :], is_async=True)
+        dpt = warpgroup_mma(v_own, do_smem.permute((1, 0)), gl.broadcast(dp_rows[None, :], zeros)[0], is_async=True)
         st = warpgroup_mma_wait(1, deps=(st,))
         pt = gl.exp2(st * qk_scale)
         # P^T is kept as the 16-bit operand only (the registers of the float32 tile are the budget's
@@ -387,8 +391,8 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128) * B * H // group,), the CTAs in the order of
     :func:`key_tile_of_cta` with head_group (batch, K/V head) pairs per group (a divisor of B * H // group).
     schedule_ptr, cu_seqlens_q/k are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL or DQ_SPLIT (d = 128),
-    the module docstring's dQ schemes. ROWS_BY_PRODUCER: each step's lse2 and D rows reach the consumers through
-    shared memory (the producer loads them) instead of each consumer's own loads.
+    the module docstring's dQ schemes. ROWS_BY_PRODUCER: each step's start rows (:func:`_product_starts`) reach the
+    consumers through shared memory (the producer loads and computes them) instead of each consumer's own loads.
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -431,7 +435,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     # dQ's buffers: two (turns: a slot each; partial: a consumer each), or a column half per slot and consumer.
     DQ_BUFFERS: gl.constexpr = 4 if DQ_SCHEME == DQ_SPLIT else 2
     dq_bufs = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS] + dq_desc.block_type.shape, dq_desc.layout)
-    if ROWS_BY_PRODUCER:  # each step's lse2 and D rows, a slot per Q slot
+    if ROWS_BY_PRODUCER:  # each step's start rows of its two products, a slot per Q slot
         row_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M],
                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     else:
@@ -479,7 +483,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
                          VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr,
                          delta_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start,
-                         k_start, lse_rows, ROWS_BY_PRODUCER)),
+                         k_start, lse_rows, qk_scale, ROWS_BY_PRODUCER)),
         (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
                           DQ_SCHEME)),
     ], [4, 1, 1], [BWD_CONSUMER_REGS, BWD_WORKER_REGS, BWD_WORKER_REGS])
