@@ -48,15 +48,20 @@ class Sm90Build:
     stack_bytes: int  # per thread; > 0 means ptxas spilled registers
     local_bytes: int
 
+    @cached_property
+    def loop_bodies(self) -> list[list[str]]:
+        """The instructions of the K/V loops (:func:`wgmma_loop_bodies`), read out of the SASS once."""
+        return wgmma_loop_bodies(self.sass)
+
     @property
     def kv_loop_spills(self) -> int:
         """Local-memory loads and stores (LDL/STL) inside the SASS loops that issue WGMMAs (:func:`kv_loop_spills`)."""
-        return kv_loop_spills(self.sass)
+        return _spills(self.loop_bodies)
 
     def loop_instructions(self, opcode: str) -> int:
-        """How many instructions of the K/V loops (:func:`wgmma_loop_bodies`) have this opcode (as "F2F.BF16.F32",
-        or a prefix of it)."""
-        return sum(1 for body in wgmma_loop_bodies(self.sass) for text in body if sass_opcode(text).startswith(opcode))
+        """How many instructions of the K/V loops (:attr:`loop_bodies`) have this opcode (as "F2F.BF16.F32", or a
+        prefix of it)."""
+        return sum(1 for body in self.loop_bodies for text in body if sass_opcode(text).startswith(opcode))
 
     @cached_property
     def ptxas_report(self) -> str:
@@ -288,7 +293,12 @@ def sass_opcode(instruction: str) -> str:
 def kv_loop_spills(sass: str) -> int:
     """LDL/STL instructions inside the innermost SASS loops that issue WGMMAs (:func:`wgmma_loop_bodies`).
     Spills outside them (a few scalars reloaded once per work tile) cost next to nothing."""
-    return sum(1 for body in wgmma_loop_bodies(sass) for text in body if re.search(r"\b(LDL|STL)\b", text))
+    return _spills(wgmma_loop_bodies(sass))
+
+
+def _spills(loop_bodies: list[list[str]]) -> int:
+    """The LDL/STL instructions among these loops' instructions."""
+    return sum(1 for body in loop_bodies for text in body if re.search(r"\b(LDL|STL)\b", text))
 
 
 if __name__ == "__main__":  # python -m fa_lab.kernels.hopper.sm90_offline '[{"module": ...}, ...]' -> builds as JSON
