@@ -177,7 +177,9 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
     consumer between S^T and dP^T (docs/experiments/backward.md, "Offline: a wait ptxas adds"), and no more. P^T is
     rounded to bf16 two values an instruction (F2FP), never one at a time (F2F: 32 a step before ``_widen``), and
     the products' start rows come ready from the producer (no float additions in the consumers' loops: before, a
-    step divided -lse2 by the scale and negated D there)."""
+    step divided -lse2 by the scale and negated D there). A score costs two multiplies, the exponent's argument and
+    dS: dQ leaves the loop unscaled (the launcher scales it as it casts; before, 64 more FMUL a thread in a dQ
+    step at d = 128)."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
 
     variants = [(causal, varlen, "turns", None) for varlen in (False, True) for causal in (False, True)]
@@ -198,6 +200,20 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
         assert build.injected_waits <= 1 and not build.serialized_wgmma, (causal, varlen, mode, rows)
         assert build.loop_instructions("F2F.BF16.F32") == 0 and build.loop_instructions("F2FP.BF16.F32.PACK_AB") > 0
         assert build.loop_instructions("FADD") == build.loop_instructions("FFMA") == 0  # start rows come ready
+        scores_per_thread = step_rows * 64 // 128  # a consumer's 64 keys x the step's rows, over 128 threads
+        assert build.loop_instructions("FMUL") == len(build.loop_bodies) * 2 * scores_per_thread
+
+
+def test_the_gluon_backward_launchers_scale_dq_as_they_cast_it(generator):
+    """The Gluon backward adds dS K unscaled into its float32 dQ; the launchers' cast applies the softmax scale, in
+    the output's dtype, in one pass."""
+    from fa_lab.kernels.hopper.attention import _scaled_dq
+
+    dq_sum = torch.randn(2, 3, 17, 64, generator=generator)
+    for dtype in (torch.bfloat16, torch.float16):
+        dq = _scaled_dq(dq_sum, 0.09, dtype)
+        assert dq.dtype == dtype and dq.shape == dq_sum.shape
+        assert torch.equal(dq, (dq_sum * 0.09).to(dtype))
 
 
 def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstrings_say():
@@ -387,8 +403,8 @@ def _check_sm90_build(head_dim, fp8, causal, stages, pingpong, persistent, windo
     backward has one such wait, docs/experiments/backward.md)."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_fa3_for_sm90
 
-    build = compile_fa3_for_sm90(head_dim, causal, stages, pingpong, fp8, persistent=persistent, window=window,
-                                 **options)
+    build = compile_fa3_for_sm90(head_dim, causal, stages=stages, pingpong=pingpong, fp8=fp8, persistent=persistent,
+                                 window=window, **options)
     assert build.kv_loop_spills == 0, "ptxas spilled registers inside the K/V loop"
     assert build.stack_bytes <= 16 and build.local_bytes == 0, "ptxas spilled more than a few scalars"
     assert build.shared_bytes <= SM90_SHARED_LIMIT

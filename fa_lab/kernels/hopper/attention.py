@@ -304,7 +304,7 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     dq, dk, dv = _backward_outputs(q, k, v)
     _launch_backward((key_tiles * batch * heads_kv,), (q, k, v, grad_out, dq), dk, dv, lse2, delta, heads, seqlen_q,
                      seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer)
-    return dq.to(q.dtype), dk, dv
+    return _scaled_dq(dq, scale, q.dtype), dk, dv
 
 
 def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
@@ -327,7 +327,13 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     _launch_backward((len(tiles), k.shape[1]), [heads_view(t) for t in (q, k, v, grad_out, dq)], dk, dv, lse2, delta,
                      heads, total_q, k.shape[0], 1, (tiles, cu_q, cu_k), causal, scale, dq_mode, rows,
                      rows_by_producer)
-    return dq.to(q.dtype), dk, dv
+    return _scaled_dq(dq, scale, q.dtype), dk, dv
+
+
+def _scaled_dq(dq_sum: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """dQ in ``dtype`` from the float32 sum of dS K the Gluon backward adds (dQ / scale: the kernel leaves the
+    softmax scale to this cast), in one pass."""
+    return torch.mul(dq_sum, scale, out=torch.empty(dq_sum.shape, dtype=dtype, device=dq_sum.device))
 
 
 def _backward_outputs(q, k, v):
