@@ -123,11 +123,17 @@ def compile_all_for_sm90(jobs: list[dict]) -> list[Sm90Build]:
     return [_compile(**arg) for arg in args]
 
 
-def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
-                         fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2,
-                         persistent: bool = False, window: bool = False, varlen: bool = False,
-                         softcap: bool = False, alibi: bool = False) -> Sm90Build:
-    """Compile :func:`.fa3_kernel.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU."""
+def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, **switches) -> Sm90Build:
+    """Compile :func:`.fa3_kernel.attention_fwd_fa3_kernel` for sm_90a as the launcher would, without a GPU
+    (switches: :func:`fa3_forward_job`'s)."""
+    return compile_all_for_sm90([fa3_forward_job(head_dim, causal, **switches)])[0]
+
+
+def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
+                    fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2, persistent: bool = False,
+                    window: bool = False, varlen: bool = False, softcap: bool = False, alibi: bool = False) -> dict:
+    """The :func:`compile_all_for_sm90` job of :func:`.fa3_kernel.attention_fwd_fa3_kernel` as the launcher builds
+    it with these switches (:class:`.attention.HopperOptions`' and the call's)."""
     from .fa3_config import CONSUMER_REGS, descriptor_blocks, launch_maxnreg
     from .fa3_kernel import attention_fwd_fa3_kernel
 
@@ -145,8 +151,8 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, stages: int 
     constants = {"CONSUMERS": consumers, "STAGES": stages, "CAUSAL": causal, "PINGPONG": pingpong, "FP8": fp8,
                  "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers], "WINDOW": window,
                  "VARLEN": varlen, "SOFTCAP": softcap, "ALIBI": alibi}
-    return compile_for_sm90(attention_fwd_fa3_kernel, signature, constants, num_warps=4,
-                            maxnreg=launch_maxnreg(consumers))
+    return dict(kernel=attention_fwd_fa3_kernel, signature=signature, constants=constants, num_warps=4,
+                maxnreg=launch_maxnreg(consumers))
 
 
 def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False,

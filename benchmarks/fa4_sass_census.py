@@ -1,0 +1,127 @@
+"""The K/V loops of flash-attn-4's SM90 kernels beside ours, read from SASS built on a CPU: instructions by opcode,
+WGMMAs, and the warpgroup barriers (``BAR.SYNC ..., 0x80``) each loop waits on.
+
+flash-attn-4's CuTe DSL kernels cross-compile without a GPU (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, fake tensors);
+CUTE_DSL_KEEP keeps their cubin, and Triton's bundled cuobjdump (:mod:`fa_lab.kernels.hopper.sm90_offline`) reads
+both theirs and ours. Each of their builds runs in a fresh process with its own dump folder. The shapes are the
+FA3-paper protocol's at 8K (16K tokens, 2048 / head_dim heads); ours are built with the launcher's choices at 8K
+keys. A loop's counts are its static code: both sides of a branch inside it count (our masked and unmasked score
+tiles, our backward's dQ step).
+
+Set-up (CPU, Python 3.11), then the run (about five minutes on two cores):
+
+    pip download --no-deps --only-binary=:all: --python-version 3.11 -d WHEELS flash-attn-4==4.0.0b36 \\
+        nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \\
+        nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels apache-tvm-ffi torch-c-dlpack-ext cuda-bindings \\
+        cuda-pathfinder einops
+    .venv/bin/pip install --no-deps --target SITE WHEELS/*.whl
+    PYTHONPATH=SITE/nvidia_cutlass_dsl/dsl_packages:SITE .venv/bin/python benchmarks/fa4_sass_census.py
+
+writes benchmarks/sass_census_fa4.json (docs/experiments/hopper_forward.md, "flash-attn-4's loops, read offline").
+"""
+import collections
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+SEQLEN = 8192
+CONFIGS = [(head_dim, causal) for head_dim in (128, 64) for causal in (False, True)]
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sass_census_fa4.json")
+FA4_KERNELS = {"forward": "FlashAttentionForwardSm90", "backward": "FlashAttentionBackwardSm90"}
+
+
+def census(sass: str) -> list[dict]:
+    """Each K/V loop of a SASS text: its instruction count, opcodes (suffixes dropped) by count, its WGMMAs and
+    its warpgroup barriers."""
+    from fa_lab.kernels.hopper.sm90_offline import sass_opcode, wgmma_loop_bodies
+
+    loops = []
+    for body in wgmma_loop_bodies(sass):
+        opcodes = collections.Counter(sass_opcode(text).split(".")[0] for text in body)
+        loops.append({"instructions": len(body), "hgmma": opcodes["HGMMA"],
+                      "warpgroup_barriers": sum(1 for text in body if "BAR.SYNC" in text and "0x80" in text),
+                      "opcodes": dict(opcodes.most_common())})
+    return loops
+
+
+def fa4_build(direction: str, head_dim: int, causal: bool, dump_dir: str) -> None:
+    """In this process: compile flash-attn-4's SM90 kernel of ``direction`` with fake CUDA tensors, its cubin kept
+    in dump_dir (the environment set by :func:`fa4_row`)."""
+    import torch
+    from flash_attn.cute import interface
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    batch, heads = 16384 // SEQLEN, 2048 // head_dim
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v, out, grad = (torch.empty(batch, SEQLEN, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+                              for _ in range(5))
+        if direction == "forward":
+            interface._flash_attn_fwd(q, k, v, causal=causal)
+        else:
+            lse = torch.empty(batch, heads, SEQLEN, device="cuda", dtype=torch.float32)
+            interface._flash_attn_bwd(q, k, v, out, grad, lse, causal=causal)
+
+
+def fa4_row(direction: str, head_dim: int, causal: bool) -> dict:
+    """flash-attn-4's kernel built in a fresh process, then read."""
+    from fa_lab.kernels.hopper.sm90_offline import _cuobjdump, _resource_usage
+
+    with tempfile.TemporaryDirectory() as dump_dir:
+        env = {**os.environ, "FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a",
+               "FLASH_ATTENTION_NUM_SMS": "132", "CUTE_DSL_KEEP": "cubin", "CUTE_DSL_DUMP_DIR": dump_dir}
+        subprocess.run([sys.executable, __file__, "--fa4", direction, str(head_dim), str(int(causal))], env=env,
+                       check=True, capture_output=True)
+        cubin_path, = glob.glob(os.path.join(dump_dir, f"*{FA4_KERNELS[direction]}*.cubin"))
+        with open(cubin_path, "rb") as file:
+            cubin = file.read()
+    return {"impl": "fa4", "kernel": direction, "head_dim": head_dim, "causal": causal,
+            "registers": _resource_usage(cubin)["REG"], "loops": census(_cuobjdump(cubin, "-sass"))}
+
+
+def ours_rows() -> list[dict]:
+    """Our Gluon forward (as the launcher builds it at SEQLEN keys) and backward, built in one batch."""
+    from fa_lab.kernels.hopper.attention import consumers_by_default, persistent_by_default
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job, fa3_forward_job
+
+    jobs, rows = [], []
+    for head_dim, causal in CONFIGS:
+        consumers = consumers_by_default(head_dim, causal, SEQLEN, banded=False)
+        persistent = persistent_by_default(head_dim, causal, SEQLEN, banded=False, consumers=consumers)
+        jobs += [fa3_forward_job(head_dim, causal, consumers=consumers, persistent=persistent),
+                 fa3_backward_job(head_dim, causal)]
+        rows += [{"kernel": "forward", "head_dim": head_dim, "causal": causal, "consumers": consumers,
+                  "persistent": persistent},
+                 {"kernel": "backward", "head_dim": head_dim, "causal": causal}]
+    return [{"impl": "triton_hopper", **row, "registers": build.registers, "loops": census(build.sass)}
+            for row, build in zip(rows, compile_all_for_sm90(jobs))]
+
+
+def main() -> None:
+    from importlib.metadata import version
+
+    from fa_lab.bench.schema import environment
+
+    rows = ours_rows()
+    for head_dim, causal in CONFIGS:
+        for direction in FA4_KERNELS:
+            print(f"flash-attn-4 {direction}, d = {head_dim}, causal {causal}", flush=True)
+            rows.append(fa4_row(direction, head_dim, causal))
+    result = {**environment("cpu"), "flash_attn_4": version("flash-attn-4"),
+              "cutlass_dsl": version("nvidia-cutlass-dsl"), "seqlen": SEQLEN, "rows": rows}
+    with open(OUT, "w") as file:
+        json.dump(result, file, indent=1)
+        file.write("\n")
+    for row in rows:
+        loops = ", ".join(f"{loop['instructions']} ({loop['warpgroup_barriers']} bar)" for loop in row["loops"])
+        print(f"{row['impl']:14s} {row['kernel']:8s} d={row['head_dim']:3d} causal={row['causal']!s:5s} "
+              f"regs {row['registers']}: {loops}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--fa4"]:
+        fa4_build(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", os.environ["CUTE_DSL_DUMP_DIR"])
+    else:
+        main()
