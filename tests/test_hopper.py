@@ -143,6 +143,29 @@ def test_gluon_option_kernels_compile_for_sm90_within_their_resources(head_dim, 
     assert ("tanh.approx.f32" in build.ptx) == softcap
 
 
+def test_pingpong_takes_turns_through_named_barriers_around_the_wgmma_issue():
+    """With PINGPONG each consumer's K/V loop waits for its turn on its own hardware named barrier (256 threads: its
+    128 and the other consumer's arrive) before it issues the step's WGMMAs and passes the turn on right after
+    them, as FA3's warp-scheduler barriers do; consumer c waits on TURN_BARRIER + c and arrives on the other's."""
+    import re
+
+    from fa_lab.kernels.hopper.fa3_state import TURN_BARRIER
+    from fa_lab.kernels.hopper.sm90_offline import compile_fa3_for_sm90
+
+    turns = set()
+    for body in compile_fa3_for_sm90(128, False, pingpong=True).loop_bodies:
+        named = [(index, re.search(r"^(BAR\.SYNC|BAR\.ARV)\S* 0x([0-9a-f]+), 0x100$", text.strip()))
+                 for index, text in enumerate(body)]
+        syncs = [(index, int(match.group(2), 16)) for index, match in named if match and match.group(1) == "BAR.SYNC"]
+        arrives = [(index, int(match.group(2), 16)) for index, match in named if match and match.group(1) == "BAR.ARV"]
+        wgmmas = [index for index, text in enumerate(body) if "HGMMA" in text]
+        assert len(syncs) == len(arrives) == 1, (syncs, arrives)
+        assert syncs[0][0] < wgmmas[0] and wgmmas[-1] < arrives[0][0]
+        turns.add((syncs[0][1], arrives[0][1]))
+    first = TURN_BARRIER.value
+    assert turns == {(first, first + 1), (first + 1, first)}
+
+
 @pytest.mark.parametrize("causal, loop_spills", [(False, 0), (True, 18)])
 def test_three_consumers_at_d64_build_for_sm90(causal, loop_spills):
     """The default's 192-row tiles at d = 64 (three consumers of 160 registers, persistent): no spills in the K/V

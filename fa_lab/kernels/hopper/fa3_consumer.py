@@ -32,6 +32,8 @@ def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.c
     BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
     CONSUMERS: gl.constexpr = state.q.bufs.type.shape[0]
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
+    if PINGPONG:
+        state.turns.start(CONSUMER)
     if PERSISTENT:
         kv_count = 0  # K/V tiles consumed by this CTA so far (the rings' count)
         first, last, tiles_ptr = state.work.cta_tiles()
@@ -112,7 +114,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     state.q.wait_ready(local)
     k_first.wait_ready()
     if PINGPONG:
-        state.turns.wait(kv_count, CONSUMER)
+        state.turns.wait(CONSUMER)
     s = warpgroup_mma(q_smem, k_first.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
                       is_async=True)
     if PINGPONG:
@@ -134,7 +136,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         k_tile.wait_ready()
         v_tile.wait_ready()
         if PINGPONG:
-            state.turns.wait(kv_count + j, CONSUMER)
+            state.turns.wait(CONSUMER)
         # Issue both GEMMs of this step: scores of tile j, and P V of tile j-1. O is rescaled
         # to tile j-1's running max in between, while the tensor cores work on S_j.
         s = warpgroup_mma(q_smem, k_tile.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,

@@ -23,8 +23,8 @@ kernel below is organised the way the FA3 paper describes it:
   still busy with the P V product of tile j-1.
 * **Inter-warpgroup overlap.** The consumers run the same loop on different
   rows, each waiting on its own barriers, so one's softmax can run during the
-  other's WGMMAs. (FA3's explicit ping-pong orders this with named barriers;
-  ``PINGPONG`` enforces the same alternation with one mbarrier per consumer.)
+  other's WGMMAs. ``PINGPONG`` enforces FA3's explicit alternation of the consumers'
+  WGMMAs with its named barriers (:class:`.fa3_state.Turns`).
 * **FP8** (``FP8``): e4m3 WGMMAs on per-tile quantized Q, K and V^T; V's per-tile
   descale is folded into P's exponent, and P's keys are renumbered in the order
   a thread holds them (V^T is stored in that order) so that P becomes an FP8
@@ -122,7 +122,6 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=CONSUMERS)
     for i in gl.static_range(STAGES):
@@ -130,10 +129,6 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.init(turn.index(c), count=1)
-    if PINGPONG:  # consumer 0 issues first: give it its first turn
-        mbarrier.arrive(turn.index(0))
     # (Triton passes an int argument equal to 1 as a constexpr: the work list takes tensors all the same.)
     work = WorkList(gl.to_tensor(m_tiles), gl.to_tensor(heads), gl.to_tensor(group), gl.to_tensor(seqlen_q),
                     gl.to_tensor(seqlen_k), gl.to_tensor(left), gl.to_tensor(right), schedule_ptr, cu_seqlens_q,
@@ -141,7 +136,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
                         q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr,
                         QSlot(q_bufs, q_ready, q_empty), Ring(k_bufs, k_ready, k_empty), Ring(v_bufs, v_ready, v_empty),
-                        Turns(turn), work)
+                        Turns(CONSUMERS), work)
     # warp_specialize takes a literal list of partitions, so the two consumer counts are spelled out; the
     # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
     if CONSUMERS == 2:

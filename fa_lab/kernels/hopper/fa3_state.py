@@ -138,25 +138,51 @@ class QSlot:
         mbarrier.arrive(self.empty)
 
 
+# The hardware named barriers of the ping-pong turns: consumer c waits on TURN_BARRIER + c. (Triton's warp
+# specialization takes the low ids for its partitions' own barriers; sm_90 has 16.)
+TURN_BARRIER = gl.constexpr(12)
+
+
 @aggregate
 class Turns:
-    """PINGPONG: consumer c issues a K/V step's WGMMAs once consumer c - 1 has issued its own (one mbarrier
-    per consumer, bars: (CONSUMERS, 1); the kernel entry gives consumer 0 the first turn)."""
-    bars: gl.shared_memory_descriptor
+    """PINGPONG: consumer c issues a K/V step's WGMMAs once consumer c - 1 has issued its own, through hardware
+    named barriers as FA3 does (its warp-scheduler barriers), not mbarriers: consumer c's turn is barrier
+    TURN_BARRIER + c completing with 256 threads, its own 128 (``bar.sync``) and the previous consumer's 128
+    (``bar.arrive``, which does not wait). Nothing in shared memory, no polling, and no warpgroup barrier
+    before an elected thread's arrive (an mbarrier arrive costs one). The last consumer gives consumer 0 its
+    first turn as it starts (:meth:`start`)."""
+    consumers: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, bars):
-        self.bars = bars
+    def __init__(self, consumers):
+        self.consumers = gl.constexpr(consumers)
 
     @gluon.jit
-    def wait(self, count, CONSUMER: gl.constexpr):
-        """Wait for CONSUMER's turn at K/V step count: its barrier completes once per step."""
-        mbarrier.wait(self.bars.index(CONSUMER), ring_phase(count, 1))
+    def start(self, CONSUMER: gl.constexpr):
+        """At a consumer's start: the last one passes the first turn to consumer 0."""
+        if CONSUMER == self.consumers - 1:
+            self.pass_on(CONSUMER)
+
+    @gluon.jit
+    def wait(self, CONSUMER: gl.constexpr):
+        """Wait for CONSUMER's turn (once per K/V step)."""
+        _named_barrier("bar.sync", TURN_BARRIER + CONSUMER)
 
     @gluon.jit
     def pass_on(self, CONSUMER: gl.constexpr):
         """Give the next consumer its turn."""
-        mbarrier.arrive(self.bars.index((CONSUMER + 1) % self.bars.type.shape[0]))
+        _named_barrier("bar.arrive", TURN_BARRIER + (CONSUMER + 1) % self.consumers)
+
+
+@gluon.jit
+def _named_barrier(INSTRUCTION: gl.constexpr, BARRIER: gl.constexpr):
+    """``bar.sync`` or ``bar.arrive`` on named barrier BARRIER for two consumer warpgroups (256 threads), executed
+    once by every thread of the calling warpgroup (inline PTX on one value a thread: the barrier id, whose copy
+    out keeps the asm in order with the kernel's other side effects)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ids = gl.full([128], BARRIER, gl.int32, layout)
+    gl.inline_asm_elementwise(INSTRUCTION + " $1, 256;\n mov.b32 $0, $1;", "=r,r", [ids], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @aggregate
