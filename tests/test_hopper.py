@@ -423,7 +423,9 @@ def _check_sm90_build(head_dim, fp8, causal, stages, pingpong, persistent, windo
     async WGMMAs). ptxas may keep a few scalars on the stack (the persistent loop's per-tile values), loaded
     once per work tile: at most 4 words, none of them touched inside the K/V loop. ptxas neither serializes the
     WGMMAs nor injects a wait of its own: the products the kernel leaves in flight stay in flight (the Gluon
-    backward has one such wait, docs/experiments/backward.md)."""
+    backward has one such wait, docs/experiments/backward.md). A step shuffles between threads only for the row
+    maximum (2 rows a thread, 2 shuffles a row): each thread keeps its own partial row sums until the loop ends
+    (before, 4 more shuffles a step summed them across a row's four threads)."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_fa3_for_sm90
 
     build = compile_fa3_for_sm90(head_dim, causal, stages=stages, pingpong=pingpong, fp8=fp8, persistent=persistent,
@@ -433,6 +435,7 @@ def _check_sm90_build(head_dim, fp8, causal, stages, pingpong, persistent, windo
     assert build.shared_bytes <= SM90_SHARED_LIMIT
     assert build.injected_waits == 0, "ptxas made a warpgroup wait for a product the kernel left in flight"
     assert not build.serialized_wgmma, "ptxas serialized the WGMMAs for want of registers"
+    assert build.loop_instructions("SHFL") == 4 * len(build.loop_bodies)
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in build.ptx
     operand = "e4m3.e4m3" if fp8 else "bf16.bf16"
     assert f"wgmma.mma_async.sync.aligned.m64n128k{32 if fp8 else 16}.f32.{operand}" in build.ptx

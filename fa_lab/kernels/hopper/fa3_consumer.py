@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .block_range import visible_key_end, visible_key_start, window_key_end
 from .fa3_config import LN2, LOG2E, P_SCALE, Q_QUANT_ROWS, ROWS_PER_CONSUMER
-from .fa3_softmax import ScoreMods, carried_p, fp8_tile_scales, p_operand, softmax_tile, v_operand
+from .fa3_softmax import ScoreMods, carried_p, fp8_tile_scales, p_operand, softmax_tile, thread_row_sums, v_operand
 
 
 @gluon.jit
@@ -92,8 +92,8 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         key_start = offs_m  # (not read)
         key_end = visible_key_end(offs_m, seqlen_q, seqlen_k, CAUSAL=CAUSAL)
     m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, row_layout)
-    l_i = gl.full([ROWS_PER_CONSUMER], 0.0, gl.float32, row_layout)
     s = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, s_layout)
+    l_i = thread_row_sums(s)  # (64, 4) zeros: each thread's partial sums (softmax_tile)
     o = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, o_layout)
     qk_scale = state.qk_scale
     tile_scale = qk_scale
@@ -173,6 +173,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     v_last.release()
 
     # Epilogue (FA2's deferred normalization): O / l once; lse = ln 2 * (m + log2 l).
+    l_i = gl.convert_layout(gl.sum(l_i, axis=1), row_layout)  # the four threads' partial sums of each row
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
     gl.store(state.lse_ptr + tile.lse_offset + offs_m, lse, mask=offs_m < seqlen_q)

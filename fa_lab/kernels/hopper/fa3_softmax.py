@@ -21,7 +21,11 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     """Online-softmax update with raw scores s = Q K_j^T of K/V tile j of the sequence: (64, BLOCK_N) fp32.
 
     Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
-    the Q and K descales in FP8). Only tiles from the WorkTile's ``first_masked`` on pay for a mask
+    the Q and K descales in FP8). l is kept as each thread's partial sums (64, 4) (:func:`thread_row_sums`),
+    so a step adds its probabilities without a shuffle; the consumer sums the four once, after the loop
+    (flash-attn-4 does the same; the row maximum still needs every thread's values at every step).
+
+    Only tiles from the WorkTile's ``first_masked`` on pay for a mask
     (causal diagonal, ragged end): key_end (64,) int32 is each row's end of visible keys
     (:func:`.block_range.visible_key_end`), so the mask is one compare per score. With a WINDOW the
     tiles before ``full_begin`` are masked too, and a score also needs its key at or after the row's
@@ -55,13 +59,24 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     # A row that has seen no visible key keeps m = -inf: subtract 0 there so exp2 gives 0, not NaN.
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_sub)
+    alpha_rows = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None]  # (moves no data)
     if FP8:
         p = gl.exp2(s * tile_scale - (m_sub - log2_p_scale)[:, None])
-        l_new = l_i * alpha + gl.sum(p, axis=1) * gl.exp2(-log2_p_scale)
+        l_new = l_i * alpha_rows + thread_row_sums(p) * gl.exp2(-log2_p_scale)
     else:
         p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
-        l_new = l_i * alpha + gl.sum(p, axis=1)
+        l_new = l_i * alpha_rows + thread_row_sums(p)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def thread_row_sums(x):
+    """x (64, N) in the WGMMA accumulator layout -> (64, 4): each thread's sum of its own values of a row. A row's
+    columns 8 j + 2 t + b (b = 0, 1) sit with lane t of the row's four lanes, so the sums over j and b stay in
+    registers: no shuffle between threads."""
+    rows: gl.constexpr = x.shape[0]
+    cols: gl.constexpr = x.shape[1]
+    return gl.sum(gl.sum(x.reshape([rows, cols // 8, 4, 2]), axis=3), axis=1)
 
 
 @aggregate
