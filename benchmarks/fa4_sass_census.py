@@ -17,10 +17,11 @@ Set-up (CPU, Python 3.11), then the run (about a minute on two cores with a warm
     .venv/bin/pip install --no-deps --target SITE WHEELS/*.whl
     PYTHONPATH=SITE/nvidia_cutlass_dsl/dsl_packages:SITE .venv/bin/python benchmarks/fa4_sass_census.py
 
-writes benchmarks/sass_census_fa4.json (not the results schema: one entry per kernel build under "builds";
-docs/experiments/hopper_forward.md, "flash-attn-4's loops, read offline").
+It writes benchmarks/sass_census_fa4.json (not the results schema: one entry per kernel build under "builds";
+docs/experiments/hopper_forward.md, "flash-attn-4's loops, read offline"). After a change of our kernels,
+`.venv/bin/python benchmarks/fa4_sass_census.py --ours` rebuilds our half alone and keeps the file's flash-attn-4
+builds (a CPU test holds the file's half to the current kernels).
 """
-import collections
 import glob
 import json
 import os
@@ -32,20 +33,6 @@ SEQLEN = 8192
 CONFIGS = [(head_dim, causal) for head_dim in (128, 64) for causal in (False, True)]
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sass_census_fa4.json")
 FA4_KERNELS = {"forward": "FlashAttentionForwardSm90", "backward": "FlashAttentionBackwardSm90"}
-
-
-def census(sass: str) -> list[dict]:
-    """Each K/V loop of a SASS text: its instruction count, opcodes (suffixes dropped) by count, its WGMMAs and
-    its warpgroup barriers."""
-    from fa_lab.kernels.hopper.sm90_offline import sass_opcode, wgmma_loop_bodies
-
-    loops = []
-    for body in wgmma_loop_bodies(sass):
-        opcodes = collections.Counter(sass_opcode(text).split(".")[0] for text in body)
-        loops.append({"instructions": len(body), "hgmma": opcodes["HGMMA"],
-                      "warpgroup_barriers": sum(1 for text in body if "BAR.SYNC" in text and "0x80" in text),
-                      "opcodes": dict(opcodes.most_common())})
-    return loops
 
 
 def fa4_build(direction: str, head_dim: int, causal: bool, dump_dir: str) -> None:
@@ -68,7 +55,7 @@ def fa4_build(direction: str, head_dim: int, causal: bool, dump_dir: str) -> Non
 
 def fa4_row(direction: str, head_dim: int, causal: bool) -> dict:
     """flash-attn-4's kernel built in a fresh process, then read."""
-    from fa_lab.kernels.hopper.sm90_offline import _cuobjdump, _resource_usage
+    from fa_lab.kernels.hopper.sm90_offline import _cuobjdump, _resource_usage, loop_census, wgmma_loop_bodies
 
     with tempfile.TemporaryDirectory() as dump_dir:
         env = {**os.environ, "FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a",
@@ -79,7 +66,8 @@ def fa4_row(direction: str, head_dim: int, causal: bool) -> dict:
         with open(cubin_path, "rb") as file:
             cubin = file.read()
     return {"impl": "fa4", "kernel": direction, "head_dim": head_dim, "causal": causal,
-            "registers": _resource_usage(cubin)["REG"], "loops": census(_cuobjdump(cubin, "-sass"))}
+            "registers": _resource_usage(cubin)["REG"],
+            "loops": loop_census(wgmma_loop_bodies(_cuobjdump(cubin, "-sass")))}
 
 
 def ours_rows() -> list[dict]:
@@ -96,22 +84,30 @@ def ours_rows() -> list[dict]:
         rows += [{"kernel": "forward", "head_dim": head_dim, "causal": causal, "consumers": consumers,
                   "persistent": persistent},
                  {"kernel": "backward", "head_dim": head_dim, "causal": causal}]
-    return [{"impl": "triton_hopper", **row, "registers": build.registers, "loops": census(build.sass)}
+    return [{"impl": "triton_hopper", **row, "registers": build.registers, "loops": build.loop_census}
             for row, build in zip(rows, compile_all_for_sm90(jobs))]
 
 
-def main() -> None:
+def main(ours_only: bool) -> None:
+    """Build both sides and write OUT; ours_only: rebuild ours and keep the file's flash-attn-4 builds (after a
+    change of our kernels, without flash-attn-4 installed)."""
     from importlib.metadata import version
 
     from fa_lab.bench.schema import environment
 
     rows = ours_rows()
-    for head_dim, causal in CONFIGS:
-        for direction in FA4_KERNELS:
-            print(f"flash-attn-4 {direction}, d = {head_dim}, causal {causal}", flush=True)
-            rows.append(fa4_row(direction, head_dim, causal))
-    result = {**environment("cpu"), "flash_attn_4": version("flash-attn-4"),
-              "cutlass_dsl": version("nvidia-cutlass-dsl"), "seqlen": SEQLEN, "builds": rows}
+    if ours_only:
+        with open(OUT) as file:
+            before = json.load(file)
+        rows += [row for row in before["builds"] if row["impl"] == "fa4"]
+        peer_versions = {key: before[key] for key in ("flash_attn_4", "cutlass_dsl")}
+    else:
+        for head_dim, causal in CONFIGS:
+            for direction in FA4_KERNELS:
+                print(f"flash-attn-4 {direction}, d = {head_dim}, causal {causal}", flush=True)
+                rows.append(fa4_row(direction, head_dim, causal))
+        peer_versions = {"flash_attn_4": version("flash-attn-4"), "cutlass_dsl": version("nvidia-cutlass-dsl")}
+    result = {**environment("cpu"), **peer_versions, "seqlen": SEQLEN, "builds": rows}
     with open(OUT, "w") as file:
         json.dump(result, file, indent=1)
         file.write("\n")
@@ -125,4 +121,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--fa4"]:
         fa4_build(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", os.environ["CUTE_DSL_DUMP_DIR"])
     else:
-        main()
+        main(ours_only=sys.argv[1:2] == ["--ours"])

@@ -239,6 +239,25 @@ def test_the_gluon_backward_launchers_scale_dq_as_they_cast_it(generator):
         assert torch.equal(dq, (dq_sum * 0.09).to(dtype))
 
 
+def test_the_committed_flash_attn_4_census_holds_our_current_loops():
+    """benchmarks/sass_census_fa4.json (notebook 04, section 8, prints it) counts our K/V loops beside flash-attn-4's
+    for the same configurations: its half of ours is what the current kernels build (after a change of them,
+    ``benchmarks/fa4_sass_census.py --ours`` refreshes it)."""
+    import json
+    from pathlib import Path
+
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job, fa3_forward_job
+
+    census = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "sass_census_fa4.json").read_text())
+    ours = [row for row in census["builds"] if row["impl"] == "triton_hopper"]
+    theirs = {(row["kernel"], row["head_dim"], row["causal"]) for row in census["builds"] if row["impl"] == "fa4"}
+    assert {(row["kernel"], row["head_dim"], row["causal"]) for row in ours} == theirs
+    jobs = [fa3_forward_job(row["head_dim"], row["causal"], consumers=row["consumers"], persistent=row["persistent"])
+            if row["kernel"] == "forward" else fa3_backward_job(row["head_dim"], row["causal"]) for row in ours]
+    for row, build in zip(ours, compile_all_for_sm90(jobs)):
+        assert build.loop_census == row["loops"], (row["kernel"], row["head_dim"], row["causal"])
+
+
 def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstrings_say():
     """Both quantization passes as quantize_fp8_operands launches them, built for sm_90 on this machine: the Triton
     pass and the Gluon pass (d = 128 and 64, bf16 and fp16) take 8 warps at most 128 registers without spilling,

@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
@@ -62,6 +63,11 @@ class Sm90Build:
         """How many instructions of the K/V loops (:attr:`loop_bodies`) have this opcode (as "F2F.BF16.F32", or a
         prefix of it)."""
         return sum(1 for body in self.loop_bodies for text in body if sass_opcode(text).startswith(opcode))
+
+    @property
+    def loop_census(self) -> list[dict]:
+        """Each K/V loop's instructions by opcode (:func:`loop_census`)."""
+        return loop_census(self.loop_bodies)
 
     @cached_property
     def ptxas_report(self) -> str:
@@ -289,6 +295,19 @@ def wgmma_loop_bodies(sass: str) -> list[list[str]]:
     if not innermost:
         raise ValueError("no SASS loop issues a GMMA: is this the FA3 kernel?")
     return [body[loop] for loop in innermost]
+
+
+def loop_census(loop_bodies: list[list[str]]) -> list[dict]:
+    """Per loop (:func:`wgmma_loop_bodies`): its instruction count, its opcodes (suffixes dropped) by count, its
+    WGMMAs, and the warpgroup barriers (``BAR.SYNC ..., 0x80``: 128 threads) it waits on. Reads any sm_90 SASS,
+    flash-attn-4's too (benchmarks/fa4_sass_census.py)."""
+    census = []
+    for body in loop_bodies:
+        opcodes = Counter(sass_opcode(text).split(".")[0] for text in body)
+        census.append({"instructions": len(body), "hgmma": opcodes["HGMMA"],
+                       "warpgroup_barriers": sum(1 for text in body if "BAR.SYNC" in text and "0x80" in text),
+                       "opcodes": dict(opcodes.most_common())})
+    return census
 
 
 def sass_opcode(instruction: str) -> str:
