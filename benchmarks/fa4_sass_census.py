@@ -4,9 +4,10 @@ WGMMAs, and the warpgroup barriers (``BAR.SYNC ..., 0x80``) each loop waits on.
 flash-attn-4's CuTe DSL kernels cross-compile without a GPU (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, fake tensors);
 CUTE_DSL_KEEP keeps their cubin, and Triton's bundled cuobjdump (:mod:`fa_lab.kernels.hopper.sm90_offline`) reads
 both theirs and ours. Each of their builds runs in a fresh process with its own dump folder. The shapes are the
-FA3-paper protocol's at 8K (16K tokens, 2048 / head_dim heads); ours are built with the launcher's choices at 8K
-keys. A loop's counts are its static code: both sides of a branch inside it count (our masked and unmasked score
-tiles, our backward's dQ step).
+FA3-paper protocol's at 8K (16K tokens, 2048 / head_dim heads), and chapter 05's window (1024, 0) at 16K and soft
+cap 30 at 8K (forward, d = 128); ours are built with the launcher's choices for the same keys. A loop's counts are
+its static code: both sides of a branch inside it count (our masked and unmasked score tiles, our backward's dQ
+step).
 
 Set-up (CPU, Python 3.11), then the run (about a minute on two cores with a warm Triton cache):
 
@@ -30,62 +31,83 @@ import sys
 import tempfile
 
 SEQLEN = 8192
-CONFIGS = [(head_dim, causal) for head_dim in (128, 64) for causal in (False, True)]
+WINDOW, WINDOW_SEQLEN, SOFTCAP = (1024, 0), 16384, 30.0  # chapter 05's window and soft-cap cases (issue bars)
+# What is built: (kernel, head_dim, causal, case, seqlen), the dense FA3-paper shapes and chapter 05's cases.
+SPECS = [(kernel, head_dim, causal, "dense", SEQLEN) for head_dim in (128, 64) for causal in (False, True)
+         for kernel in ("forward", "backward")]
+SPECS += [("forward", 128, False, "window", WINDOW_SEQLEN), ("forward", 128, False, "softcap", SEQLEN)]
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sass_census_fa4.json")
 FA4_KERNELS = {"forward": "FlashAttentionForwardSm90", "backward": "FlashAttentionBackwardSm90"}
 
 
-def fa4_build(direction: str, head_dim: int, causal: bool, dump_dir: str) -> None:
-    """In this process: compile flash-attn-4's SM90 kernel of ``direction`` with fake CUDA tensors, its cubin kept
-    in dump_dir (the environment set by :func:`fa4_row`)."""
+def fa4_build(kernel: str, head_dim: int, causal: bool, case: str, seqlen: int) -> None:
+    """In this process: compile flash-attn-4's SM90 kernel with fake CUDA tensors (its cubin kept in the dump
+    folder that :func:`fa4_row` sets). The window is flash-attn's (left, right) = WINDOW, the soft cap SOFTCAP."""
     import torch
     from flash_attn.cute import interface
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    batch, heads = 16384 // SEQLEN, 2048 // head_dim
+    batch, heads = 16384 // seqlen, 2048 // head_dim
+    options = {"window": dict(window_size_left=WINDOW[0], window_size_right=WINDOW[1]),
+               "softcap": dict(softcap=SOFTCAP)}.get(case, {})
     with FakeTensorMode(allow_non_fake_inputs=True):
-        q, k, v, out, grad = (torch.empty(batch, SEQLEN, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        q, k, v, out, grad = (torch.empty(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
                               for _ in range(5))
-        if direction == "forward":
-            interface._flash_attn_fwd(q, k, v, causal=causal)
+        if kernel == "forward":
+            interface._flash_attn_fwd(q, k, v, causal=causal, **options)
         else:
-            lse = torch.empty(batch, heads, SEQLEN, device="cuda", dtype=torch.float32)
-            interface._flash_attn_bwd(q, k, v, out, grad, lse, causal=causal)
+            lse = torch.empty(batch, heads, seqlen, device="cuda", dtype=torch.float32)
+            interface._flash_attn_bwd(q, k, v, out, grad, lse, causal=causal, **options)
 
 
-def fa4_row(direction: str, head_dim: int, causal: bool) -> dict:
-    """flash-attn-4's kernel built in a fresh process, then read."""
+def fa4_row(spec: tuple) -> dict:
+    """flash-attn-4's kernel of ``spec`` (an entry of SPECS) built in a fresh process, then read."""
     from fa_lab.kernels.hopper.sm90_offline import _cuobjdump, _resource_usage, loop_census, wgmma_loop_bodies
 
+    kernel, head_dim, causal, case, seqlen = spec
     with tempfile.TemporaryDirectory() as dump_dir:
         env = {**os.environ, "FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a",
                "FLASH_ATTENTION_NUM_SMS": "132", "CUTE_DSL_KEEP": "cubin", "CUTE_DSL_DUMP_DIR": dump_dir}
-        subprocess.run([sys.executable, __file__, "--fa4", direction, str(head_dim), str(int(causal))], env=env,
-                       check=True, capture_output=True)
-        cubin_path, = glob.glob(os.path.join(dump_dir, f"*{FA4_KERNELS[direction]}*.cubin"))
+        subprocess.run([sys.executable, __file__, "--fa4", json.dumps(spec)], env=env, check=True,
+                       capture_output=True)
+        cubin_path, = glob.glob(os.path.join(dump_dir, f"*{FA4_KERNELS[kernel]}*.cubin"))
         with open(cubin_path, "rb") as file:
             cubin = file.read()
-    return {"impl": "fa4", "kernel": direction, "head_dim": head_dim, "causal": causal,
-            "registers": _resource_usage(cubin)["REG"],
+    return {"impl": "fa4", **spec_fields(spec), "registers": _resource_usage(cubin)["REG"],
             "loops": loop_census(wgmma_loop_bodies(_cuobjdump(cubin, "-sass")))}
 
 
-def ours_rows() -> list[dict]:
-    """Our Gluon forward (as the launcher builds it at SEQLEN keys) and backward, built in one batch."""
-    from fa_lab.kernels.hopper.attention import consumers_by_default, persistent_by_default
-    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job, fa3_forward_job
+def spec_fields(spec: tuple) -> dict:
+    return dict(zip(("kernel", "head_dim", "causal", "case", "seqlen"), spec))
 
-    jobs, rows = [], []
-    for head_dim, causal in CONFIGS:
-        consumers = consumers_by_default(head_dim, causal, SEQLEN, banded=False)
-        persistent = persistent_by_default(head_dim, causal, SEQLEN, banded=False, consumers=consumers)
-        jobs += [fa3_forward_job(head_dim, causal, consumers=consumers, persistent=persistent),
-                 fa3_backward_job(head_dim, causal)]
-        rows += [{"kernel": "forward", "head_dim": head_dim, "causal": causal, "consumers": consumers,
-                  "persistent": persistent},
-                 {"kernel": "backward", "head_dim": head_dim, "causal": causal}]
+
+def ours_job(row: dict) -> dict:
+    """The sm90_offline job of our kernel for a census row (its kernel, head_dim, causal, case and, for the forward,
+    the consumers and persistent switches the launcher chose)."""
+    from fa_lab.kernels.hopper.sm90_offline import fa3_backward_job, fa3_forward_job
+
+    if row["kernel"] == "backward":
+        return fa3_backward_job(row["head_dim"], row["causal"])
+    return fa3_forward_job(row["head_dim"], row["causal"], consumers=row["consumers"], persistent=row["persistent"],
+                           window=row["case"] == "window", softcap=row["case"] == "softcap")
+
+
+def ours_rows() -> list[dict]:
+    """Our Gluon forward (with the launcher's choices for each spec's keys) and backward, built in one batch."""
+    from fa_lab.kernels.hopper.attention import consumers_by_default, persistent_by_default
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
+
+    rows = []
+    for spec in SPECS:
+        row = spec_fields(spec)
+        if row["kernel"] == "forward":
+            banded = row["case"] == "window"
+            consumers = consumers_by_default(row["head_dim"], row["causal"], row["seqlen"], banded=banded)
+            row.update(consumers=consumers, persistent=persistent_by_default(
+                row["head_dim"], row["causal"], row["seqlen"], banded=banded, consumers=consumers))
+        rows.append(row)
     return [{"impl": "triton_hopper", **row, "registers": build.registers, "loops": build.loop_census}
-            for row, build in zip(rows, compile_all_for_sm90(jobs))]
+            for row, build in zip(rows, compile_all_for_sm90([ours_job(row) for row in rows]))]
 
 
 def main(ours_only: bool) -> None:
@@ -102,23 +124,22 @@ def main(ours_only: bool) -> None:
         rows += [row for row in before["builds"] if row["impl"] == "fa4"]
         peer_versions = {key: before[key] for key in ("flash_attn_4", "cutlass_dsl")}
     else:
-        for head_dim, causal in CONFIGS:
-            for direction in FA4_KERNELS:
-                print(f"flash-attn-4 {direction}, d = {head_dim}, causal {causal}", flush=True)
-                rows.append(fa4_row(direction, head_dim, causal))
+        for spec in SPECS:
+            print("flash-attn-4", *spec, flush=True)
+            rows.append(fa4_row(spec))
         peer_versions = {"flash_attn_4": version("flash-attn-4"), "cutlass_dsl": version("nvidia-cutlass-dsl")}
-    result = {**environment("cpu"), **peer_versions, "seqlen": SEQLEN, "builds": rows}
+    result = {**environment("cpu"), **peer_versions, "window": list(WINDOW), "softcap": SOFTCAP, "builds": rows}
     with open(OUT, "w") as file:
         json.dump(result, file, indent=1)
         file.write("\n")
     for row in rows:
         loops = ", ".join(f"{loop['instructions']} ({loop['warpgroup_barriers']} bar)" for loop in row["loops"])
-        print(f"{row['impl']:14s} {row['kernel']:8s} d={row['head_dim']:3d} causal={row['causal']!s:5s} "
-              f"regs {row['registers']}: {loops}")
+        print(f"{row['impl']:14s} {row['kernel']:8s} {row['case']:7s} d={row['head_dim']:3d} "
+              f"causal={row['causal']!s:5s} regs {row['registers']}: {loops}")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--fa4"]:
-        fa4_build(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", os.environ["CUTE_DSL_DUMP_DIR"])
+        fa4_build(*json.loads(sys.argv[2]))
     else:
         main(ours_only=sys.argv[1:2] == ["--ours"])

@@ -249,13 +249,16 @@ def test_the_committed_flash_attn_4_census_holds_our_current_loops():
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job, fa3_forward_job
 
     census = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "sass_census_fa4.json").read_text())
+    def spec(row):
+        return row["kernel"], row["head_dim"], row["causal"], row["case"], row["seqlen"]
+
     ours = [row for row in census["builds"] if row["impl"] == "triton_hopper"]
-    theirs = {(row["kernel"], row["head_dim"], row["causal"]) for row in census["builds"] if row["impl"] == "fa4"}
-    assert {(row["kernel"], row["head_dim"], row["causal"]) for row in ours} == theirs
-    jobs = [fa3_forward_job(row["head_dim"], row["causal"], consumers=row["consumers"], persistent=row["persistent"])
+    assert {spec(row) for row in ours} == {spec(row) for row in census["builds"] if row["impl"] == "fa4"}
+    jobs = [fa3_forward_job(row["head_dim"], row["causal"], consumers=row["consumers"], persistent=row["persistent"],
+                            window=row["case"] == "window", softcap=row["case"] == "softcap")
             if row["kernel"] == "forward" else fa3_backward_job(row["head_dim"], row["causal"]) for row in ours]
     for row, build in zip(ours, compile_all_for_sm90(jobs)):
-        assert build.loop_census == row["loops"], (row["kernel"], row["head_dim"], row["causal"])
+        assert build.loop_census == row["loops"], spec(row)
 
 
 def test_the_fp8_quantization_launches_fit_the_programs_per_sm_their_docstrings_say():
