@@ -177,8 +177,8 @@ class Turns:
 @gluon.jit
 def _named_barrier(INSTRUCTION: gl.constexpr, BARRIER: gl.constexpr):
     """``bar.sync`` or ``bar.arrive`` on named barrier BARRIER for two consumer warpgroups (256 threads), executed
-    once by every thread of the calling warpgroup (inline PTX on one value a thread: the barrier id, whose copy
-    out keeps the asm in order with the kernel's other side effects)."""
+    once by every thread of the calling warpgroup: inline PTX on one value a thread (the barrier id), declared
+    impure so that it keeps its place among the kernel's other side effects (the WGMMAs, the mbarrier waits)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     ids = gl.full([128], BARRIER, gl.int32, layout)
     gl.inline_asm_elementwise(INSTRUCTION + " $1, 256;\n mov.b32 $0, $1;", "=r,r", [ids], dtype=gl.int32,
