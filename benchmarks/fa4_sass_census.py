@@ -81,21 +81,10 @@ def spec_fields(spec: tuple) -> dict:
     return dict(zip(("kernel", "head_dim", "causal", "case", "seqlen"), spec))
 
 
-def ours_job(row: dict) -> dict:
-    """The sm90_offline job of our kernel for a census row (its kernel, head_dim, causal, case and, for the forward,
-    the consumers and persistent switches the launcher chose)."""
-    from fa_lab.kernels.hopper.sm90_offline import fa3_backward_job, fa3_forward_job
-
-    if row["kernel"] == "backward":
-        return fa3_backward_job(row["head_dim"], row["causal"])
-    return fa3_forward_job(row["head_dim"], row["causal"], consumers=row["consumers"], persistent=row["persistent"],
-                           window=row["case"] == "window", softcap=row["case"] == "softcap")
-
-
 def ours_rows() -> list[dict]:
     """Our Gluon forward (with the launcher's choices for each spec's keys) and backward, built in one batch."""
     from fa_lab.kernels.hopper.attention import consumers_by_default, persistent_by_default
-    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
+    from fa_lab.kernels.hopper.sm90_offline import census_row_job, compile_all_for_sm90
 
     rows = []
     for spec in SPECS:
@@ -107,7 +96,7 @@ def ours_rows() -> list[dict]:
                 row["head_dim"], row["causal"], row["seqlen"], banded=banded, consumers=consumers))
         rows.append(row)
     return [{"impl": "triton_hopper", **row, "registers": build.registers, "loops": build.loop_census}
-            for row, build in zip(rows, compile_all_for_sm90([ours_job(row) for row in rows]))]
+            for row, build in zip(rows, compile_all_for_sm90([census_row_job(row) for row in rows]))]
 
 
 def main(ours_only: bool) -> None:

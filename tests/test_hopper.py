@@ -246,7 +246,7 @@ def test_the_committed_flash_attn_4_census_holds_our_current_loops():
     import json
     from pathlib import Path
 
-    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job, fa3_forward_job
+    from fa_lab.kernels.hopper.sm90_offline import census_row_job, compile_all_for_sm90
 
     census = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "sass_census_fa4.json").read_text())
     def spec(row):
@@ -254,10 +254,7 @@ def test_the_committed_flash_attn_4_census_holds_our_current_loops():
 
     ours = [row for row in census["builds"] if row["impl"] == "triton_hopper"]
     assert {spec(row) for row in ours} == {spec(row) for row in census["builds"] if row["impl"] == "fa4"}
-    jobs = [fa3_forward_job(row["head_dim"], row["causal"], consumers=row["consumers"], persistent=row["persistent"],
-                            window=row["case"] == "window", softcap=row["case"] == "softcap")
-            if row["kernel"] == "forward" else fa3_backward_job(row["head_dim"], row["causal"]) for row in ours]
-    for row, build in zip(ours, compile_all_for_sm90(jobs)):
+    for row, build in zip(ours, compile_all_for_sm90([census_row_job(row) for row in ours])):
         assert build.loop_census == row["loops"], spec(row)
 
 

@@ -161,6 +161,16 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, 
                 maxnreg=launch_maxnreg(consumers))
 
 
+def census_row_job(row: dict) -> dict:
+    """The :func:`compile_all_for_sm90` job of one of our builds in benchmarks/sass_census_fa4.json: its kernel
+    ("forward" or "backward"), head_dim, causal, case ("dense", "window" or "softcap") and, for the forward, the
+    consumers and persistent switches the launcher chose."""
+    if row["kernel"] == "backward":
+        return fa3_backward_job(row["head_dim"], row["causal"])
+    return fa3_forward_job(row["head_dim"], row["causal"], consumers=row["consumers"], persistent=row["persistent"],
+                           window=row["case"] == "window", softcap=row["case"] == "softcap")
+
+
 def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False,
                      dq_mode: str = "turns", rows: int | None = None, rows_by_producer: bool = True) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
@@ -298,13 +308,13 @@ def wgmma_loop_bodies(sass: str) -> list[list[str]]:
 
 
 def loop_census(loop_bodies: list[list[str]]) -> list[dict]:
-    """Per loop (:func:`wgmma_loop_bodies`): its instruction count, its opcodes (suffixes dropped) by count, its
-    WGMMAs, and the warpgroup barriers (``BAR.SYNC ..., 0x80``: 128 threads) it waits on. Reads any sm_90 SASS,
+    """Per loop (:func:`wgmma_loop_bodies`): its instruction count, its opcodes (suffixes dropped) by count, and
+    the warpgroup barriers (``BAR.SYNC ..., 0x80``: 128 threads) it waits on. Reads any sm_90 SASS,
     flash-attn-4's too (benchmarks/fa4_sass_census.py)."""
     census = []
     for body in loop_bodies:
         opcodes = Counter(sass_opcode(text).split(".")[0] for text in body)
-        census.append({"instructions": len(body), "hgmma": opcodes["HGMMA"],
+        census.append({"instructions": len(body),
                        "warpgroup_barriers": sum(1 for text in body if "BAR.SYNC" in text and "0x80" in text),
                        "opcodes": dict(opcodes.most_common())})
     return census
