@@ -174,13 +174,12 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
 
     # Epilogue (FA2's deferred normalization): O / l once; lse = ln 2 * (m + log2 l).
     l_i = gl.convert_layout(gl.sum(l_i, axis=1), row_layout)  # the four threads' partial sums of each row
-    empty = m_i == float("-inf")  # a row that saw no visible key: O = 0 and lse = -inf
-    l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
     gl.store(state.lse_ptr + tile.lse_offset + offs_m, lse, mask=offs_m < seqlen_q)
     if FP8:  # P was scaled by P_SCALE * v_descale_j / v_descale_max: undo the constant part
         l_safe = l_safe * (P_SCALE / v_descale_max)
-    o = o * gl.convert_layout(gl.where(empty, 0.0, 1.0 / l_safe), gl.SliceLayout(1, o_layout))[:, None]
+    o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
     o_smem = state.o_bufs.index(CONSUMER)
     if PERSISTENT and SEPARATE_O:  # the previous tile's O store from this buffer must have left it
         tma.store_wait(0)

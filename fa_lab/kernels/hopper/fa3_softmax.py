@@ -63,55 +63,10 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     if FP8:
         p = gl.exp2(s * tile_scale - (m_sub - log2_p_scale)[:, None])
         l_new = l_i * alpha_rows + thread_row_sums(p) * gl.exp2(-log2_p_scale)
-    elif SOFTCAP:  # tanh took a MUFU op per score already: half the exponentials go to the FMA pipe
-        p = exp2_half_on_fma(s * tile_scale - m_sub[:, None], QUARTER=True)
-        l_new = l_i * alpha_rows + thread_row_sums(p)
     else:
         p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
         l_new = l_i * alpha_rows + thread_row_sums(p)
     return p, alpha, m_new, l_new
-
-
-# 2**f on [-1/2, 1/2] as ((C3 f + C2) f + C1) f + C0: a cubic fitted to the relative error, at most 7.5e-5 in
-# float32 (bf16 rounds P to 3.9e-3). EXP2_ROUNDER = 1.5 * 2**23: x + EXP2_ROUNDER, in float32, holds round(x) in its
-# low mantissa bits.
-EXP2_C3 = gl.constexpr(0.05517100170254707)
-EXP2_C2 = gl.constexpr(0.24260950088500977)
-EXP2_C1 = gl.constexpr(0.6932609677314758)
-EXP2_C0 = gl.constexpr(0.9999281764030457)
-EXP2_ROUNDER = gl.constexpr(12582912.0)
-
-
-@gluon.jit
-def exp2_on_fma(x):
-    """2**x for x <= 0 without the special-function unit (MUFU), flash-attn-4's way: x = j + f with j = round(x),
-    2**f from a cubic, and j added to the result's exponent field (an integer add: ``LEA``). Eight FMA/ALU
-    instructions instead of one MUFU.EX2. x is clamped at -126 (masked scores, -inf, give 2**-126 rather than 0:
-    a row that sees no key is told by its maximum, -inf, in the epilogue)."""
-    x = gl.maximum(x, -126.0)
-    rounded = x + EXP2_ROUNDER
-    f = x - (rounded - EXP2_ROUNDER)
-    poly = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + EXP2_C0
-    bits = poly.to(gl.int32, bitcast=True) + (rounded.to(gl.int32, bitcast=True) << 23)
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def exp2_half_on_fma(x, QUARTER: gl.constexpr = False):
-    """2**x of a score tile (64, N) in the accumulator layout: of each thread's pairs of neighbouring keys, the
-    first on the MUFU (``ex2``), the second on the FMA pipe (:func:`exp2_on_fma`). The split and the join stay
-    within a thread's registers."""
-    rows: gl.constexpr = x.shape[0]
-    cols: gl.constexpr = x.shape[1]
-    on_mufu, on_fma = x.reshape([rows, cols // 2, 2]).split()
-    if QUARTER:  # of the second keys, those of every other group of eight columns go back to the MUFU
-        on_fma = on_fma.reshape([rows, cols // 16, 2, 4]).permute((0, 1, 3, 2))
-        back, on_fma = on_fma.split()
-        p_fma = gl.join(gl.exp2(back), exp2_on_fma(on_fma)).permute((0, 1, 3, 2)).reshape([rows, cols // 2])
-        p_fma = gl.convert_layout(p_fma, on_mufu.type.layout)  # (the same registers: moves no data)
-    else:
-        p_fma = exp2_on_fma(on_fma)
-    return gl.join(gl.exp2(on_mufu), p_fma).reshape([rows, cols])
 
 
 @gluon.jit
