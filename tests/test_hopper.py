@@ -143,6 +143,30 @@ def test_gluon_option_kernels_compile_for_sm90_within_their_resources(head_dim, 
     assert ("tanh.approx.f32" in build.ptx) == softcap
 
 
+@pytest.mark.parametrize("head_dim, causal, persistent, window, fp8", [(128, False, False, False, False),
+                                                                    (128, True, True, False, False),
+                                                                    (64, False, False, False, False),
+                                                                    (128, False, True, True, False),
+                                                                    (128, False, True, False, True)])
+def test_split_loops_give_the_full_tiles_a_loop_without_a_mask(head_dim, causal, persistent, window, fp8):
+    """HopperOptions(split_loops=True): each consumer walks its full tiles in a loop of their own, which selects
+    only the row maximum's two values (FSEL; a mask selects every score) and is shorter than the single loop; its
+    masked loops test one bound (a window's edges: one select per score, where the single loop selects twice), and
+    nothing spills."""
+    build = _check_sm90_build(head_dim, fp8, causal, 2, False, persistent, window, split_loops=True)
+    single = _check_sm90_build(head_dim, fp8, causal, 2, False, persistent, window)
+    census = build.loop_census
+    full = [loop for loop in census if loop["opcodes"]["FSEL"] == 2]
+    assert len(full) == 2
+    assert len(census) == (6 if window else 4)
+    masked = [loop["instructions"] for loop in census if loop not in full]
+    assert max(loop["instructions"] for loop in full) < min(loop["instructions"] for loop in single.loop_census)
+    if window:
+        assert all(loop["opcodes"]["FSEL"] == 66 for loop in census if loop not in full)
+        assert all(loop["opcodes"]["FSEL"] == 130 for loop in single.loop_census)
+        assert max(masked) < min(loop["instructions"] for loop in single.loop_census)
+
+
 def test_pingpong_takes_turns_through_named_barriers_around_the_wgmma_issue():
     """With PINGPONG each consumer's K/V loop waits for its turn on its own hardware named barrier (256 threads: its
     128 and the other consumer's arrive) before it issues the step's WGMMAs and passes the turn on right after
@@ -773,22 +797,49 @@ def test_gpu_gluon_reads_grouped_kv_in_place(heads, heads_kv, head_dim, seqlen_q
 @pytest.mark.parametrize("window", [(256, 0), (100, -1), (64, 64), (-1, 5), (3000, 3000)])
 @pytest.mark.parametrize("seqlen_q, seqlen_k, head_dim", [(1000, 1100, 128), (1100, 1000, 64), (239, 1, 128)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("persistent", [False, True])
-def test_gpu_gluon_window(window, seqlen_q, seqlen_k, head_dim, causal, persistent, generator, monkeypatch):
+@pytest.mark.parametrize("persistent, split_loops", [(False, False), (True, False), (False, True), (True, True)])
+def test_gpu_gluon_window(window, seqlen_q, seqlen_k, head_dim, causal, persistent, split_loops, generator,
+                          monkeypatch):
     """A local window in the Gluon kernel (not handed to the portable one): the loop starts at the band's
-    first K/V tile and masks both edges; windows wider than the sequence and rows that see no key
-    included; grouped K/V; forward and gradients against the float64 reference."""
+    first K/V tile and masks both edges (split_loops: each edge in a loop of its own, one bound each); windows
+    wider than the sequence, narrower than a tile, and rows that see no key included; grouped K/V; forward and
+    gradients against the float64 reference."""
     import fa_lab.kernels.hopper.attention as hopper
     from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
 
     def not_portable(*_args, **_kwargs):
         raise AssertionError("the window went to the portable kernel")
     monkeypatch.setattr(hopper, "triton_forward", not_portable)
-    options = HopperOptions(persistent=persistent)
+    options = HopperOptions(persistent=persistent, split_loops=split_loops)
     q, k, v = make_qkv(2, 4, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator, heads_kv=2)
     check_attention(lambda q, k, v, causal, scale, window: triton_hopper_attention(
         q, k, v, causal, scale, options=options, window=window), q, k, v, causal, None, generator=generator,
         window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q, seqlen_k, head_dim, dtype", [(1000, 1100, 128, torch.bfloat16),
+                                                                 (1100, 1000, 64, torch.float16),
+                                                                 (239, 1, 128, torch.bfloat16),
+                                                                 (2048, 2048, 128, torch.bfloat16)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_split_loops_compute_what_one_loop_computes(seqlen_q, seqlen_k, head_dim, dtype, causal, generator):
+    """HopperOptions(split_loops=True) against the single loop, bit for bit (the same arithmetic, P rounded the
+    same way whether carried packed or not): O and lse, one tile per CTA and persistent, no window, windows
+    wider and narrower than a tile, a soft cap, and ALiBi (which keeps one loop)."""
+    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+
+    q, k, v = make_qkv(2, 4, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator, heads_kv=2)
+    slopes = (torch.rand(2, 4, generator=generator) * 0.1).cuda()
+    cases = [{}, dict(window=(1024, 0)), dict(window=(100, -1)), dict(window=(64, 64)), dict(window=(300, 200)),
+             dict(softcap=30.0), dict(softcap=30.0, window=(256, 0)), dict(alibi_slopes=slopes, window=(256, 0))]
+    for persistent in (False, True):
+        for given in cases:
+            one, split = (triton_hopper_attention(q, k, v, causal, None, **given,
+                                                  options=HopperOptions(persistent=persistent, split_loops=split))
+                          for split in (False, True))
+            for name, a, b in zip(("out", "lse"), one, split):
+                assert torch.equal(a, b), (name, persistent, given)
 
 
 @pytest.mark.gpu

@@ -64,6 +64,7 @@ class HopperOptions:
     warp_specialize: bool = False
     stages: int = 2
     pingpong: bool = False
+    split_loops: bool = False  # Gluon: the consumers' K/V steps in three loops, one per kind of mask (flash-attn-4's)
     consumers: int | None = None  # Gluon: 2 or 3 consumer warpgroups (128- or 192-row tiles); None: auto
     persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
@@ -236,7 +237,8 @@ def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, optio
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=info.causal and not info.banded,
         PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=persistent,
         CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
-        ALIBI=alibi_slopes is not None, num_warps=4, maxnreg=launch_maxnreg(options.consumers))
+        ALIBI=alibi_slopes is not None, SPLIT_LOOPS=options.split_loops, num_warps=4,
+        maxnreg=launch_maxnreg(options.consumers))
 
 
 def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),

@@ -19,7 +19,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .block_range import visible_key_end, visible_key_start, window_key_end
 from .fa3_config import LN2, LOG2E, P_SCALE, Q_QUANT_ROWS, ROWS_PER_CONSUMER
-from .fa3_softmax import ScoreMods, carried_p, fp8_tile_scales, p_operand, softmax_tile, thread_row_sums, v_operand
+from .fa3_softmax import (
+    MASK_BY_TILE,
+    MASK_LOWER,
+    MASK_NONE,
+    MASK_UPPER,
+    ScoreMods,
+    carried_p,
+    fp8_tile_scales,
+    p_operand,
+    softmax_tile,
+    thread_row_sums,
+    v_operand,
+)
 
 
 @gluon.jit
@@ -81,6 +93,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                  k_width=32 // dtype.primitive_bitwidth)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    SPLIT: gl.constexpr = state.split_loops and not ALIBI  # (also P packed across them: carried_p)
 
     q_smem = state.q.bufs.index(CONSUMER).reshape([ROWS_PER_CONSUMER, HEAD_DIM])
     row0 = tile.start_m + CONSUMER * ROWS_PER_CONSUMER
@@ -127,40 +140,34 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, tile.first,
                                       tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                       ALIBI=ALIBI, s_layout=s_layout)
-    p = carried_p(p, dtype, p_layout, FP8=FP8)
+    p = carried_p(p, dtype, p_layout, FP8=FP8, PACKED=SPLIT)
 
-    for j in range(1, tile.n_iter):
-        k_tile = state.k.at(kv_count + j)  # K_j, and V_{j-1}: this CTA's K/V tiles count across work tiles
-        v_tile = state.v.at(kv_count + j - 1)
-        p_op = p_operand(p, dtype, p_layout, FP8=FP8)  # P_{j-1} (a no-op for 16-bit types: see carried_p)
-        k_tile.wait_ready()
-        v_tile.wait_ready()
-        if PINGPONG:
-            state.turns.wait(CONSUMER)
-        # Issue both GEMMs of this step: scores of tile j, and P V of tile j-1. O is rescaled
-        # to tile j-1's running max in between, while the tensor cores work on S_j.
-        s = warpgroup_mma(q_smem, k_tile.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
-                          is_async=True)
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        o = warpgroup_mma(p_op, v_operand(v_tile.buf(), FP8=FP8), o, is_async=True)
-        if PINGPONG:
-            state.turns.pass_on(CONSUMER)
-        if FP8:
-            tile_scale, log2_p_scale = fp8_tile_scales(qk_scale, state.k_descale_ptr, state.v_exponent_ptr,
-                                                       tile.pid_bh * kv_tiles + j)
-        # Wait for the scores only (one group, P V, may stay in flight) and free K_j.
-        s = warpgroup_mma_wait(1, deps=(s,))
-        k_tile.release()
-        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end,
-                                          tile.first + j, tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW,
-                                          SOFTCAP=SOFTCAP, ALIBI=ALIBI, s_layout=s_layout)
-        # The softmax above ran while the tensor cores computed P_{j-1} V_{j-1}.
-        if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
-            o = warpgroup_mma_wait(0, deps=(o,))
-        else:  # P's registers must stay untouched until the WGMMA reading them is done
-            o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-        v_tile.release()
-        p = carried_p(p, dtype, p_layout, FP8=FP8)
+    # Steps 1 .. n_iter - 1. With state.split_loops in up to three loops, as flash-attn-4 walks them: the band's
+    # lower edge (a window), the full tiles, and the masked end (causal diagonal, ragged end, the band's upper edge),
+    # each with its mask fixed at compile time, so that an edge tests one bound. Otherwise (and with ALiBi, whose
+    # three loops spill registers at d = 128, or a window with no full tile: window_tile_plan then raises full_end
+    # to full_begin, so an edge tile may need both bounds) one loop deciding each tile's mask at run time.
+    if (not SPLIT) or (WINDOW and (tile.first_masked <= tile.full_begin)):
+        s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, 1, tile.n_iter, s, p, o, alpha, m_i, l_i,
+                                             tile_scale, log2_p_scale, qk_scale, key_start, key_end, mods, q_smem,
+                                             CONSUMER, PINGPONG, FP8, WINDOW, SOFTCAP, ALIBI, MASK_BY_TILE,
+                                             SPLIT, s_layout, o_layout, p_layout)
+    else:
+        full_from = gl.minimum(gl.maximum(tile.full_begin - tile.first, 1), tile.n_iter)
+        masked_from = gl.minimum(gl.maximum(tile.first_masked - tile.first, full_from), tile.n_iter)
+        if WINDOW:  # (without one, full_begin is the first tile)
+            s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, 1, full_from, s, p, o, alpha, m_i, l_i,
+                                                 tile_scale, log2_p_scale, qk_scale, key_start, key_end, mods,
+                                                 q_smem, CONSUMER, PINGPONG, FP8, WINDOW, SOFTCAP, ALIBI, MASK_LOWER,
+                                                 SPLIT, s_layout, o_layout, p_layout)
+        s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, full_from, masked_from, s, p, o, alpha, m_i,
+                                             l_i, tile_scale, log2_p_scale, qk_scale, key_start, key_end, mods,
+                                             q_smem, CONSUMER, PINGPONG, FP8, WINDOW, SOFTCAP, ALIBI, MASK_NONE,
+                                             SPLIT, s_layout, o_layout, p_layout)
+        s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, masked_from, tile.n_iter, s, p, o, alpha, m_i,
+                                             l_i, tile_scale, log2_p_scale, qk_scale, key_start, key_end, mods,
+                                             q_smem, CONSUMER, PINGPONG, FP8, WINDOW, SOFTCAP, ALIBI, MASK_UPPER,
+                                             SPLIT, s_layout, o_layout, p_layout)
 
     if PERSISTENT and SEPARATE_O:  # every Q K^T of this tile is done: the producer may load the next tile's Q
         state.q.release()
@@ -193,6 +200,52 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     if PERSISTENT and not SEPARATE_O:  # O went out through the Q buffer: free it for the next tile's Q once stored
         tma.store_wait(0)
         state.q.release()
+
+
+@gluon.jit
+def _kv_steps(state, tile, kv_count, j_begin, j_end, s, p, o, alpha, m_i, l_i, tile_scale, log2_p_scale, qk_scale,
+              key_start, key_end, mods, q_smem, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
+              WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr,
+              PACKED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """K/V steps j_begin .. j_end - 1 of a work tile, each score tile masked as MASK says. Step j issues Q K_j^T and
+    P_{j-1} V_{j-1}, and runs the softmax of S_j while the tensor cores compute P_{j-1} V_{j-1}; P arrives and
+    leaves as :func:`.fa3_softmax.carried_p` carries it (PACKED or not)."""
+    BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
+    HEAD_DIM: gl.constexpr = state.k.bufs.type.shape[4]
+    dtype: gl.constexpr = state.k.bufs.dtype
+    kv_tiles = gl.cdiv(tile.seqlen_k, BLOCK_N)
+    for j in range(j_begin, j_end):
+        k_tile = state.k.at(kv_count + j)  # K_j, and V_{j-1}: this CTA's K/V tiles count across work tiles
+        v_tile = state.v.at(kv_count + j - 1)
+        p_op = p_operand(p, dtype, p_layout, FP8=FP8)  # P_{j-1}
+        k_tile.wait_ready()
+        v_tile.wait_ready()
+        if PINGPONG:
+            state.turns.wait(CONSUMER)
+        # Issue both GEMMs of this step: scores of tile j, and P V of tile j-1. O is rescaled
+        # to tile j-1's running max in between, while the tensor cores work on S_j.
+        s = warpgroup_mma(q_smem, k_tile.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
+                          is_async=True)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        o = warpgroup_mma(p_op, v_operand(v_tile.buf(), FP8=FP8), o, is_async=True)
+        if PINGPONG:
+            state.turns.pass_on(CONSUMER)
+        if FP8:
+            tile_scale, log2_p_scale = fp8_tile_scales(qk_scale, state.k_descale_ptr, state.v_exponent_ptr,
+                                                       tile.pid_bh * kv_tiles + j)
+        # Wait for the scores only (one group, P V, may stay in flight) and free K_j.
+        s = warpgroup_mma_wait(1, deps=(s,))
+        k_tile.release()
+        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end,
+                                          tile.first + j, tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW,
+                                          SOFTCAP=SOFTCAP, ALIBI=ALIBI, s_layout=s_layout, MASK=MASK)
+        if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
+            o = warpgroup_mma_wait(0, deps=(o,))
+        else:  # P's registers must stay untouched until the WGMMA reading them is done
+            o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+        v_tile.release()
+        p = carried_p(p, dtype, p_layout, FP8=FP8, PACKED=PACKED)
+    return s, p, o, alpha, m_i, l_i
 
 
 @gluon.jit

@@ -13,11 +13,20 @@ from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon a
 from ..portable.score_mod import TANH_APPROX_PTX
 from .fa3_config import LOG2_P_SCALE
 
+# How softmax_tile masks a score tile (its MASK): MASK_BY_TILE decides at run time from the tile's index (the
+# WorkTile's full_begin and first_masked, testing both of a window's bounds); the others are fixed at compile time,
+# one per loop of the consumer (.fa3_consumer._consumer_tile): nothing, the key_start bound only (a window's lower
+# edge), or the key_end bound only (the causal diagonal, the ragged end, a window's upper edge).
+MASK_BY_TILE = gl.constexpr(0)
+MASK_NONE = gl.constexpr(1)
+MASK_LOWER = gl.constexpr(2)
+MASK_UPPER = gl.constexpr(3)
+
 
 @gluon.jit
 def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, tile, mods, BLOCK_N: gl.constexpr,
                  FP8: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                 s_layout: gl.constexpr):
+                 s_layout: gl.constexpr, MASK: gl.constexpr = MASK_BY_TILE):
     """Online-softmax update with raw scores s = Q K_j^T of K/V tile j of the sequence: (64, BLOCK_N) fp32.
 
     Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
@@ -45,16 +54,19 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
         rows = mods.alibi_rows - (j * BLOCK_N).to(gl.float32)
         s = s - mods.slope * gl.abs(rows[:, None] - keys[None, :])
-    if WINDOW:
-        if (j < tile.full_begin) | (j >= tile.first_masked):
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            visible = ((cols[None, :] < (key_end - j * BLOCK_N)[:, None])
-                       & (cols[None, :] >= (key_start - j * BLOCK_N)[:, None]))
-            s = gl.where(visible, s, float("-inf"))
-    elif j >= tile.first_masked:
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = cols[None, :] < (key_end - j * BLOCK_N)[:, None]
-        s = gl.where(visible, s, float("-inf"))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if MASK == MASK_LOWER:
+        s = gl.where(cols[None, :] >= (key_start - j * BLOCK_N)[:, None], s, float("-inf"))
+    elif MASK == MASK_UPPER:
+        s = gl.where(cols[None, :] < (key_end - j * BLOCK_N)[:, None], s, float("-inf"))
+    elif MASK == MASK_BY_TILE:
+        if WINDOW:
+            if (j < tile.full_begin) | (j >= tile.first_masked):
+                visible = ((cols[None, :] < (key_end - j * BLOCK_N)[:, None])
+                           & (cols[None, :] >= (key_start - j * BLOCK_N)[:, None]))
+                s = gl.where(visible, s, float("-inf"))
+        elif j >= tile.first_masked:
+            s = gl.where(cols[None, :] < (key_end - j * BLOCK_N)[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * tile_scale)
     # A row that has seen no visible key keeps m = -inf: subtract 0 there so exp2 gives 0, not NaN.
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -112,22 +124,40 @@ def p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr)
         p = p.reshape([rows, keys // 32, 2, 2, 4, 2])  # (row, block, h, a, c, b)
         p = p.permute((0, 1, 2, 4, 3, 5)).reshape([rows, keys])  # (row, block, h, c, a, b)
         return to_e4m3x4(gl.convert_layout(p, p_layout))
+    elif p.dtype == gl.int32:  # carried_p's packed pairs of keys
+        if dtype == gl.bfloat16:
+            lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p],
+                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        else:
+            lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p],
+                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+        pairs = gl.join(lo, hi)
+        return gl.convert_layout(pairs.reshape([pairs.shape[0], pairs.shape[1] * 2]), p_layout)
     else:
         return gl.convert_layout(p.to(dtype), p_layout)
 
 
 @gluon.jit
-def carried_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
-    """What the loop carries of P_j into step j+1, where it feeds the P V WGMMA.
+def carried_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr, PACKED: gl.constexpr = True):
+    """What the loop carries of P_j into step j+1, where it feeds the P V WGMMA (:func:`p_operand` takes any).
 
-    16-bit types: the operand itself (half the registers of float32 P). FP8 carries P in float32 and
-    converts it in step j+1: an e4m3 tensor carried across the loop's back edge is kept one byte
-    per register and repacked.
+    16-bit types: P rounded to dtype, half the registers of float32 P. PACKED: as 32-bit registers of two
+    neighbouring keys each (int32, ``cvt.rn.bf16x2.f32``), which the compiler never repacks where one loop hands P
+    to the next (16-bit values carried across the consumer's split loops cost 32-64 PRMT a step); otherwise the
+    operand itself. FP8 carries P in float32 and converts it in step j+1: an e4m3 tensor carried across the loop's
+    back edge is kept one byte per register and repacked.
     """
     if FP8:
         return p
-    else:
+    elif not PACKED:
         return p_operand(p, dtype, p_layout, FP8=FP8)
+    else:
+        lo, hi = p.reshape([p.shape[0], p.shape[1] // 2, 2]).split()
+        if dtype == gl.bfloat16:
+            asm: gl.constexpr = "cvt.rn.bf16x2.f32 $0, $2, $1;"
+        else:
+            asm: gl.constexpr = "cvt.rn.f16x2.f32 $0, $2, $1;"
+        return gl.inline_asm_elementwise(asm, "=r,r,r", [lo, hi], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit

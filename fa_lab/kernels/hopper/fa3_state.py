@@ -335,7 +335,8 @@ class KernelState:
     qk_scale = scale * log2(e), or softcap * log2(e) with a soft cap; softcap_scale = scale / softcap
     (read only with SOFTCAP); slopes_ptr: ALiBi's (B, H) float32 slopes (read only with ALIBI);
     q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr: the FP8 descales (see the kernel
-    entry; unread in bf16).
+    entry; unread in bf16); split_loops: the consumers walk their K/V tiles in three loops, one per kind of mask
+    (:func:`.fa3_consumer._consumer_tile`).
     """
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -356,10 +357,12 @@ class KernelState:
     v: Ring
     turns: Turns
     work: WorkList
+    split_loops: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
-                 q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work):
+                 q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work,
+                 split_loops=False):
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.v_desc = v_desc
@@ -379,3 +382,4 @@ class KernelState:
         self.v = v
         self.turns = turns
         self.work = work
+        self.split_loops = gl.constexpr(split_loops)
