@@ -295,6 +295,16 @@ class BlockInfo:
         full_end = max(min(full_stop, end) // block_n * block_n, full_begin)
         return KeyTiles(begin, full_begin, full_end, end)
 
+    def key_tile_edges(self, start_m: int, block_m: int, block_n: int) -> KeyTiles | None:
+        """The windowed key loop split in three, as flash-attn-4 walks it (the Gluon forward's ``split_loops``):
+        tiles in ``[begin, full_begin)`` need the lower bound only (key >= key_start), ``[full_begin, full_end)`` no
+        mask, ``[full_end, end)`` the upper bound only (key < key_end: the band's edge, the causal diagonal, the
+        ragged end). That holds when the query tile has a full key tile. Without one (a band narrower than a tile,
+        or the ragged end before the band's first full tile) :meth:`key_tiles` raises full_end to full_begin, a tile
+        before full_begin may need both bounds, and this returns None: one loop tests both."""
+        tiles = self.key_tiles(start_m, block_m, block_n)
+        return tiles if tiles.full_end > tiles.full_begin else None
+
     def query_tiles(self, start_n: int, block_n: int, block_m: int) -> QueryTiles:
         """The query loop of the key tile starting at key ``start_n`` in the windowed dK/dV kernel.
         Keys past seqlen_k count as keys of the tile (the kernel drops their results); rows past

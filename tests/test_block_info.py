@@ -209,6 +209,26 @@ def test_windowed_loop_bounds_visit_every_visible_key_and_mask_only_where_needed
             assert bool(cols[full_begin:min(full_end, seqlen_q)].all())  # full tiles: every key, padding too
 
 
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,window", window_shapes())
+def test_split_key_loops_test_one_bound_on_each_edge(seqlen_q, seqlen_k, causal, window):
+    """key_tile_edges, the three loops of the Gluon forward's split_loops: every key of a tile before full_begin
+    (the kernel's whole tile, keys past seqlen_k included) lies below each real row's key_end, so the lower bound
+    alone masks it; every key of a tile from full_end on lies at or after each row's key_start. None (one loop
+    testing both) exactly when the query tile has no full key tile."""
+    info = BlockInfo(seqlen_q, seqlen_k, causal, window)
+    for block_m, block_n in ((16, 16), (32, 64), (64, 32)):
+        for start_m in range(0, seqlen_q, block_m):
+            tiles = info.key_tile_edges(start_m, block_m, block_n)
+            plain = info.key_tiles(start_m, block_m, block_n)
+            assert (tiles is None) == (plain.full_end <= plain.full_begin)
+            if tiles is None:
+                continue
+            assert tiles == plain
+            rows = range(start_m, min(start_m + block_m, seqlen_q))
+            assert all(tiles.full_begin <= info.key_end(row) for row in rows)  # lower-edge tiles: below every end
+            assert all(info.key_start(row) <= tiles.full_end for row in rows)  # upper-edge tiles: past every start
+
+
 def test_windowed_bounds_without_a_window_are_the_plain_ones():
     for seqlen_q, seqlen_k, causal in shapes():
         info = BlockInfo(seqlen_q, seqlen_k, causal)

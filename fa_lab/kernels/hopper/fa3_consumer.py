@@ -144,9 +144,9 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
 
     # Steps 1 .. n_iter - 1. With state.split_loops in up to three loops, as flash-attn-4 walks them: the band's
     # lower edge (a window), the full tiles, and the masked end (causal diagonal, ragged end, the band's upper edge),
-    # each with its mask fixed at compile time, so that an edge tests one bound. Otherwise (and with ALiBi, whose
-    # three loops spill registers at d = 128, or a window with no full tile: window_tile_plan then raises full_end
-    # to full_begin, so an edge tile may need both bounds) one loop deciding each tile's mask at run time.
+    # each with its mask fixed at compile time, so that an edge tests one bound (BlockInfo.key_tile_edges states
+    # when that holds: the work tile has a full tile). Otherwise, and with ALiBi (whose three loops spill registers
+    # at d = 128), one loop deciding each tile's mask at run time.
     if (not SPLIT) or (WINDOW and (tile.first_masked <= tile.full_begin)):
         s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, 1, tile.n_iter, s, p, o, alpha, m_i, l_i,
                                              tile_scale, log2_p_scale, qk_scale, key_start, key_end, mods, q_smem,
