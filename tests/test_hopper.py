@@ -229,7 +229,8 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
     step at d = 128)."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
 
-    variants = [(causal, varlen, "turns", None) for varlen in (False, True) for causal in (False, True)]
+    variants = [(causal, varlen, mode, None) for varlen in (False, True) for causal in (False, True)
+                for mode in ("turns", "named")]
     variants += [(causal, False, mode, None) for causal in (False, True)
                  for mode in ("partial", "split") if head_dim == 128 or mode != "split"]
     if head_dim == 64:
@@ -249,6 +250,27 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
         assert build.loop_instructions("FADD") == build.loop_instructions("FFMA") == 0  # start rows come ready
         scores_per_thread = step_rows * 64 // 128  # a consumer's 64 keys x the step's rows, over 128 threads
         assert build.loop_instructions("FMUL") == len(build.loop_bodies) * 2 * scores_per_thread
+
+
+def test_the_named_dq_scheme_hands_ds_over_through_named_barriers():
+    """backward_dq="named": the dS rows a turn's consumer waits for come through hardware named barriers (its READY
+    barrier waited with bar.sync, the other consumer's arrive; FREE the other way round), and Q's release frees the
+    step's dO slot: 4 warpgroup barriers a step (Triton's, before single-thread mbarrier arrives) instead of 8."""
+    import re
+
+    from fa_lab.kernels.hopper.fa3_backward import DS_FREE, DS_READY
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job
+
+    turns, named = compile_all_for_sm90([fa3_backward_job(128, True, dq_mode=mode) for mode in ("turns", "named")])
+    assert [loop["warpgroup_barriers"] for loop in turns.loop_census] == [8, 8]
+    assert [loop["warpgroup_barriers"] for loop in named.loop_census] == [4, 4]
+    ids = {(match.group(1), int(match.group(2), 16)) for body in named.loop_bodies for line in body
+           if (match := re.search(r"BAR\.(SYNC|ARV)\S* 0x([0-9a-f]+), 0x100", line))}
+    slots = (0, 1)
+    assert ids == {(kind, base + slot) for kind in ("SYNC", "ARV") for base in (DS_READY.value, DS_FREE.value)
+                   for slot in slots}
+    assert not any(re.search(r"BAR\.(SYNC|ARV)\S* 0x[0-9a-f]+, 0x100", line)
+                   for body in turns.loop_bodies for line in body)
 
 
 def test_the_gluon_backward_launchers_scale_dq_as_they_cast_it(generator):
@@ -879,7 +901,7 @@ GLUON_BACKWARD_CASES = [  # (batch, heads, heads_kv, seqlen_q, seqlen_k, head_di
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_mode", ["turns", "partial", "split"])
+@pytest.mark.parametrize("dq_mode", ["turns", "partial", "split", "named"])
 @pytest.mark.parametrize("batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype", GLUON_BACKWARD_CASES)
 def test_gpu_gluon_backward_meets_the_tolerance_rule(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal,
                                                      dtype, dq_mode, generator, monkeypatch):

@@ -444,7 +444,7 @@ def test_gpu_varlen_in_one_launch(impl, causal, window, softcap, head_dim, gener
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_mode", ["turns", "partial", "split"])
+@pytest.mark.parametrize("dq_mode", ["turns", "partial", "split", "named"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads, heads_kv, head_dim, dtype", [(8, 2, 128, torch.bfloat16), (4, 4, 64, torch.bfloat16),
                                                              (4, 1, 128, torch.float16)])

@@ -69,7 +69,7 @@ class HopperOptions:
     persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
-    backward_dq: str = "turns"  # the Gluon backward's dQ scheme (DQ_MODES): "turns", "partial" or "split"
+    backward_dq: str = "turns"  # the Gluon backward's dQ scheme (DQ_MODES): "turns", "partial", "split", "named"
 
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
@@ -280,7 +280,7 @@ def uses_gluon_backward(q, k, causal, options: ScoreOptions) -> bool:
                                       options.alibi_slopes))
 
 
-DQ_MODES = ("turns", "partial", "split")  # fa3_backward.DQ_SCHEMES's names; "split" at d = 128 only
+DQ_MODES = ("turns", "partial", "split", "named")  # fa3_backward.DQ_SCHEMES's names; "split" at d = 128 only
 
 
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str = "turns",

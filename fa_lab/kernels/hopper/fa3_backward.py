@@ -27,6 +27,10 @@ One CTA owns a tile of 128 keys of one (batch, K/V head) and walks down the quer
 * **Or partial dQ tiles** (``DQ_PARTIAL``): each consumer multiplies its own 64 keys' dS_i by its own K rows
   every step, a partial dQ_i over half the keys, and the writer adds both partials (two reduce-adds a step,
   one buffer per consumer). No consumer waits for the other's dS; the atomic traffic doubles.
+* **Or dS handed over through named barriers** (``DQ_NAMED``): dQ in turns, but the other consumer's dS rows
+  reach the turn's consumer through hardware named barriers (``bar.sync`` / ``bar.arrive``, FA3's way) instead of
+  mbarriers, and one empty barrier frees a step's Q and dO slots: 4 warpgroup barriers on a turn step instead of 8
+  (Triton puts one before every single-thread mbarrier arrive).
 * **Or dQ's columns split, in FA3's order** (``DQ_SPLIT``, d = 128): both consumers store their dS rows first,
   meet, and each computes dQ_i's half of the columns over all 128 keys, issued before dK so that the store of
   its dQ half overlaps the dK product; the writer adds the two halves (one reduce-add's traffic a step). The
@@ -72,7 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .fa3_state import Ring, ring_phase, wait_until_empty
+from .fa3_state import Ring, named_barrier, ring_phase, wait_until_empty
 
 KEYS_PER_CONSUMER = gl.constexpr(64)
 BWD_CONSUMERS = gl.constexpr(2)
@@ -94,9 +98,14 @@ def bwd_rows(head_dim: int, rows: int | None = None) -> int:
 
 
 # The dQ schemes (the kernel's DQ_SCHEME; HopperOptions.backward_dq names them): whole tiles by the consumers in
-# turn, a partial tile per consumer over its own keys, or each consumer's half of the columns over all keys.
-DQ_TURNS, DQ_PARTIAL, DQ_SPLIT = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
-DQ_SCHEMES = {"turns": DQ_TURNS.value, "partial": DQ_PARTIAL.value, "split": DQ_SPLIT.value}
+# turn, a partial tile per consumer over its own keys, each consumer's half of the columns over all keys, or whole
+# tiles in turn with dS handed over through named barriers.
+DQ_TURNS, DQ_PARTIAL, DQ_SPLIT, DQ_NAMED = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
+DQ_SCHEMES = {"turns": DQ_TURNS.value, "partial": DQ_PARTIAL.value, "split": DQ_SPLIT.value, "named": DQ_NAMED.value}
+# DQ_NAMED's hardware named barriers: slot s's dS rows are in (DS_READY + s), and its dQ product has read it
+# (DS_FREE + s). (Triton's warp specialization takes the low ids; sm_90 has 16.)
+DS_READY = gl.constexpr(12)
+DS_FREE = gl.constexpr(14)
 
 
 def dq_tile_columns(head_dim: int, scheme: int) -> int:
@@ -247,6 +256,8 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
     dv = gl.zeros([KEYS_PER_CONSUMER, HEAD_DIM], gl.float32, kv_layout)
     k_tile.wait_ready()
     v_tile.wait_ready()
+    if DQ_SCHEME == DQ_NAMED:
+        named_barrier("bar.arrive", DS_FREE + CONSUMER)  # this consumer's slot is free for the other's first rows
     for t in range(group * q_tiles):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         rows = start_m + gl.arange(0, BLOCK_M, layout=query_layout)
@@ -333,19 +344,34 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
         else:
             dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
             # This consumer's rows of dS_i^T into the step's slot (free once dQ_{i-2} has read it).
-            wait_until_empty(ds_free.index(slot), ring_phase(t, 2))
+            if DQ_SCHEME == DQ_NAMED:  # the turn's consumer read its own slot itself; the other waits for it
+                if slot != CONSUMER:
+                    named_barrier("bar.sync", DS_FREE + slot)
+            else:
+                wait_until_empty(ds_free.index(slot), ring_phase(t, 2))
             ds_slot.slice(CONSUMER * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER).store(dst)
             fence_async_shared()
-            mbarrier.arrive(ds_ready.index(slot))
+            if DQ_SCHEME == DQ_NAMED:
+                if slot != CONSUMER:
+                    named_barrier("bar.arrive", DS_READY + slot)
+            else:
+                mbarrier.arrive(ds_ready.index(slot))
             dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, ds_op))
             q_tile.release()
-            do_tile.release()
+            if DQ_SCHEME != DQ_NAMED:  # (DQ_NAMED: Q's release frees dO's slot too)
+                do_tile.release()
             if slot == CONSUMER:  # this step's dQ_i = dS_i K over the 128 keys, once the other rows are in too
-                mbarrier.wait(ds_ready.index(slot), ring_phase(t, 2))
+                if DQ_SCHEME == DQ_NAMED:
+                    named_barrier("bar.sync", DS_READY + slot)
+                else:
+                    mbarrier.wait(ds_ready.index(slot), ring_phase(t, 2))
                 dq = warpgroup_mma(ds_slot.permute((1, 0)), k_all,
                                    gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, kv_layout), use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq,))
-                mbarrier.arrive(ds_free.index(slot))
+                if DQ_SCHEME == DQ_NAMED:
+                    named_barrier("bar.arrive", DS_FREE + slot)
+                else:
+                    mbarrier.arrive(ds_free.index(slot))
                 wait_until_empty(dq_empty.index(slot), ring_phase(t, 2))
                 dq_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM]).store(dq)
                 fence_async_shared()
@@ -392,9 +418,10 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64 or 128.
     STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128) * B * H // group,), the CTAs in the order of
     :func:`key_tile_of_cta` with head_group (batch, K/V head) pairs per group (a divisor of B * H // group).
-    schedule_ptr, cu_seqlens_q/k are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL or DQ_SPLIT (d = 128),
-    the module docstring's dQ schemes. ROWS_BY_PRODUCER: each step's start rows (:func:`_product_starts`) reach the
-    consumers through shared memory (the producer loads and computes them) instead of each consumer's own loads.
+    schedule_ptr, cu_seqlens_q/k are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL, DQ_SPLIT (d = 128) or
+    DQ_NAMED, the module docstring's dQ schemes. ROWS_BY_PRODUCER: each step's start rows (:func:`_product_starts`)
+    reach the consumers through shared memory (the producer loads and computes them) instead of each consumer's own
+    loads.
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -473,7 +500,10 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     k_ring = Ring(k_bufs, k_ready, k_empty)
     v_ring = Ring(v_bufs, v_ready, v_empty)
     q_ring = Ring(q_bufs, q_ready, q_empty)
-    do_ring = Ring(do_bufs, do_ready, do_empty)
+    if DQ_SCHEME == DQ_NAMED:  # a step's Q and dO slots freed together, by Q's release
+        do_ring = Ring(do_bufs, do_ready, q_empty)
+    else:
+        do_ring = Ring(do_bufs, do_ready, do_empty)
     gl.warp_specialize([
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,

@@ -166,21 +166,22 @@ class Turns:
     @gluon.jit
     def wait(self, CONSUMER: gl.constexpr):
         """Wait for CONSUMER's turn (once per K/V step)."""
-        _named_barrier("bar.sync", TURN_BARRIER + CONSUMER)
+        named_barrier("bar.sync", TURN_BARRIER + CONSUMER)
 
     @gluon.jit
     def pass_on(self, CONSUMER: gl.constexpr):
         """Give the next consumer its turn."""
-        _named_barrier("bar.arrive", TURN_BARRIER + (CONSUMER + 1) % self.consumers)
+        named_barrier("bar.arrive", TURN_BARRIER + (CONSUMER + 1) % self.consumers)
 
 
 @gluon.jit
-def _named_barrier(INSTRUCTION: gl.constexpr, BARRIER: gl.constexpr):
-    """``bar.sync`` or ``bar.arrive`` on named barrier BARRIER for two consumer warpgroups (256 threads), executed
-    once by every thread of the calling warpgroup: inline PTX on one value a thread (the barrier id), declared
-    impure so that it keeps its place among the kernel's other side effects (the WGMMAs, the mbarrier waits)."""
+def named_barrier(INSTRUCTION: gl.constexpr, barrier):
+    """``bar.sync`` or ``bar.arrive`` on named barrier ``barrier`` (an int, or an int32 computed at run time) for
+    two consumer warpgroups (256 threads), executed once by every thread of the calling warpgroup: inline PTX on one
+    value a thread (the barrier id), declared impure so that it keeps its place among the kernel's other side
+    effects (the WGMMAs, the mbarrier waits)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    ids = gl.full([128], BARRIER, gl.int32, layout)
+    ids = gl.full([128], 0, gl.int32, layout) + barrier
     gl.inline_asm_elementwise(INSTRUCTION + " $1, 256;\n mov.b32 $0, $1;", "=r,r", [ids], dtype=gl.int32,
                               is_pure=False, pack=1)
 
