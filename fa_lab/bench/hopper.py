@@ -53,6 +53,7 @@ BF16_VARIANTS = [  # each Gluon variant changes one switch of one tile per CTA (
     ("gluon", None, HopperOptions(stages=2, persistent=False)),
     ("gluon 3 stages", None, HopperOptions(stages=3, persistent=False)),
     ("gluon ping-pong", None, HopperOptions(stages=2, pingpong=True, persistent=False)),
+    ("gluon split loops", None, HopperOptions(stages=2, split_loops=True, persistent=False)),
     ("gluon persistent", None, HopperOptions(stages=2, persistent=True)),
     ("triton", TileConfig(128, 128, 8, 3), HopperOptions(kernel="triton")),
     ("triton pipelined", TileConfig(128, 128, 8, 2), HopperOptions(kernel="triton", pipeline=True)),
@@ -61,6 +62,7 @@ FP8_VARIANTS = [  # the default is persistent: each Gluon variant changes one sw
     ("gluon", None, FP8_OPTIONS),
     ("gluon 3 stages", None, dataclasses.replace(FP8_OPTIONS, stages=3)),
     ("gluon ping-pong", None, dataclasses.replace(FP8_OPTIONS, pingpong=True)),
+    ("gluon split loops", None, dataclasses.replace(FP8_OPTIONS, split_loops=True)),
     ("gluon one tile per CTA", None, dataclasses.replace(FP8_OPTIONS, persistent=False)),
     ("triton", TileConfig(128, 128, 8, 3), HopperOptions(kernel="triton")),
 ]
