@@ -96,7 +96,8 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     (grid: pairs * H; not PERSISTENT, not FP8). Otherwise o_ptr, cu_seqlens_q/k are not read.
     SOFTCAP: scores softcap * tanh(scale * q.k / softcap); qk_scale is then softcap * log2(e) and
     softcap_scale = scale / softcap. ALIBI: scores get -slope * |i + seqlen_k - seqlen_q - j|, slopes_ptr
-    (B, H) float32 (a packed batch: one row per sequence).
+    (B, H) float32 (a packed batch: one row per sequence). SPLIT_LOOPS: the consumers walk a work tile's K/V
+    tiles in up to three loops, one per kind of mask (:func:`.fa3_consumer._consumer_tile`).
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     if VARLEN:  # one work tile per (sequence, query tile) pair and head
