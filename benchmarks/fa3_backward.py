@@ -10,7 +10,7 @@ SDPA's and fa4's as ``out.backward(grad)`` on their own forward's graph. do_benc
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/fa3_backward.py run $OUT`` writes $OUT/h200_backward.json;
 anywhere: ``python3 benchmarks/fa3_backward.py plot benchmarks/h200_backward.json benchmarks/h200_backward.png``.
-``... fa3_backward.py dq $OUT`` times the Gluon backward's dQ schemes (``dq_mode`` "turns", "partial" and, at
+``... fa3_backward.py dq $OUT`` times the Gluon backward's dQ schemes (``dq_mode`` "turns", "partial", "named" and, at
 d = 128, "split") against each other, alternating, two rounds, into $OUT/h200_backward_dq.json (a log, not results
 rows); ``... fa3_backward.py rows $OUT`` its steps of 64 and 128 query rows at d = 64 the same way, into
 $OUT/h200_backward_rows.json; ``... fa3_backward.py row-vectors $OUT`` the lse2 and D rows loaded by the consumers
@@ -138,7 +138,7 @@ def alternating(out_dir: str, filename: str, head_dims, seqlens, variants, causa
 
 
 def dq_modes(out_dir: str) -> None:
-    """The dQ schemes (dq_mode "turns", "partial" and, at d = 128, "split") from 2K: h200_backward_dq.json."""
+    """The dQ schemes (every DQ_MODES entry; "split" at d = 128 only) from 2K: h200_backward_dq.json."""
     from fa_lab.kernels.hopper.attention import DQ_MODES
 
     alternating(out_dir, "h200_backward_dq.json", (128, 64), (2048, 4096, 8192, 16384),

@@ -1,0 +1,57 @@
+"""The bf16 Gluon FA3 forward with each consumer's K/V steps in one loop (the default) against three loops, one per
+kind of mask (``HopperOptions(split_loops=True)``, flash-attn-4's structure), on the FA3-paper shapes (16K tokens,
+hidden 2048, bf16, d = 64 and 128, causal and not, 1K-16K) and chapter 05's window (1024, 0) at 16K (d = 128,
+TFLOP/s counted on the pairs inside the band), the forward alone, the two timed in turn, three rounds (do_bench
+medians, TFLOP/s). Each shape first checks that both give the same O and lse bit for bit.
+
+On the H200: ``PYTHONPATH=. python3 benchmarks/split_loops_ab.py $OUT`` writes $OUT/h200_split_loops.json (a log).
+"""
+import functools
+import os
+import sys
+
+ROUNDS = 3
+WINDOW = (1024, 0)
+
+
+def main(out_dir: str) -> None:
+    import torch
+    from triton.testing import do_bench
+
+    from fa_lab.bench.gpu import protocol_shapes, random_inputs
+    from fa_lab.bench.hopper import HOPPER_SEQLENS
+    from fa_lab.bench.schema import environment, write_log
+    from fa_lab.block_info import BlockInfo
+    from fa_lab.iomodel import AttentionShape, attention_flops
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.attention import HopperOptions, triton_hopper_attention
+
+    load_triton()
+    variants = {"one_loop": HopperOptions(), "split_loops": HopperOptions(split_loops=True)}
+    cases = [(shape, (-1, -1)) for shape in protocol_shapes(HOPPER_SEQLENS, (64, 128))]
+    cases.append((AttentionShape(1, 32, 16384, 128, causal=False, dtype="bf16"), WINDOW))
+    log = []
+    for shape, window in cases:
+        q, k, v = random_inputs(shape, requires_grad=False)
+        if window == (-1, -1):
+            flops = attention_flops(shape, "fwd")
+        else:
+            visible = BlockInfo(shape.seqlen_q, shape.seqlen_k, shape.causal, window).visible_pairs()
+            flops = 4.0 * shape.batch * shape.heads * shape.head_dim * visible
+        entry = {"head_dim": shape.head_dim, "causal": shape.causal, "seqlen": shape.seqlen_q, "window": window}
+        with torch.no_grad():
+            calls = {name: functools.partial(triton_hopper_attention, q, k, v, shape.causal, None, options=options,
+                                             window=window) for name, options in variants.items()}
+            (out_one, lse_one), (out_split, lse_split) = (call() for call in calls.values())
+            entry["same_bits"] = bool(torch.equal(out_one, out_split) and torch.equal(lse_one, lse_split))
+            for _round in range(ROUNDS):
+                for name, call in calls.items():
+                    ms = do_bench(call, return_mode="median")
+                    entry.setdefault(name, []).append(round(flops / ms * 1e-9, 1))
+        log.append(entry)
+        print(entry, flush=True)
+        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_split_loops.json"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
