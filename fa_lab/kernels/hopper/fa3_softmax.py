@@ -38,7 +38,8 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     (causal diagonal, ragged end): key_end (64,) int32 is each row's end of visible keys
     (:func:`.block_range.visible_key_end`), so the mask is one compare per score. With a WINDOW the
     tiles before ``full_begin`` are masked too, and a score also needs its key at or after the row's
-    key_start (:func:`.block_range.visible_key_start`). In FP8, p comes out
+    key_start (:func:`.block_range.visible_key_start`). That is MASK_BY_TILE; the other MASKs fix the mask at compile
+    time for a loop whose tiles all need the same one (the constants above). In FP8, p comes out
     multiplied by 2**log2_p_scale (folded into the exponent, so it costs nothing per score) while l
     sums the true p.
 
@@ -138,7 +139,7 @@ def p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr)
 
 
 @gluon.jit
-def carried_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr, PACKED: gl.constexpr = True):
+def carried_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr, PACKED: gl.constexpr):
     """What the loop carries of P_j into step j+1, where it feeds the P V WGMMA (:func:`p_operand` takes any).
 
     16-bit types: P rounded to dtype, half the registers of float32 P. PACKED: as 32-bit registers of two
