@@ -171,17 +171,14 @@ def test_pingpong_takes_turns_through_named_barriers_around_the_wgmma_issue():
     """With PINGPONG each consumer's K/V loop waits for its turn on its own hardware named barrier (256 threads: its
     128 and the other consumer's arrive) before it issues the step's WGMMAs and passes the turn on right after
     them, as FA3's warp-scheduler barriers do; consumer c waits on TURN_BARRIER + c and arrives on the other's."""
-    import re
-
     from fa_lab.kernels.hopper.fa3_state import TURN_BARRIER
     from fa_lab.kernels.hopper.sm90_offline import compile_fa3_for_sm90
 
     turns = set()
-    for body in compile_fa3_for_sm90(128, False, pingpong=True).loop_bodies:
-        named = [(index, re.search(r"^(BAR\.SYNC|BAR\.ARV)\S* 0x([0-9a-f]+), 0x100$", text.strip()))
-                 for index, text in enumerate(body)]
-        syncs = [(index, int(match.group(2), 16)) for index, match in named if match and match.group(1) == "BAR.SYNC"]
-        arrives = [(index, int(match.group(2), 16)) for index, match in named if match and match.group(1) == "BAR.ARV"]
+    build = compile_fa3_for_sm90(128, False, pingpong=True)
+    for body, named in zip(build.loop_bodies, build.named_barriers):
+        syncs = [(index, barrier) for index, kind, barrier in named if kind == "SYNC"]
+        arrives = [(index, barrier) for index, kind, barrier in named if kind == "ARV"]
         wgmmas = [index for index, text in enumerate(body) if "HGMMA" in text]
         assert len(syncs) == len(arrives) == 1, (syncs, arrives)
         assert syncs[0][0] < wgmmas[0] and wgmmas[-1] < arrives[0][0]
@@ -256,21 +253,17 @@ def test_the_named_dq_scheme_hands_ds_over_through_named_barriers():
     """backward_dq="named": the dS rows a turn's consumer waits for come through hardware named barriers (its READY
     barrier waited with bar.sync, the other consumer's arrive; FREE the other way round), and Q's release frees the
     step's dO slot: 4 warpgroup barriers a step (Triton's, before single-thread mbarrier arrives) instead of 8."""
-    import re
-
     from fa_lab.kernels.hopper.fa3_backward import DS_FREE, DS_READY
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job
 
     turns, named = compile_all_for_sm90([fa3_backward_job(128, True, dq_mode=mode) for mode in ("turns", "named")])
     assert [loop["warpgroup_barriers"] for loop in turns.loop_census] == [8, 8]
     assert [loop["warpgroup_barriers"] for loop in named.loop_census] == [4, 4]
-    ids = {(match.group(1), int(match.group(2), 16)) for body in named.loop_bodies for line in body
-           if (match := re.search(r"BAR\.(SYNC|ARV)\S* 0x([0-9a-f]+), 0x100", line))}
+    ids = {(kind, barrier) for loop in named.named_barriers for _, kind, barrier in loop}
     slots = (0, 1)
     assert ids == {(kind, base + slot) for kind in ("SYNC", "ARV") for base in (DS_READY.value, DS_FREE.value)
                    for slot in slots}
-    assert not any(re.search(r"BAR\.(SYNC|ARV)\S* 0x[0-9a-f]+, 0x100", line)
-                   for body in turns.loop_bodies for line in body)
+    assert not any(turns.named_barriers)
 
 
 def test_the_gluon_backward_launchers_scale_dq_as_they_cast_it(generator):

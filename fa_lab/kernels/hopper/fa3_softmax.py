@@ -126,12 +126,8 @@ def p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr)
         p = p.permute((0, 1, 2, 4, 3, 5)).reshape([rows, keys])  # (row, block, h, c, a, b)
         return to_e4m3x4(gl.convert_layout(p, p_layout))
     elif p.dtype == gl.int32:  # carried_p's packed pairs of keys
-        if dtype == gl.bfloat16:
-            lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p],
-                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-        else:
-            lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+        lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p], dtype=(dtype.value, dtype.value),
+                                           is_pure=True, pack=1)
         pairs = gl.join(lo, hi)
         return gl.convert_layout(pairs.reshape([pairs.shape[0], pairs.shape[1] * 2]), p_layout)
     else:

@@ -64,10 +64,17 @@ class Sm90Build:
         prefix of it)."""
         return sum(1 for body in self.loop_bodies for text in body if sass_opcode(text).startswith(opcode))
 
-    @property
+    @cached_property
     def loop_census(self) -> list[dict]:
         """Each K/V loop's instructions by opcode (:func:`loop_census`)."""
         return loop_census(self.loop_bodies)
+
+    @cached_property
+    def named_barriers(self) -> list[list[tuple[int, str, int]]]:
+        """Per K/V loop, its named-barrier instructions for two warpgroups (256 threads, ``0x100``) as (position in
+        the loop, "SYNC" or "ARV", barrier id): the ping-pong turns and the backward's dS handover."""
+        return [[(index, match.group(1), int(match.group(2), 16)) for index, text in enumerate(body)
+                 if (match := NAMED_BARRIER_SASS.search(text.strip()))] for body in self.loop_bodies]
 
     @cached_property
     def ptxas_report(self) -> str:
@@ -319,6 +326,10 @@ def loop_census(loop_bodies: list[list[str]]) -> list[dict]:
                        "warpgroup_barriers": sum(1 for text in body if "BAR.SYNC" in text and "0x80" in text),
                        "opcodes": dict(opcodes.most_common())})
     return census
+
+
+# A bar.sync / bar.arrive of 256 threads in SASS: "BAR.SYNC.DEFER_BLOCKING 0xc, 0x100", "BAR.ARV 0xd, 0x100".
+NAMED_BARRIER_SASS = re.compile(r"BAR\.(SYNC|ARV)\S* 0x([0-9a-f]+), 0x100$")
 
 
 def sass_opcode(instruction: str) -> str:
