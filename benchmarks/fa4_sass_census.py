@@ -83,7 +83,12 @@ def spec_fields(spec: tuple) -> dict:
 
 def ours_rows() -> list[dict]:
     """Our Gluon forward (with the launcher's choices for each spec's keys) and backward, built in one batch."""
-    from fa_lab.kernels.hopper.attention import consumers_by_default, persistent_by_default
+    from fa_lab.kernels.hopper.attention import (
+        consumers_by_default,
+        dq_mode_by_default,
+        persistent_by_default,
+        split_loops_by_default,
+    )
     from fa_lab.kernels.hopper.sm90_offline import census_row_job, compile_all_for_sm90
 
     rows = []
@@ -93,7 +98,10 @@ def ours_rows() -> list[dict]:
             banded = row["case"] == "window"
             consumers = consumers_by_default(row["head_dim"], row["causal"], row["seqlen"], banded=banded)
             row.update(consumers=consumers, persistent=persistent_by_default(
-                row["head_dim"], row["causal"], row["seqlen"], banded=banded, consumers=consumers))
+                row["head_dim"], row["causal"], row["seqlen"], banded=banded, consumers=consumers),
+                split_loops=split_loops_by_default(row["head_dim"], row["causal"] and not banded, row["seqlen"]))
+        else:
+            row.update(dq_mode=dq_mode_by_default(row["head_dim"]))
         rows.append(row)
     return [{"impl": "triton_hopper", **row, "registers": build.registers, "loops": build.loop_census}
             for row, build in zip(rows, compile_all_for_sm90([census_row_job(row) for row in rows]))]

@@ -4,7 +4,9 @@ hidden 2048, bf16, d = 64 and 128, causal and not, 1K-16K) and chapter 05's wind
 TFLOP/s counted on the pairs inside the band), the forward alone, the two timed in turn, three rounds (do_bench
 medians, TFLOP/s). Each shape first checks that both give the same O and lse bit for bit.
 
-On the H200: ``PYTHONPATH=. python3 benchmarks/split_loops_ab.py $OUT`` writes $OUT/h200_split_loops.json (a log).
+On the H200: ``PYTHONPATH=. python3 benchmarks/split_loops_ab.py $OUT`` writes $OUT/h200_split_loops.json (a log);
+``... split_loops_ab.py $OUT --fp8`` times the FP8 kernel alone (its default, persistent, on operands quantized once)
+the same way, d = 128 and 64, 4K-16K, into $OUT/h200_split_loops_fp8.json.
 """
 import functools
 import os
@@ -14,7 +16,7 @@ ROUNDS = 3
 WINDOW = (1024, 0)
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, fp8: bool = False) -> None:
     import torch
     from triton.testing import do_bench
 
@@ -27,9 +29,20 @@ def main(out_dir: str) -> None:
     from fa_lab.kernels.hopper.attention import HopperOptions, triton_hopper_attention
 
     load_triton()
-    variants = {"one_loop": HopperOptions(), "split_loops": HopperOptions(split_loops=True)}
-    cases = [(shape, (-1, -1)) for shape in protocol_shapes(HOPPER_SEQLENS, (64, 128))]
-    cases.append((AttentionShape(1, 32, 16384, 128, causal=False, dtype="bf16"), WINDOW))
+    if fp8:
+        from dataclasses import replace
+
+        from fa_lab.bench.hopper import fp8_kernel_fn
+        from fa_lab.kernels.hopper.attention import FP8_OPTIONS
+
+        variants = {name: replace(FP8_OPTIONS, split_loops=flag) for name, flag in (("one_loop", False),
+                                                                                   ("split_loops", True))}
+        kernels = {name: fp8_kernel_fn(None, options) for name, options in variants.items()}
+        cases = [(shape, (-1, -1)) for shape in protocol_shapes((4096, 8192, 16384), (128, 64))]
+    else:
+        variants = {"one_loop": HopperOptions(split_loops=False), "split_loops": HopperOptions(split_loops=True)}
+        cases = [(shape, (-1, -1)) for shape in protocol_shapes(HOPPER_SEQLENS, (64, 128))]
+        cases.append((AttentionShape(1, 32, 16384, 128, causal=False, dtype="bf16"), WINDOW))
     log = []
     for shape, window in cases:
         q, k, v = random_inputs(shape, requires_grad=False)
@@ -40,18 +53,24 @@ def main(out_dir: str) -> None:
             flops = 4.0 * shape.batch * shape.heads * shape.head_dim * visible
         entry = {"head_dim": shape.head_dim, "causal": shape.causal, "seqlen": shape.seqlen_q, "window": window}
         with torch.no_grad():
-            calls = {name: functools.partial(triton_hopper_attention, q, k, v, shape.causal, None, options=options,
-                                             window=window) for name, options in variants.items()}
-            (out_one, lse_one), (out_split, lse_split) = (call() for call in calls.values())
-            entry["same_bits"] = bool(torch.equal(out_one, out_split) and torch.equal(lse_one, lse_split))
+            if fp8:
+                calls = {name: functools.partial(kernels[name], q, k, v, shape.causal) for name in variants}
+                out_one, out_split = (call() for call in calls.values())
+                entry["same_bits"] = bool(torch.equal(out_one, out_split))  # (the kernel's O; lse not returned)
+            else:
+                calls = {name: functools.partial(triton_hopper_attention, q, k, v, shape.causal, None,
+                                                 options=options, window=window) for name, options in variants.items()}
+                (out_one, lse_one), (out_split, lse_split) = (call() for call in calls.values())
+                entry["same_bits"] = bool(torch.equal(out_one, out_split) and torch.equal(lse_one, lse_split))
             for _round in range(ROUNDS):
                 for name, call in calls.items():
                     ms = do_bench(call, return_mode="median")
                     entry.setdefault(name, []).append(round(flops / ms * 1e-9, 1))
         log.append(entry)
         print(entry, flush=True)
-        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_split_loops.json"))
+        name = "h200_split_loops_fp8.json" if fp8 else "h200_split_loops.json"
+        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, name))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], fp8=sys.argv[2:] == ["--fp8"])

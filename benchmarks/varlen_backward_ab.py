@@ -1,4 +1,4 @@
-"""The backward of a packed batch on the H200: the Gluon FA3 backward (both dQ schemes) against the portable
+"""The backward of a packed batch on the H200: the Gluon FA3 backward (every dQ scheme of DQ_MODES) against the portable
 varlen backward and flash-attn-4's (where installed), on chapter 05's varlen lengths (16K tokens in sequences of
 128-4096, benchmarks' ``varlen`` case), causal and not, 32 query heads over 32 or 8 K/V heads, bf16, d = 128.
 What decides ``GLUON_VARLEN_BACKWARD_AUTO`` in fa_lab/kernels/hopper/attention.py.
@@ -23,7 +23,7 @@ def main(out_dir: str) -> None:
     from fa_lab.bench.interfaces import GQA_HEADS_KV, cu_seqlens, fa4_impl, interface_cases, time_backward
     from fa_lab.bench.schema import environment, write_log
     from fa_lab.kernels import load_triton
-    from fa_lab.kernels.hopper.attention import gluon_varlen_backward, gluon_varlen_forward
+    from fa_lab.kernels.hopper.attention import DQ_MODES, gluon_varlen_backward, gluon_varlen_forward
     from fa_lab.kernels.portable.attention import NO_OPTIONS, triton_varlen_backward
 
     load_triton()
@@ -45,9 +45,9 @@ def main(out_dir: str) -> None:
             scale = case.head_dim ** -0.5
             out, lse = gluon_varlen_forward(q, k, v, cu, cu, bounds, causal, scale, NO_OPTIONS)
             operands = (q, k, v, out, lse, grad, cu, cu, bounds, causal, scale)
-            timed = {"portable": functools.partial(triton_varlen_backward, *operands, NO_OPTIONS),
-                     "gluon_turns": functools.partial(gluon_varlen_backward, *operands, "turns"),
-                     "gluon_partial": functools.partial(gluon_varlen_backward, *operands, "partial")}
+            timed = {"portable": functools.partial(triton_varlen_backward, *operands, NO_OPTIONS)}
+            timed.update({f"gluon_{mode}": functools.partial(gluon_varlen_backward, *operands, mode)
+                          for mode in DQ_MODES})
             entry = {"causal": causal, "heads": case.heads, "heads_kv": heads_kv, "head_dim": case.head_dim,
                      "ms": {}, "bwd_tflops": {}}
             for name, fn in timed.items():

@@ -303,6 +303,30 @@ def test_gpu_device_tiles_on_the_gluon_kernel(generator):
     check_device_tiles(gluon_varlen_forward, 128, "cuda", generator)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_packed_split_loops_compute_what_one_loop_computes(head_dim, causal, generator):
+    """The Gluon forward of a packed batch (empty and one-key sequences, ragged ends, grouped K/V) in three K/V
+    loops computes O and lse bit for bit as in one loop, without a window, with windows narrower and wider than a
+    tile, and with a soft cap."""
+    from fa_lab.kernels.common import kernel_operand
+    from fa_lab.kernels.hopper.attention import HopperOptions, gluon_varlen_forward
+    from fa_lab.kernels.portable.attention import ScoreOptions
+
+    lengths_q, lengths_k = [1, 700, 0, 129, 300, 2000], [3, 900, 17, 128, 300, 2000]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 4, 2, head_dim, torch.bfloat16, generator)
+    q, k, v = (kernel_operand(t.cuda().contiguous()) for t in (q, k, v))
+    cu_q, cu_k = cu_q.cuda(), cu_k.cuda()
+    bounds = (cu_q.tolist(), cu_k.tolist())
+    for given in (ScoreOptions(), ScoreOptions(window=(100, -1)), ScoreOptions(window=(64, 64)),
+                  ScoreOptions(window=(1024, 0)), ScoreOptions(softcap=30.0)):
+        one, split = (gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, head_dim ** -0.5, given,
+                                           HopperOptions(split_loops=flag)) for flag in (False, True))
+        for name, a, b in zip(("out", "lse"), one, split):
+            assert torch.equal(a, b), (name, given)
+
+
 def test_varlen_reads_a_cu_seqlens_tensor_once_per_version(monkeypatch, generator):
     """A model passes one cu_seqlens to every layer: the offsets are read once and kept with the tensor
     (fa_lab.varlen.PackedBounds). A write by a torch operation makes the next call read them again, so a

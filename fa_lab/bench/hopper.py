@@ -49,12 +49,12 @@ HOPPER_PEERS = ("triton", "sdpa_flash", "sdpa_cudnn", "flex")
 ABLATION_SHAPE = {"batch": 2, "heads": 16, "seqlen": 8192, "head_dim": 128}  # the protocol's 8K shape
 # The variants of the ablation, (label, tiles, options): the Gluon FA3 kernel with its switches,
 # and the plain-Triton kernel (tiles matter there only) with and without its pipelined loop.
-BF16_VARIANTS = [  # each Gluon variant changes one switch of one tile per CTA (the default picks by the call)
-    ("gluon", None, HopperOptions(stages=2, persistent=False)),
-    ("gluon 3 stages", None, HopperOptions(stages=3, persistent=False)),
-    ("gluon ping-pong", None, HopperOptions(stages=2, pingpong=True, persistent=False)),
+BF16_VARIANTS = [  # each Gluon variant changes one switch of one tile per CTA in one loop (the default picks)
+    ("gluon", None, HopperOptions(stages=2, persistent=False, split_loops=False)),
+    ("gluon 3 stages", None, HopperOptions(stages=3, persistent=False, split_loops=False)),
+    ("gluon ping-pong", None, HopperOptions(stages=2, pingpong=True, persistent=False, split_loops=False)),
     ("gluon split loops", None, HopperOptions(stages=2, split_loops=True, persistent=False)),
-    ("gluon persistent", None, HopperOptions(stages=2, persistent=True)),
+    ("gluon persistent", None, HopperOptions(stages=2, persistent=True, split_loops=False)),
     ("triton", TileConfig(128, 128, 8, 3), HopperOptions(kernel="triton")),
     ("triton pipelined", TileConfig(128, 128, 8, 2), HopperOptions(kernel="triton", pipeline=True)),
 ]

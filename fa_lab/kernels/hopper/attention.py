@@ -64,12 +64,12 @@ class HopperOptions:
     warp_specialize: bool = False
     stages: int = 2
     pingpong: bool = False
-    split_loops: bool = False  # Gluon: the consumers' K/V steps in three loops, one per kind of mask (flash-attn-4's)
+    split_loops: bool | None = None  # Gluon: K/V steps in 3 loops, one per kind of mask (flash-attn-4); None: auto
     consumers: int | None = None  # Gluon: 2 or 3 consumer warpgroups (128- or 192-row tiles); None: auto
     persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
-    backward_dq: str = "turns"  # the Gluon backward's dQ scheme (DQ_MODES): "turns", "partial", "split", "named"
+    backward_dq: str | None = None  # the Gluon backward's dQ scheme (DQ_MODES); None: dq_mode_by_default
 
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
@@ -128,6 +128,36 @@ def consumers_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: boo
 GLUON_BACKWARD_MIN_KEYS = {(128, False): 0, (128, True): 2048, (64, False): 0, (64, True): 2048}
 
 
+# Where the bf16/fp16 Gluon forward walks its K/V steps in three loops, one per kind of mask (HopperOptions.split_loops
+# None): from how many keys, per (head_dim bucket, causal). The loop without a mask then carries no mask's branch and
+# the edges' loops one bound each. benchmarks/h200_split_loops.json (the FA3-paper shapes, medians of three rounds,
+# the same bits as one loop at every shape) had it 1.02-1.04x one loop at d = 128 without a mask, 1.00-1.02x causal,
+# 1.045x in the window (1024, 0) at 16K; at d = 64 1.02-1.05x without a mask from 2K, causal 0.98-1.00x below 16K
+# and 1.05x at 16K. A CPU test holds the table to that run. FP8 keeps one loop: split, its kernel ran 0.94-0.97x
+# at d = 64 and 128 from 4K (benchmarks/h200_split_loops_fp8.json). ALiBi keeps one in the kernel (three spill).
+SPLIT_LOOPS_MIN_KEYS = {(64, False): 2048, (64, True): 16384, (128, False): 0, (128, True): 0}
+
+
+def split_loops_by_default(head_dim: int, causal: bool, seqlen_k: int, fp8: bool = False) -> bool:
+    """HopperOptions.split_loops None's choice (SPLIT_LOOPS_MIN_KEYS; ``causal`` as the kernel sees it: False in a
+    window)."""
+    return not fp8 and seqlen_k >= SPLIT_LOOPS_MIN_KEYS[(head_dim_bucket(head_dim), causal)]
+
+
+# The Gluon backward's dQ scheme by default (HopperOptions.backward_dq None), per head_dim bucket. In
+# benchmarks/h200_backward_dq.json (two rounds each, FA3-paper shapes 2K-16K) "named" (dS handed between the
+# consumers through named barriers, one empty barrier for Q and dO) ran 1.010x "turns" at d = 128 (geometric mean of
+# the shapes' medians; 0.99-1.03x) and 0.993x at d = 64 (0.96-1.01x); the edit it came from had measured 1.00-1.04x
+# at d = 128 (benchmarks/h200_backward_variants_ab.json). "partial" and "split" were slower everywhere. A CPU test
+# holds the table to the run.
+DQ_MODE_BY_HEAD_DIM = {64: "turns", 128: "named"}
+
+
+def dq_mode_by_default(head_dim: int) -> str:
+    """The dQ scheme :func:`gluon_backward` and :func:`gluon_varlen_backward` take when given none."""
+    return DQ_MODE_BY_HEAD_DIM[head_dim_bucket(head_dim)]
+
+
 def gluon_backward_is_faster(head_dim: int, causal: bool, seqlen_k: int) -> bool:
     """The "auto" choice of :func:`hopper_backward` (GLUON_BACKWARD_MIN_KEYS)."""
     min_keys = GLUON_BACKWARD_MIN_KEYS.get((head_dim, causal))
@@ -175,6 +205,9 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     persistent = options.persistent
     if persistent is None:
         persistent = persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8, options.consumers)
+    if options.split_loops is None:
+        options = replace(options, split_loops=split_loops_by_default(
+            q.shape[-1], causal and not info.banded, seqlen_k, fp8))
     if persistent:
         grid = (min(total_tiles, max(sm_count(q.device) - options.spare_sms, 1)),)
         schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value,
@@ -206,6 +239,8 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
         return out, lse
     work = (heads, heads // k.shape[1], total_q, k.shape[0], tiles, cu_q, cu_k)
     info = BlockInfo(total_q, k.shape[0], causal, tuple(options.window))
+    if hopper.split_loops is None:  # where the table splits at any length (the sequences' lengths stay on the GPU)
+        hopper = replace(hopper, split_loops=split_loops_by_default(q.shape[-1], info.causal and not info.banded, 0))
     _launch_fa3(descriptors, out, lse, (len(tiles) * heads,), work, info, scale, hopper, False, options.softcap,
                 options.alibi_slopes, None, varlen=True)
     return out, lse
@@ -283,12 +318,13 @@ def uses_gluon_backward(q, k, causal, options: ScoreOptions) -> bool:
 DQ_MODES = ("turns", "partial", "split", "named")  # fa3_backward.DQ_SCHEMES's names; "split" at d = 128 only
 
 
-def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str = "turns",
+def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str | None = None,
                    rows: int | None = None, rows_by_producer: bool = True, head_group: int | None = None):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
     dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns), "partial" (each consumer
-    adds a partial dQ tile over its own keys) or "split" (:mod:`.fa3_backward`); rows: query rows per step
+    adds a partial dQ tile over its own keys), "split" or "named" (:mod:`.fa3_backward`; None:
+    :func:`dq_mode_by_default`); rows: query rows per step
     (None: :data:`.fa3_backward.BWD_ROWS` by head_dim); rows_by_producer: each step's lse2 and D rows brought
     into shared memory by the producer warp (1.02-1.11x on the H200, benchmarks/h200_backward_row_vectors.json),
     or (False) loaded by each consumer; head_group: (batch, K/V head) pairs whose CTAs run key tile by key tile
@@ -310,7 +346,7 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
 
 
 def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
-                          dq_mode: str = "turns", rows: int | None = None, rows_by_producer: bool = True):
+                          dq_mode: str | None = None, rows: int | None = None, rows_by_producer: bool = True):
     """The Gluon FA3 backward of a packed batch on prepared operands q, out, grad_out: (total_q, H, d), k, v:
     (total_k, Hkv, d), d = 64 or 128, lse (H, total_q) float32, cu_q, cu_k int32 offsets and bounds their
     values (as :func:`host_bounds` takes them): (dq, dk, dv) in q's dtype. One CTA per (sequence, key tile)
@@ -357,6 +393,7 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
 
     q, k, v, grad_out, dq = operands
     head_dim = q.shape[-1]
+    dq_mode = dq_mode_by_default(head_dim) if dq_mode is None else dq_mode
     if dq_mode not in DQ_MODES:
         raise ValueError(f"dq_mode must be one of {DQ_MODES}; got {dq_mode!r}")
     scheme = DQ_SCHEMES[dq_mode]
@@ -373,7 +410,7 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
 
 # Whether "auto" may give packed batches the Gluon backward (then at the keys of varlen_keys_per_sequence). On the
 # H200 (benchmarks/h200_varlen_backward.json: chapter 05's varlen lengths, d = 128, 32 query heads over 32 or 8
-# K/V heads) it ran at 1.28-1.33x the portable backward without a mask and 1.04-1.12x causal; the gpu test
+# K/V heads) every dQ scheme but "partial" ran at 1.42-1.49x the portable backward, causal or not; the gpu test
 # test_gpu_gluon_varlen_backward checks it.
 GLUON_VARLEN_BACKWARD_AUTO = True
 

@@ -171,12 +171,13 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, 
 
 def census_row_job(row: dict) -> dict:
     """The :func:`compile_all_for_sm90` job of one of our builds in benchmarks/sass_census_fa4.json: its kernel
-    ("forward" or "backward"), head_dim, causal, case ("dense", "window" or "softcap") and, for the forward, the
-    consumers and persistent switches the launcher chose."""
+    ("forward" or "backward"), head_dim, causal, case ("dense", "window" or "softcap") and the switches the
+    launcher chose: for the forward consumers, persistent and split_loops, for the backward dq_mode."""
     if row["kernel"] == "backward":
-        return fa3_backward_job(row["head_dim"], row["causal"])
+        return fa3_backward_job(row["head_dim"], row["causal"], dq_mode=row["dq_mode"])
     return fa3_forward_job(row["head_dim"], row["causal"], consumers=row["consumers"], persistent=row["persistent"],
-                           window=row["case"] == "window", softcap=row["case"] == "softcap")
+                           window=row["case"] == "window", softcap=row["case"] == "softcap",
+                           split_loops=row["split_loops"])
 
 
 def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False,
