@@ -181,14 +181,16 @@ def census_row_job(row: dict) -> dict:
 
 
 def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False,
-                     dq_mode: str = "turns", rows: int | None = None, rows_by_producer: bool = True) -> dict:
+                     dq_mode: str | None = None, rows: int | None = None, rows_by_producer: bool = True) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
-    :func:`.attention.gluon_backward` (or, varlen, ``gluon_varlen_backward``) launches it with ``dq_mode`` and
-    ``rows`` query rows per step (None: by head_dim) and ``rows_by_producer`` (both launchers' default: True)."""
+    :func:`.attention.gluon_backward` (or, varlen, ``gluon_varlen_backward``) launches it with ``dq_mode`` (None:
+    :func:`.attention.dq_mode_by_default`) and ``rows`` query rows per step (None: by head_dim) and
+    ``rows_by_producer`` (both launchers' default: True)."""
+    from .attention import dq_mode_by_default
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
-    scheme = DQ_SCHEMES[dq_mode]
+    scheme = DQ_SCHEMES[dq_mode or dq_mode_by_default(head_dim)]
     row_block, keys, dq_rows = backward_blocks(head_dim, scheme, rows)
     signature = {"q_desc": descriptor_type(dtype, row_block), "k_desc": descriptor_type(dtype, keys),
                  "v_desc": descriptor_type(dtype, keys), "do_desc": descriptor_type(dtype, row_block),
