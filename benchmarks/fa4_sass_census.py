@@ -1,5 +1,6 @@
 """The K/V loops of flash-attn-4's SM90 kernels beside ours, read from SASS built on a CPU: instructions by opcode,
-WGMMAs, and the warpgroup barriers (``BAR.SYNC ..., 0x80``) each loop waits on.
+WGMMAs, the warpgroup barriers (``BAR.SYNC ..., 0x80``) each loop waits on, and the exponentials placed before its
+wait for every product in flight (:func:`fa_lab.kernels.hopper.sm90_offline.loop_census`).
 
 flash-attn-4's CuTe DSL kernels cross-compile without a GPU (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, fake tensors);
 CUTE_DSL_KEEP keeps their cubin, and Triton's bundled cuobjdump (:mod:`fa_lab.kernels.hopper.sm90_offline`) reads

@@ -319,14 +319,18 @@ def wgmma_loop_bodies(sass: str) -> list[list[str]]:
 
 
 def loop_census(loop_bodies: list[list[str]]) -> list[dict]:
-    """Per loop (:func:`wgmma_loop_bodies`): its instruction count, its opcodes (suffixes dropped) by count, and
-    the warpgroup barriers (``BAR.SYNC ..., 0x80``: 128 threads) it waits on. Reads any sm_90 SASS,
-    flash-attn-4's too (benchmarks/fa4_sass_census.py)."""
+    """Per loop (:func:`wgmma_loop_bodies`): its instruction count, its opcodes (suffixes dropped) by count, the
+    warpgroup barriers (``BAR.SYNC ..., 0x80``: 128 threads) it waits on, and how many of its special-function
+    instructions (MUFU: the exponentials) come before its first wait for every product in flight
+    (``WARPGROUP.DEPBAR.LE gsb0, 0x0``; all of them if it has none): those may overlap the step's last product.
+    Reads any sm_90 SASS, flash-attn-4's too (benchmarks/fa4_sass_census.py)."""
     census = []
     for body in loop_bodies:
         opcodes = Counter(sass_opcode(text).split(".")[0] for text in body)
+        drain = next((i for i, text in enumerate(body) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in text), len(body))
         census.append({"instructions": len(body),
                        "warpgroup_barriers": sum(1 for text in body if "BAR.SYNC" in text and "0x80" in text),
+                       "mufu_before_drain": sum(1 for text in body[:drain] if sass_opcode(text).startswith("MUFU")),
                        "opcodes": dict(opcodes.most_common())})
     return census
 
