@@ -56,7 +56,8 @@ class HopperOptions:
     (docs/experiments/hopper_forward.md); ``persistent=None`` picks by :data:`PERSISTENT_MAX_KEYS`, and
     ``consumers=None`` by :data:`THREE_CONSUMERS_MIN_KEYS`: three consumers (192-row tiles, persistent) leave
     each 160 registers, which holds a d = 64 work tile's loop without spills, not a d = 128 one's (see
-    :mod:`fa_lab.kernels.hopper.sm90_offline`).
+    :mod:`fa_lab.kernels.hopper.sm90_offline`); ``split_loops=None`` by :data:`SPLIT_LOOPS_MIN_KEYS`, and the
+    backward's ``backward_dq=None`` by :data:`DQ_MODE_BY_HEAD_DIM`.
     """
 
     kernel: str = "gluon"
