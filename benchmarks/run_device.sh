@@ -31,7 +31,7 @@
 #            interfaces): h200_training_memory.json/.png (benchmarks/training_memory.py)
 #   backward - the Gluon FA3 backward against the portable one, SDPA's and flash-attn-4's (installed first as for
 #            interfaces): h200_backward.json/.png (benchmarks/fa3_backward.py)
-#   backward-dq - the Gluon backward's three dQ schemes against each other (h200_backward_dq.json, by
+#   backward-dq - the Gluon backward's dQ schemes (every DQ_MODES entry) against each other (h200_backward_dq.json, by
 #            benchmarks/fa3_backward.py dq)
 #   backward-rows - its steps of 64 and 128 query rows at d = 64 against each other (h200_backward_rows.json)
 #   backward-row-vectors - its lse2 and D rows loaded by each consumer or brought by the producer
