@@ -8,6 +8,7 @@ On the H200: ``PYTHONPATH=. python3 benchmarks/split_loops_ab.py $OUT`` writes $
 ``... split_loops_ab.py $OUT --fp8`` times the FP8 kernel alone (its default, persistent, on operands quantized once)
 the same way, d = 128 and 64, 4K-16K, into $OUT/h200_split_loops_fp8.json.
 """
+import dataclasses
 import functools
 import os
 import sys
@@ -30,19 +31,26 @@ def main(out_dir: str, fp8: bool = False) -> None:
 
     load_triton()
     if fp8:
-        from dataclasses import replace
-
         from fa_lab.bench.hopper import fp8_kernel_fn
         from fa_lab.kernels.hopper.attention import FP8_OPTIONS
 
-        variants = {name: replace(FP8_OPTIONS, split_loops=flag) for name, flag in (("one_loop", False),
-                                                                                   ("split_loops", True))}
-        kernels = {name: fp8_kernel_fn(None, options) for name, options in variants.items()}
+        def make_run(options):  # the kernel's O alone, on operands quantized once
+            kernel = fp8_kernel_fn(None, options)
+            return lambda q, k, v, causal, window: (kernel(q, k, v, causal),)
+
+        base = FP8_OPTIONS
         cases = [(shape, (-1, -1)) for shape in protocol_shapes((4096, 8192, 16384), (128, 64))]
     else:
-        variants = {"one_loop": HopperOptions(split_loops=False), "split_loops": HopperOptions(split_loops=True)}
+        def make_run(options):  # O and lse
+            return lambda q, k, v, causal, window: triton_hopper_attention(q, k, v, causal, None, options=options,
+                                                                           window=window)
+
+        base = HopperOptions()
         cases = [(shape, (-1, -1)) for shape in protocol_shapes(HOPPER_SEQLENS, (64, 128))]
         cases.append((AttentionShape(1, 32, 16384, 128, causal=False, dtype="bf16"), WINDOW))
+    runs = {name: make_run(dataclasses.replace(base, split_loops=flag))
+            for name, flag in (("one_loop", False), ("split_loops", True))}
+    out_path = os.path.join(out_dir, "h200_split_loops_fp8.json" if fp8 else "h200_split_loops.json")
     log = []
     for shape, window in cases:
         q, k, v = random_inputs(shape, requires_grad=False)
@@ -53,24 +61,16 @@ def main(out_dir: str, fp8: bool = False) -> None:
             flops = 4.0 * shape.batch * shape.heads * shape.head_dim * visible
         entry = {"head_dim": shape.head_dim, "causal": shape.causal, "seqlen": shape.seqlen_q, "window": window}
         with torch.no_grad():
-            if fp8:
-                calls = {name: functools.partial(kernels[name], q, k, v, shape.causal) for name in variants}
-                out_one, out_split = (call() for call in calls.values())
-                entry["same_bits"] = bool(torch.equal(out_one, out_split))  # (the kernel's O; lse not returned)
-            else:
-                calls = {name: functools.partial(triton_hopper_attention, q, k, v, shape.causal, None,
-                                                 options=options, window=window) for name, options in variants.items()}
-                (out_one, lse_one), (out_split, lse_split) = (call() for call in calls.values())
-                entry["same_bits"] = bool(torch.equal(out_one, out_split) and torch.equal(lse_one, lse_split))
+            calls = {name: functools.partial(run, q, k, v, shape.causal, window) for name, run in runs.items()}
+            one, split = (call() for call in calls.values())
+            entry["same_bits"] = all(torch.equal(a, b) for a, b in zip(one, split))
             for _round in range(ROUNDS):
                 for name, call in calls.items():
                     ms = do_bench(call, return_mode="median")
                     entry.setdefault(name, []).append(round(flops / ms * 1e-9, 1))
         log.append(entry)
         print(entry, flush=True)
-        name = "h200_split_loops_fp8.json" if fp8 else "h200_split_loops.json"
-        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, name))
-
+        write_log({**environment("cuda"), "log": log}, out_path)
 
 if __name__ == "__main__":
     main(sys.argv[1], fp8=sys.argv[2:] == ["--fp8"])

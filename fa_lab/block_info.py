@@ -154,6 +154,11 @@ class BlockInfo:
         return self.left is not None or (self.right is not None and not self.causal)
 
     @property
+    def causal_only(self) -> bool:
+        """Causal masking with no band: the kernels' CAUSAL (a band folds causal into its window bounds)."""
+        return self.causal and not self.banded
+
+    @property
     def masked(self) -> bool:
         """Whether any query may miss a key: causal, or a bounded window side."""
         return self.left is not None or self.right is not None

@@ -49,12 +49,13 @@ HOPPER_PEERS = ("triton", "sdpa_flash", "sdpa_cudnn", "flex")
 ABLATION_SHAPE = {"batch": 2, "heads": 16, "seqlen": 8192, "head_dim": 128}  # the protocol's 8K shape
 # The variants of the ablation, (label, tiles, options): the Gluon FA3 kernel with its switches,
 # and the plain-Triton kernel (tiles matter there only) with and without its pipelined loop.
+BF16_ONE_TILE = HopperOptions(stages=2, persistent=False, split_loops=False)
 BF16_VARIANTS = [  # each Gluon variant changes one switch of one tile per CTA in one loop (the default picks)
-    ("gluon", None, HopperOptions(stages=2, persistent=False, split_loops=False)),
-    ("gluon 3 stages", None, HopperOptions(stages=3, persistent=False, split_loops=False)),
-    ("gluon ping-pong", None, HopperOptions(stages=2, pingpong=True, persistent=False, split_loops=False)),
-    ("gluon split loops", None, HopperOptions(stages=2, split_loops=True, persistent=False)),
-    ("gluon persistent", None, HopperOptions(stages=2, persistent=True, split_loops=False)),
+    ("gluon", None, BF16_ONE_TILE),
+    ("gluon 3 stages", None, dataclasses.replace(BF16_ONE_TILE, stages=3)),
+    ("gluon ping-pong", None, dataclasses.replace(BF16_ONE_TILE, pingpong=True)),
+    ("gluon split loops", None, dataclasses.replace(BF16_ONE_TILE, split_loops=True)),
+    ("gluon persistent", None, dataclasses.replace(BF16_ONE_TILE, persistent=True)),
     ("triton", TileConfig(128, 128, 8, 3), HopperOptions(kernel="triton")),
     ("triton pipelined", TileConfig(128, 128, 8, 2), HopperOptions(kernel="triton", pipeline=True)),
 ]

@@ -207,12 +207,11 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     if persistent is None:
         persistent = persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8, options.consumers)
     if options.split_loops is None:
-        options = replace(options, split_loops=split_loops_by_default(
-            q.shape[-1], causal and not info.banded, seqlen_k, fp8))
+        options = replace(options, split_loops=split_loops_by_default(q.shape[-1], info.causal_only, seqlen_k, fp8))
     if persistent:
         grid = (min(total_tiles, max(sm_count(q.device) - options.spare_sms, 1)),)
         schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value,
-                                   causal and not info.banded, grid[0], q.device)
+                                   info.causal_only, grid[0], q.device)
     work = (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse)
     _launch_fa3(_descriptors(q, k, v, out, fp8_scales is not None), out, lse, grid, work, info, scale, options,
                 persistent, softcap, alibi_slopes, fp8_scales)
@@ -241,7 +240,7 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     work = (heads, heads // k.shape[1], total_q, k.shape[0], tiles, cu_q, cu_k)
     info = BlockInfo(total_q, k.shape[0], causal, tuple(options.window))
     if hopper.split_loops is None:  # where the table splits at any length (the sequences' lengths stay on the GPU)
-        hopper = replace(hopper, split_loops=split_loops_by_default(q.shape[-1], info.causal and not info.banded, 0))
+        hopper = replace(hopper, split_loops=split_loops_by_default(q.shape[-1], info.causal_only, 0))
     _launch_fa3(descriptors, out, lse, (len(tiles) * heads,), work, info, scale, hopper, False, options.softcap,
                 options.alibi_slopes, None, varlen=True)
     return out, lse
@@ -270,7 +269,7 @@ def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, optio
     cached_launch(attention_fwd_fa3_kernel)[grid](
         *descriptors, out, lse, *(fp8_scales or (lse,) * 4), heads, group, seqlen_q, seqlen_k, left, right,
         schedule, cu_q, cu_k, qk_scale, scale / softcap if softcap else 0.0, slopes,
-        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=info.causal and not info.banded,
+        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=info.causal_only,
         PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=persistent,
         CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
         ALIBI=alibi_slopes is not None, SPLIT_LOOPS=options.split_loops, num_warps=4,

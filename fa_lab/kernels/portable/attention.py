@@ -37,7 +37,7 @@ class ScoreOptions:
         softcap_scale = scale / self.softcap if self.softcap else 0.0
         slopes = self.alibi_slopes
         slopes = slopes.float().contiguous() if slopes is not None else torch.empty(1, device=q.device)
-        constexprs = dict(CAUSAL=causal and not info.banded, WINDOW=info.banded, SOFTCAP=bool(self.softcap),
+        constexprs = dict(CAUSAL=info.causal_only, WINDOW=info.banded, SOFTCAP=bool(self.softcap),
                           ALIBI=self.alibi_slopes is not None, GQA=group > 1)
         return (group, left, right, softcap_scale, self.softcap * LOG2E, slopes), constexprs
 

@@ -328,7 +328,7 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
             heads, group, seqlen_q, page_size, table.shape[-1], head_dim, scale * common.LOG2E,
             left, right, scale / softcap if softcap else 0.0, softcap * common.LOG2E,
             BLOCK_M=block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
-            CAUSAL=causal and not info.banded, WINDOW=info.banded, SOFTCAP=bool(softcap), GATHER=gather,
+            CAUSAL=info.causal_only, WINDOW=info.banded, SOFTCAP=bool(softcap), GATHER=gather,
             EVEN_D=head_dim == head_dim_bucket(head_dim), PAGES_AHEAD=ahead,
             PDL=pdl, FINAL=final, num_warps=config.num_warps, num_stages=config.num_stages, **descriptors)
     if final:
