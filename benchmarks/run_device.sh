@@ -45,8 +45,10 @@
 #            shapes, three rounds (h200_persistent_bf16.json, by benchmarks/persistent_bf16_ab.py)
 #   split-loops - the bf16 Gluon forward, one K/V loop against three (HopperOptions(split_loops=True)), on the
 #            protocol's shapes and the window (1024, 0) at 16K, three rounds (h200_split_loops.json, by
-#            benchmarks/split_loops_ab.py)
+#            benchmarks/forward_switch_ab.py)
 #   split-loops-fp8 - the same for the FP8 kernel alone, d = 128 and 64, 4K-16K (h200_split_loops_fp8.json)
+#   rescale-early, rescale-early-fp8 - the same two A/Bs for HopperOptions(rescale_early=True) against the default
+#            (h200_rescale_early.json, h200_rescale_early_fp8.json)
 #   persistent-host - the bf16 forward at 1K-4K one tile per CTA and persistent: do_bench's time, the kernel's and
 #            the host's per call (h200_persistent_host_bound.log, by benchmarks/persistent_host_bound.py)
 #   moba-gate - MoBA's gate, PyTorch's against the kernel's, and the kernel at two tile heights and warp counts
@@ -143,8 +145,11 @@ case "$step" in
   backward) python3 benchmarks/fa3_backward.py run "$out" 2>&1 | tee "$out/backward.log"
          python3 benchmarks/fa3_backward.py plot "$out/h200_backward.json" "$out/h200_backward.png" ;;
   persistent-bf16) python3 benchmarks/persistent_bf16_ab.py "$out" 2>&1 | tee "$out/persistent_bf16.log" ;;
-  split-loops) python3 benchmarks/split_loops_ab.py "$out" 2>&1 | tee "$out/split_loops.log" ;;
-  split-loops-fp8) python3 benchmarks/split_loops_ab.py "$out" --fp8 2>&1 | tee "$out/split_loops_fp8.log" ;;
+  split-loops) python3 benchmarks/forward_switch_ab.py "$out" 2>&1 | tee "$out/split_loops.log" ;;
+  split-loops-fp8) python3 benchmarks/forward_switch_ab.py "$out" --fp8 2>&1 | tee "$out/split_loops_fp8.log" ;;
+  rescale-early) python3 benchmarks/forward_switch_ab.py "$out" --switch rescale_early 2>&1 | tee "$out/rescale_early.log" ;;
+  rescale-early-fp8) python3 benchmarks/forward_switch_ab.py "$out" --fp8 --switch rescale_early 2>&1 \
+           | tee "$out/rescale_early_fp8.log" ;;
   persistent-host) python3 benchmarks/persistent_host_bound.py 2>&1 | tee "$out/h200_persistent_host_bound.log" ;;
   moba-gate) python3 benchmarks/moba_gate_variants.py "$out/h200_moba_gate.json" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
@@ -160,5 +165,5 @@ case "$step" in
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|persistent-bf16|split-loops|split-loops-fp8|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -1,4 +1,6 @@
 """The Hopper forward (impl "triton_hopper") and the FP8 forward (impl "triton_hopper_fp8")."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -165,6 +167,36 @@ def test_split_loops_give_the_full_tiles_a_loop_without_a_mask(head_dim, causal,
         assert all(loop["opcodes"]["FSEL"] == 66 for loop in census if loop not in full)
         assert all(loop["opcodes"]["FSEL"] == 130 for loop in single.loop_census)
         assert max(masked) < min(loop["instructions"] for loop in single.loop_census)
+
+
+@pytest.mark.parametrize("head_dim, causal, persistent, fp8, split_loops", [(128, False, False, False, True),
+                                                                        (128, True, True, False, True),
+                                                                        (128, False, True, True, False),
+                                                                        (64, False, False, False, True)])
+def test_rescale_early_issues_each_steps_wgmmas_together(head_dim, causal, persistent, fp8, split_loops):
+    """HopperOptions(rescale_early=True): O's rescale moved to the end of the step whose softmax computed its factor
+    (flash-attn-4's place). Rescaled just before P V's issue, ptxas puts the multiplies (20 or more FMUL a loop)
+    between S's first WGMMA instruction and the rest; moved, none (FP8: one, a tile scale) stand between a step's
+    WGMMAs, which then lie closer together, as in flash-attn-4's loop (d = 128: its 16 within 47 instructions,
+    docs/experiments/hopper_forward.md). Same loops otherwise: no spills, the same instruction counts within a few."""
+    from fa_lab.kernels.hopper.sm90_offline import sass_opcode
+
+    def between_wgmmas(build):  # per loop: (instructions from its first WGMMA to its last, FMUL among them)
+        result = []
+        for body in build.loop_bodies:
+            where = [index for index, text in enumerate(body) if "GMMA" in text]
+            inside = body[where[0]:where[-1]]
+            result.append((len(inside), sum(1 for text in inside if sass_opcode(text).startswith("FMUL"))))
+        return result
+
+    early = _check_sm90_build(head_dim, fp8, causal, 2, False, persistent, False, split_loops=split_loops,
+                              rescale_early=True)
+    late = _check_sm90_build(head_dim, fp8, causal, 2, False, persistent, False, split_loops=split_loops)
+    assert len(early.loop_bodies) == len(late.loop_bodies)
+    for (span, multiplies), (late_span, late_multiplies) in zip(between_wgmmas(early), between_wgmmas(late)):
+        assert multiplies <= 1 and late_multiplies >= 20 and span < late_span, (between_wgmmas(early),
+                                                                                between_wgmmas(late))
+    assert all(abs(len(a) - len(b)) <= 4 for a, b in zip(early.loop_bodies, late.loop_bodies))
 
 
 def test_pingpong_takes_turns_through_named_barriers_around_the_wgmma_issue():
@@ -872,25 +904,40 @@ def test_gpu_gluon_window(window, seqlen_q, seqlen_k, head_dim, causal, persiste
 @pytest.mark.parametrize("seqlen_q, seqlen_k, head_dim, dtype", [(1000, 1100, 128, torch.bfloat16),
                                                                  (1100, 1000, 64, torch.float16),
                                                                  (239, 1, 128, torch.bfloat16),
-                                                                 (2048, 2048, 128, torch.bfloat16)])
+                                                                 (2048, 2048, 128, torch.bfloat16),
+                                                                 (2048, 4096, 64, torch.bfloat16)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_split_loops_compute_what_one_loop_computes(seqlen_q, seqlen_k, head_dim, dtype, causal, generator):
-    """HopperOptions(split_loops=True) against the single loop, bit for bit (the same arithmetic, P rounded the
-    same way whether carried packed or not): O and lse, one tile per CTA and persistent, no window, windows
-    wider and narrower than a tile, a soft cap, and ALiBi (which keeps one loop)."""
+@pytest.mark.parametrize("switch", ["split_loops", "rescale_early"])
+def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype, causal, switch, generator):
+    """A switch that reorders the Gluon forward's work but not its arithmetic leaves O and lse the same bit for bit:
+    split_loops (three K/V loops against one; P rounded the same way whether carried packed or not) and
+    rescale_early (O meets the same multiplications in the same order). One tile per CTA, persistent and the
+    defaults (three consumers at d = 64 from 4K keys); no window, windows wider and narrower than a tile, a soft
+    cap, and ALiBi (one loop in the kernel); rescale_early also with one loop, and in the FP8 kernel."""
     from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+    from fa_lab.kernels.hopper.attention import FP8_OPTIONS
+    from fa_lab.kernels.hopper.fp8_attention import triton_hopper_fp8_attention
 
     q, k, v = make_qkv(2, 4, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator, heads_kv=2)
     slopes = (torch.rand(2, 4, generator=generator) * 0.1).cuda()
     cases = [{}, dict(window=(1024, 0)), dict(window=(100, -1)), dict(window=(64, 64)), dict(window=(300, 200)),
              dict(softcap=30.0), dict(softcap=30.0, window=(256, 0)), dict(alibi_slopes=slopes, window=(256, 0))]
-    for persistent in (False, True):
+    others = [dict(persistent=False), dict(persistent=True), {}]
+    if switch == "rescale_early":
+        others.append(dict(persistent=True, split_loops=False))
+    for other in others:
         for given in cases:
-            one, split = (triton_hopper_attention(q, k, v, causal, None, **given,
-                                                  options=HopperOptions(persistent=persistent, split_loops=split))
-                          for split in (False, True))
-            for name, a, b in zip(("out", "lse"), one, split):
-                assert torch.equal(a, b), (name, persistent, given)
+            off, on = (triton_hopper_attention(q, k, v, causal, None, **given,
+                                               options=HopperOptions(**other, **{switch: flag}))
+                       for flag in (False, True))
+            for name, a, b in zip(("out", "lse"), off, on):
+                assert torch.equal(a, b), (name, other, given)
+    if switch == "rescale_early" and dtype == torch.bfloat16 and seqlen_k > 1:  # (FP8's own tests: no one-key rows)
+        k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # (FP8 takes one K/V head per query head)
+        off, on = (triton_hopper_fp8_attention(q, k, v, causal, None, options=dataclasses.replace(
+            FP8_OPTIONS, rescale_early=flag)) for flag in (False, True))
+        for name, a, b in zip(("out", "lse"), off, on):
+            assert torch.equal(a, b), ("fp8", name)
 
 
 @pytest.mark.gpu

@@ -306,10 +306,11 @@ def test_gpu_device_tiles_on_the_gluon_kernel(generator):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_packed_split_loops_compute_what_one_loop_computes(head_dim, causal, generator):
-    """The Gluon forward of a packed batch (empty and one-key sequences, ragged ends, grouped K/V) in three K/V
-    loops computes O and lse bit for bit as in one loop, without a window, with windows narrower and wider than a
-    tile, and with a soft cap."""
+@pytest.mark.parametrize("switch", ["split_loops", "rescale_early"])
+def test_gpu_packed_forward_switches_keep_the_bits(head_dim, causal, switch, generator):
+    """The Gluon forward of a packed batch (empty and one-key sequences, ragged ends, grouped K/V) computes O and lse
+    bit for bit the same with the switch on as off: three K/V loops or one, O rescaled at the step's end or before
+    the next P V; without a window, with windows narrower and wider than a tile, and with a soft cap."""
     from fa_lab.kernels.common import kernel_operand
     from fa_lab.kernels.hopper.attention import HopperOptions, gluon_varlen_forward
     from fa_lab.kernels.portable.attention import ScoreOptions
@@ -321,9 +322,9 @@ def test_gpu_packed_split_loops_compute_what_one_loop_computes(head_dim, causal,
     bounds = (cu_q.tolist(), cu_k.tolist())
     for given in (ScoreOptions(), ScoreOptions(window=(100, -1)), ScoreOptions(window=(64, 64)),
                   ScoreOptions(window=(1024, 0)), ScoreOptions(softcap=30.0)):
-        one, split = (gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, head_dim ** -0.5, given,
-                                           HopperOptions(split_loops=flag)) for flag in (False, True))
-        for name, a, b in zip(("out", "lse"), one, split):
+        off, on = (gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, head_dim ** -0.5, given,
+                                        HopperOptions(**{switch: flag})) for flag in (False, True))
+        for name, a, b in zip(("out", "lse"), off, on):
             assert torch.equal(a, b), (name, given)
 
 

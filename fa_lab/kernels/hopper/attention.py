@@ -66,6 +66,7 @@ class HopperOptions:
     stages: int = 2
     pingpong: bool = False
     split_loops: bool | None = None  # Gluon: K/V steps in 3 loops, one per kind of mask (flash-attn-4); None: auto
+    rescale_early: bool = False  # Gluon: O rescaled at the end of each K/V step (flash-attn-4's place), same bits
     consumers: int | None = None  # Gluon: 2 or 3 consumer warpgroups (128- or 192-row tiles); None: auto
     persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
@@ -272,7 +273,8 @@ def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, optio
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=info.causal_only,
         PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=persistent,
         CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
-        ALIBI=alibi_slopes is not None, SPLIT_LOOPS=options.split_loops, num_warps=4,
+        ALIBI=alibi_slopes is not None, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
+        num_warps=4,
         maxnreg=launch_maxnreg(options.consumers))
 
 

@@ -2,9 +2,12 @@
 
 In step j a consumer issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as asynchronous WGMMAs,
 then waits for S_j only and runs the softmax of tile j while the tensor cores still work on the
-P V product of tile j-1 (intra-warpgroup pipelining). Its epilogue writes O through shared memory
-with one TMA copy, which also drops the rows past seqlen_q; in a packed batch a sequence's last,
-partial rows go out with a masked store instead (past them lies the next sequence).
+P V product of tile j-1 (intra-warpgroup pipelining). O is rescaled by each step's correction factor
+either just before the P V product that follows it or, with ``state.rescale_early``, at the end of the
+step that computed the factor (flash-attn-4's place): the same multiplications in the same order. Its
+epilogue writes O through shared memory with one TMA copy, which also drops the rows past seqlen_q; in a
+packed batch a sequence's last, partial rows go out with a masked store instead (past them lies the next
+sequence).
 """
 from __future__ import annotations
 
@@ -141,6 +144,8 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
                                       tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
                                       ALIBI=ALIBI, s_layout=s_layout)
     p = carried_p(p, dtype, p_layout, FP8=FP8, PACKED=SPLIT)
+    if state.rescale_early:
+        o = _rescaled(o, alpha, o_layout)
 
     # Steps 1 .. n_iter - 1. With state.split_loops in up to three loops, as flash-attn-4 walks them: the band's
     # lower edge (a window), the full tiles, and the masked end (causal diagonal, ragged end, the band's upper edge),
@@ -173,7 +178,8 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         state.q.release()
     v_last = state.v.at(kv_count + tile.n_iter - 1)
     v_last.wait_ready()
-    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    if not state.rescale_early:
+        o = _rescaled(o, alpha, o_layout)
     o = warpgroup_mma(p_operand(p, dtype, p_layout, FP8=FP8), v_operand(v_last.buf(), FP8=FP8), o,
                       is_async=True)
     o = warpgroup_mma_wait(0, deps=(o,))
@@ -223,10 +229,12 @@ def _kv_steps(state, tile, kv_count, j_begin, j_end, s, p, o, alpha, m_i, l_i, t
         if PINGPONG:
             state.turns.wait(CONSUMER)
         # Issue both GEMMs of this step: scores of tile j, and P V of tile j-1. O is rescaled
-        # to tile j-1's running max in between, while the tensor cores work on S_j.
+        # to tile j-1's running max in between (unless it was at the end of the last step), while the
+        # tensor cores work on S_j.
         s = warpgroup_mma(q_smem, k_tile.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
                           is_async=True)
-        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        if not state.rescale_early:
+            o = _rescaled(o, alpha, o_layout)
         o = warpgroup_mma(p_op, v_operand(v_tile.buf(), FP8=FP8), o, is_async=True)
         if PINGPONG:
             state.turns.pass_on(CONSUMER)
@@ -243,9 +251,18 @@ def _kv_steps(state, tile, kv_count, j_begin, j_end, s, p, o, alpha, m_i, l_i, t
             o = warpgroup_mma_wait(0, deps=(o,))
         else:  # P's registers must stay untouched until the WGMMA reading them is done
             o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+        if state.rescale_early:  # O to tile j's running max, now that P_{j-1} V_{j-1} is in it
+            o = _rescaled(o, alpha, o_layout)
         v_tile.release()
         p = carried_p(p, dtype, p_layout, FP8=FP8, PACKED=PACKED)
     return s, p, o, alpha, m_i, l_i
+
+
+@gluon.jit
+def _rescaled(o, alpha, o_layout: gl.constexpr):
+    """O (64, d) in o_layout with each row multiplied by its correction factor alpha (64,) (the score tile's row
+    layout)."""
+    return o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
 
 
 @gluon.jit

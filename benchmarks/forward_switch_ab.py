@@ -1,23 +1,26 @@
-"""The bf16 Gluon FA3 forward with each consumer's K/V steps in one loop (the default) against three loops, one per
-kind of mask (``HopperOptions(split_loops=True)``, flash-attn-4's structure), on the FA3-paper shapes (16K tokens,
-hidden 2048, bf16, d = 64 and 128, causal and not, 1K-16K) and chapter 05's window (1024, 0) at 16K (d = 128,
-TFLOP/s counted on the pairs inside the band), the forward alone, the two timed in turn, three rounds (do_bench
-medians, TFLOP/s). Each shape first checks that both give the same O and lse bit for bit.
+"""A switch of the Gluon FA3 forward off and on, timed in turn: ``split_loops`` (each consumer's K/V steps in one loop
+against three, one per kind of mask, flash-attn-4's structure) or ``rescale_early`` (O rescaled just before the next
+P V product against at the end of the step, flash-attn-4's place). On the FA3-paper shapes (16K tokens, hidden 2048,
+bf16, d = 64 and 128, causal and not, 1K-16K) and chapter 05's window (1024, 0) at 16K (d = 128, TFLOP/s counted on
+the pairs inside the band), the forward alone, three rounds (do_bench medians, TFLOP/s). Each shape first checks
+that both give the same O and lse bit for bit.
 
-On the H200: ``PYTHONPATH=. python3 benchmarks/split_loops_ab.py $OUT`` writes $OUT/h200_split_loops.json (a log);
-``... split_loops_ab.py $OUT --fp8`` times the FP8 kernel alone (its default, persistent, on operands quantized once)
-the same way, d = 128 and 64, 4K-16K, into $OUT/h200_split_loops_fp8.json.
+On the H200: ``PYTHONPATH=. python3 benchmarks/forward_switch_ab.py $OUT`` writes $OUT/h200_split_loops.json (a log);
+``... forward_switch_ab.py $OUT --fp8`` times the FP8 kernel alone (its default, persistent, on operands quantized once)
+the same way, d = 128 and 64, 4K-16K, into $OUT/h200_split_loops_fp8.json; ``--switch rescale_early`` times that
+switch instead (h200_rescale_early.json, h200_rescale_early_fp8.json), the other switches at their defaults.
 """
+import argparse
 import dataclasses
 import functools
 import os
-import sys
 
 ROUNDS = 3
 WINDOW = (1024, 0)
+RUN_NAMES = {"split_loops": ("one_loop", "split_loops"), "rescale_early": ("rescale_late", "rescale_early")}  # off, on
 
 
-def main(out_dir: str, fp8: bool = False) -> None:
+def main(out_dir: str, fp8: bool = False, switch: str = "split_loops") -> None:
     import torch
     from triton.testing import do_bench
 
@@ -48,9 +51,9 @@ def main(out_dir: str, fp8: bool = False) -> None:
         base = HopperOptions()
         cases = [(shape, (-1, -1)) for shape in protocol_shapes(HOPPER_SEQLENS, (64, 128))]
         cases.append((AttentionShape(1, 32, 16384, 128, causal=False, dtype="bf16"), WINDOW))
-    runs = {name: make_run(dataclasses.replace(base, split_loops=flag))
-            for name, flag in (("one_loop", False), ("split_loops", True))}
-    out_path = os.path.join(out_dir, "h200_split_loops_fp8.json" if fp8 else "h200_split_loops.json")
+    runs = {name: make_run(dataclasses.replace(base, **{switch: flag}))
+            for name, flag in zip(RUN_NAMES[switch], (False, True))}
+    out_path = os.path.join(out_dir, f"h200_{switch}{'_fp8' if fp8 else ''}.json")
     log = []
     for shape, window in cases:
         q, k, v = random_inputs(shape, requires_grad=False)
@@ -62,8 +65,8 @@ def main(out_dir: str, fp8: bool = False) -> None:
         entry = {"head_dim": shape.head_dim, "causal": shape.causal, "seqlen": shape.seqlen_q, "window": window}
         with torch.no_grad():
             calls = {name: functools.partial(run, q, k, v, shape.causal, window) for name, run in runs.items()}
-            one, split = (call() for call in calls.values())
-            entry["same_bits"] = all(torch.equal(a, b) for a, b in zip(one, split))
+            off, on = (call() for call in calls.values())
+            entry["same_bits"] = all(torch.equal(a, b) for a, b in zip(off, on))
             for _round in range(ROUNDS):
                 for name, call in calls.items():
                     ms = do_bench(call, return_mode="median")
@@ -73,4 +76,9 @@ def main(out_dir: str, fp8: bool = False) -> None:
         write_log({**environment("cuda"), "log": log}, out_path)
 
 if __name__ == "__main__":
-    main(sys.argv[1], fp8=sys.argv[2:] == ["--fp8"])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 kernel alone, d = 128 and 64, 4K-16K")
+    parser.add_argument("--switch", choices=sorted(RUN_NAMES), default="split_loops")
+    args = parser.parse_args()
+    main(args.out_dir, fp8=args.fp8, switch=args.switch)
