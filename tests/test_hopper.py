@@ -169,16 +169,18 @@ def test_split_loops_give_the_full_tiles_a_loop_without_a_mask(head_dim, causal,
         assert max(masked) < min(loop["instructions"] for loop in single.loop_census)
 
 
-@pytest.mark.parametrize("head_dim, causal, persistent, fp8, split_loops", [(128, False, False, False, True),
-                                                                        (128, True, True, False, True),
-                                                                        (128, False, True, True, False),
-                                                                        (64, False, False, False, True)])
-def test_rescale_early_issues_each_steps_wgmmas_together(head_dim, causal, persistent, fp8, split_loops):
+@pytest.mark.parametrize("head_dim, causal, persistent, fp8, split_loops, pingpong",
+                         [(128, False, False, False, True, False), (128, True, True, False, True, False),
+                          (128, False, True, True, False, False), (64, False, False, False, True, False),
+                          (128, False, False, False, True, True)])
+def test_rescale_early_issues_each_steps_wgmmas_together(head_dim, causal, persistent, fp8, split_loops, pingpong):
     """HopperOptions(rescale_early=True): O's rescale moved to the end of the step whose softmax computed its factor
     (flash-attn-4's place). Rescaled just before P V's issue, ptxas puts the multiplies (20 or more FMUL a loop)
     between S's first WGMMA instruction and the rest; moved, none (FP8: one, a tile scale) stand between a step's
     WGMMAs, which then lie closer together, as in flash-attn-4's loop (d = 128: its 16 within 47 instructions,
-    docs/experiments/hopper_forward.md). Same loops otherwise: no spills, the same instruction counts within a few."""
+    docs/experiments/hopper_forward.md). With ping-pong on three loops a consumer then also passes the turn on
+    sooner (the multiplies no longer stand between its wait for the turn and its arrive). Same loops otherwise: no
+    spills, the same instruction counts within a few."""
     from fa_lab.kernels.hopper.sm90_offline import sass_opcode
 
     def between_wgmmas(build):  # per loop: (instructions from its first WGMMA to its last, FMUL among them)
@@ -189,14 +191,20 @@ def test_rescale_early_issues_each_steps_wgmmas_together(head_dim, causal, persi
             result.append((len(inside), sum(1 for text in inside if sass_opcode(text).startswith("FMUL"))))
         return result
 
-    early = _check_sm90_build(head_dim, fp8, causal, 2, False, persistent, False, split_loops=split_loops,
+    def turn_held(build):  # per loop: instructions from the wait for the turn to the arrive that passes it on
+        return [[index for index, kind, _ in named if kind == "ARV"][0] - named[0][0]
+                for named in build.named_barriers]
+
+    early = _check_sm90_build(head_dim, fp8, causal, 2, pingpong, persistent, False, split_loops=split_loops,
                               rescale_early=True)
-    late = _check_sm90_build(head_dim, fp8, causal, 2, False, persistent, False, split_loops=split_loops)
+    late = _check_sm90_build(head_dim, fp8, causal, 2, pingpong, persistent, False, split_loops=split_loops)
     assert len(early.loop_bodies) == len(late.loop_bodies)
     for (span, multiplies), (late_span, late_multiplies) in zip(between_wgmmas(early), between_wgmmas(late)):
         assert multiplies <= 1 and late_multiplies >= 20 and span < late_span, (between_wgmmas(early),
                                                                                 between_wgmmas(late))
     assert all(abs(len(a) - len(b)) <= 4 for a, b in zip(early.loop_bodies, late.loop_bodies))
+    if pingpong:
+        assert all(held + 50 < late_held for held, late_held in zip(turn_held(early), turn_held(late)))
 
 
 def test_pingpong_takes_turns_through_named_barriers_around_the_wgmma_issue():
