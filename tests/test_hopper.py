@@ -207,6 +207,24 @@ def test_rescale_early_issues_each_steps_wgmmas_together(head_dim, causal, persi
         assert all(held + 50 < late_held for held, late_held in zip(turn_held(early), turn_held(late)))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_convert_p_late_issues_the_fp8_scores_first(causal):
+    """HopperOptions(convert_p_late=True): in FP8's three loops ptxas packs P_{j-1} into e4m3 (the F2FP work) before
+    it issues S_j when the source converts P first; converted after S_j's issue, the step's first WGMMA comes 40 or
+    more instructions sooner (at 36-44 instead of 88-92, as in FP8's single loop, 33). No spills; for 16-bit P the
+    switch changes nothing (the conversion is a no-op there)."""
+    def first_wgmma(build):
+        return [next(index for index, text in enumerate(body) if "GMMA" in text) for body in build.loop_bodies]
+
+    late = _check_sm90_build(128, True, causal, 2, False, True, False, split_loops=True, convert_p_late=True)
+    early = _check_sm90_build(128, True, causal, 2, False, True, False, split_loops=True)
+    assert all(a + 40 <= b for a, b in zip(first_wgmma(late), first_wgmma(early))), (first_wgmma(late),
+                                                                                       first_wgmma(early))
+    bf16 = [_check_sm90_build(128, False, causal, 2, False, False, False, split_loops=True, convert_p_late=flag)
+            for flag in (False, True)]
+    assert [len(body) for body in bf16[0].loop_bodies] == [len(body) for body in bf16[1].loop_bodies]
+
+
 def test_pingpong_takes_turns_through_named_barriers_around_the_wgmma_issue():
     """With PINGPONG each consumer's K/V loop waits for its turn on its own hardware named barrier (256 threads: its
     128 and the other consumer's arrive) before it issues the step's WGMMAs and passes the turn on right after
@@ -915,13 +933,14 @@ def test_gpu_gluon_window(window, seqlen_q, seqlen_k, head_dim, causal, persiste
                                                                  (2048, 2048, 128, torch.bfloat16),
                                                                  (2048, 4096, 64, torch.bfloat16)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("switch", ["split_loops", "rescale_early"])
+@pytest.mark.parametrize("switch", ["split_loops", "rescale_early", "convert_p_late"])
 def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype, causal, switch, generator):
     """A switch that reorders the Gluon forward's work but not its arithmetic leaves O and lse the same bit for bit:
-    split_loops (three K/V loops against one; P rounded the same way whether carried packed or not) and
-    rescale_early (O meets the same multiplications in the same order). One tile per CTA, persistent and the
-    defaults (three consumers at d = 64 from 4K keys); no window, windows wider and narrower than a tile, a soft
-    cap, and ALiBi (one loop in the kernel); rescale_early also with one loop, and in the FP8 kernel."""
+    split_loops (three K/V loops against one; P rounded the same way whether carried packed or not),
+    rescale_early (O meets the same multiplications in the same order) and convert_p_late (P packed after S_j's
+    issue). One tile per CTA, persistent and the defaults (three consumers at d = 64 from 4K keys); no window,
+    windows wider and narrower than a tile, a soft cap, and ALiBi (one loop in the kernel); rescale_early also with
+    one loop; rescale_early and convert_p_late in the FP8 kernel, with one loop and three."""
     from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
     from fa_lab.kernels.hopper.attention import FP8_OPTIONS
     from fa_lab.kernels.hopper.fp8_attention import triton_hopper_fp8_attention
@@ -931,7 +950,7 @@ def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype,
     cases = [{}, dict(window=(1024, 0)), dict(window=(100, -1)), dict(window=(64, 64)), dict(window=(300, 200)),
              dict(softcap=30.0), dict(softcap=30.0, window=(256, 0)), dict(alibi_slopes=slopes, window=(256, 0))]
     others = [dict(persistent=False), dict(persistent=True), {}]
-    if switch == "rescale_early":
+    if switch != "split_loops":
         others.append(dict(persistent=True, split_loops=False))
     for other in others:
         for given in cases:
@@ -940,12 +959,13 @@ def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype,
                        for flag in (False, True))
             for name, a, b in zip(("out", "lse"), off, on):
                 assert torch.equal(a, b), (name, other, given)
-    if switch == "rescale_early" and dtype == torch.bfloat16 and seqlen_k > 1:  # (FP8's own tests: no one-key rows)
+    if switch != "split_loops" and dtype == torch.bfloat16 and seqlen_k > 1:  # (FP8's own tests: no one-key rows)
         k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # (FP8 takes one K/V head per query head)
-        off, on = (triton_hopper_fp8_attention(q, k, v, causal, None, options=dataclasses.replace(
-            FP8_OPTIONS, rescale_early=flag)) for flag in (False, True))
-        for name, a, b in zip(("out", "lse"), off, on):
-            assert torch.equal(a, b), ("fp8", name)
+        for split_loops in (False, True):
+            off, on = (triton_hopper_fp8_attention(q, k, v, causal, None, options=dataclasses.replace(
+                FP8_OPTIONS, split_loops=split_loops, **{switch: flag})) for flag in (False, True))
+            for name, a, b in zip(("out", "lse"), off, on):
+                assert torch.equal(a, b), ("fp8", split_loops, name)
 
 
 @pytest.mark.gpu

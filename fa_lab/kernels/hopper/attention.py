@@ -67,6 +67,7 @@ class HopperOptions:
     pingpong: bool = False
     split_loops: bool | None = None  # Gluon: K/V steps in 3 loops, one per kind of mask (flash-attn-4); None: auto
     rescale_early: bool = False  # Gluon: O rescaled at the end of each K/V step (flash-attn-4's place), same bits
+    convert_p_late: bool = False  # Gluon FP8: P packed to e4m3 after the step's Q K^T is issued, not before; same bits
     consumers: int | None = None  # Gluon: 2 or 3 consumer warpgroups (128- or 192-row tiles); None: auto
     persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
@@ -274,7 +275,7 @@ def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, optio
         PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=persistent,
         CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
         ALIBI=alibi_slopes is not None, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
-        num_warps=4,
+        CONVERT_P_LATE=options.convert_p_late, num_warps=4,
         maxnreg=launch_maxnreg(options.consumers))
 
 

@@ -4,7 +4,8 @@ In step j a consumer issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` as as
 then waits for S_j only and runs the softmax of tile j while the tensor cores still work on the
 P V product of tile j-1 (intra-warpgroup pipelining). O is rescaled by each step's correction factor
 either just before the P V product that follows it or, with ``state.rescale_early``, at the end of the
-step that computed the factor (flash-attn-4's place): the same multiplications in the same order. Its
+step that computed the factor (flash-attn-4's place): the same multiplications in the same order. FP8's
+P_{j-1} becomes the e4m3 operand before S_j is issued or, with ``state.convert_p_late``, after. Its
 epilogue writes O through shared memory with one TMA copy, which also drops the rows past seqlen_q; in a
 packed batch a sequence's last, partial rows go out with a masked store instead (past them lies the next
 sequence).
@@ -223,7 +224,8 @@ def _kv_steps(state, tile, kv_count, j_begin, j_end, s, p, o, alpha, m_i, l_i, t
     for j in range(j_begin, j_end):
         k_tile = state.k.at(kv_count + j)  # K_j, and V_{j-1}: this CTA's K/V tiles count across work tiles
         v_tile = state.v.at(kv_count + j - 1)
-        p_op = p_operand(p, dtype, p_layout, FP8=FP8)  # P_{j-1}
+        if not state.convert_p_late:
+            p_op = p_operand(p, dtype, p_layout, FP8=FP8)  # P_{j-1}
         k_tile.wait_ready()
         v_tile.wait_ready()
         if PINGPONG:
@@ -233,6 +235,8 @@ def _kv_steps(state, tile, kv_count, j_begin, j_end, s, p, o, alpha, m_i, l_i, t
         # tensor cores work on S_j.
         s = warpgroup_mma(q_smem, k_tile.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
                           is_async=True)
+        if state.convert_p_late:  # P_{j-1} packed into the operand (FP8: e4m3) while the tensor cores compute S_j
+            p_op = p_operand(p, dtype, p_layout, FP8=FP8)
         if not state.rescale_early:
             o = _rescaled(o, alpha, o_layout)
         o = warpgroup_mma(p_op, v_operand(v_tile.buf(), FP8=FP8), o, is_async=True)

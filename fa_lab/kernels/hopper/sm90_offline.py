@@ -145,7 +145,7 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, **switches) 
 def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
                     fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2, persistent: bool = False,
                     window: bool = False, varlen: bool = False, softcap: bool = False, alibi: bool = False,
-                    split_loops: bool = False, rescale_early: bool = False) -> dict:
+                    split_loops: bool = False, rescale_early: bool = False, convert_p_late: bool = False) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_kernel.attention_fwd_fa3_kernel` as the launcher builds
     it with these switches (:class:`.attention.HopperOptions`' and the call's)."""
     from .fa3_config import CONSUMER_REGS, descriptor_blocks, launch_maxnreg
@@ -165,7 +165,7 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, 
     constants = {"CONSUMERS": consumers, "STAGES": stages, "CAUSAL": causal, "PINGPONG": pingpong, "FP8": fp8,
                  "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers], "WINDOW": window,
                  "VARLEN": varlen, "SOFTCAP": softcap, "ALIBI": alibi, "SPLIT_LOOPS": split_loops,
-                 "RESCALE_EARLY": rescale_early}
+                 "RESCALE_EARLY": rescale_early, "CONVERT_P_LATE": convert_p_late}
     return dict(kernel=attention_fwd_fa3_kernel, signature=signature, constants=constants, num_warps=4,
                 maxnreg=launch_maxnreg(consumers))
 
