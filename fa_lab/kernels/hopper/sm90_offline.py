@@ -321,9 +321,10 @@ def wgmma_loop_bodies(sass: str) -> list[list[str]]:
 
 def loop_census(loop_bodies: list[list[str]]) -> list[dict]:
     """Per loop (:func:`wgmma_loop_bodies`): its instruction count, its opcodes (suffixes dropped) by count, the
-    warpgroup barriers (``BAR.SYNC ..., 0x80``: 128 threads) it waits on, and how many of its special-function
+    warpgroup barriers (``BAR.SYNC ..., 0x80``: 128 threads) it waits on, how many of its special-function
     instructions (MUFU: the exponentials) come before its first wait for every product in flight
-    (``WARPGROUP.DEPBAR.LE gsb0, 0x0``; all of them if it has none): those may overlap the step's last product.
+    (``WARPGROUP.DEPBAR.LE gsb0, 0x0``; all of them if it has none): those may overlap the step's last product, and
+    where in the loop its WGMMA instructions stand (``wgmma_at``, indices into the loop's instructions).
     Reads any sm_90 SASS, flash-attn-4's too (benchmarks/fa4_sass_census.py)."""
     census = []
     for body in loop_bodies:
@@ -332,6 +333,7 @@ def loop_census(loop_bodies: list[list[str]]) -> list[dict]:
         census.append({"instructions": len(body),
                        "warpgroup_barriers": sum(1 for text in body if "BAR.SYNC" in text and "0x80" in text),
                        "mufu_before_drain": sum(1 for text in body[:drain] if sass_opcode(text).startswith("MUFU")),
+                       "wgmma_at": [i for i, text in enumerate(body) if "GMMA" in sass_opcode(text)],
                        "opcodes": dict(opcodes.most_common())})
     return census
 
