@@ -484,7 +484,20 @@ def test_the_default_consumer_count_follows_the_recorded_h200_run():
     assert consumers_by_default(128, False, 16384, banded=False) == 2
     assert consumers_by_default(64, False, 16384, banded=True) == 2
     assert consumers_by_default(64, False, 16384, banded=False, fp8=True) == 2
+    assert consumers_by_default(64, False, 16384, banded=False, alibi=True) == 2
     assert persistent_by_default(64, False, 16384, banded=False, consumers=3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_keeps_two_consumers_because_three_spill(causal):
+    """Why ALiBi calls at d = 64 keep two consumer warpgroups: with three (160 registers a thread) the K/V loops of
+    the ALiBi build (persistent, as the default runs it) keep over 100 loads and stores in local memory; with two,
+    none."""
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_forward_job
+
+    three, two = compile_all_for_sm90([fa3_forward_job(64, causal, consumers=consumers, persistent=True, alibi=True)
+                                       for consumers in (3, 2)])
+    assert three.kv_loop_spills > 100 and two.kv_loop_spills == 0
 
 
 def test_the_backward_takes_lse2_and_d_from_the_producer_as_the_recorded_run_has_it_faster():
@@ -744,7 +757,7 @@ def test_gpu_hopper_switches(switches, dtype, seqlen_q, seqlen_k, causal, genera
 def test_gpu_three_consumers_by_default(heads, heads_kv, seqlen_q, seqlen_k, causal, dtype, score_options,
                                         generator):
     """At d = 64 from THREE_CONSUMERS_MIN_KEYS keys the default forward runs 192-row tiles (three consumers,
-    persistent): grouped K/V, ragged lengths, softcap and ALiBi through fa_lab.attention."""
+    persistent; ALiBi two): grouped K/V, ragged lengths, softcap and ALiBi through fa_lab.attention."""
     from fa_lab.kernels.hopper.attention import consumers_by_default
 
     assert consumers_by_default(64, causal, seqlen_k, banded=False) == 3

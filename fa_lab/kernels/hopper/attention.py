@@ -112,15 +112,18 @@ def persistent_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bo
 # a third (192-row tiles, FA3's shape there; each K/V tile is also read by a third fewer CTAs) fills the gaps. The
 # persistent kernel with three consumers measured 1.05-1.09x two consumers without a mask from 4K keys, causal
 # 1.04-1.06x at 16K, 1.00-1.02x at 8K and 0.94x at 4K (benchmarks/h200_three_consumers.json and a rerun,
-# docs/experiments/hopper_forward.md). At d = 128 a consumer's loop does not fit its 160 registers. A CPU test holds
-# the table to the recorded run.
+# docs/experiments/hopper_forward.md). At d = 128 a consumer's loop does not fit its 160 registers, nor at d = 64 with
+# ALiBi (112-196 spilled loads and stores in the K/V loops, none with two consumers: a CPU test builds both), so
+# ALiBi calls keep two. A CPU test holds the table to the recorded run.
 THREE_CONSUMERS_MIN_KEYS = {(64, False): 4096, (64, True): 16384}
 
 
-def consumers_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool, fp8: bool = False) -> int:
-    """HopperOptions.consumers None's choice for a dense call (THREE_CONSUMERS_MIN_KEYS; FP8 and windows: two)."""
+def consumers_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool, fp8: bool = False,
+                         alibi: bool = False) -> int:
+    """HopperOptions.consumers None's choice for a dense call (THREE_CONSUMERS_MIN_KEYS; FP8, windows and ALiBi:
+    two)."""
     min_keys = THREE_CONSUMERS_MIN_KEYS.get((head_dim_bucket(head_dim), causal))
-    return 3 if not (fp8 or banded) and min_keys is not None and seqlen_k >= min_keys else 2
+    return 3 if not (fp8 or banded or alibi) and min_keys is not None and seqlen_k >= min_keys else 2
 
 
 # Where impl="triton_hopper" takes the Gluon FA3 backward by default (HopperOptions.backward "auto"): from how
@@ -201,7 +204,8 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     info = BlockInfo(seqlen_q, seqlen_k, causal, tuple(window))
     fp8 = fp8_scales is not None
     if options.consumers is None:
-        options = replace(options, consumers=consumers_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8))
+        options = replace(options, consumers=consumers_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8,
+                                                                  alibi_slopes is not None))
     block_m = ROWS_PER_CONSUMER.value * options.consumers
     total_tiles = cdiv(seqlen_q, block_m) * batch * heads
     grid, schedule = (total_tiles,), lse  # (lse: a placeholder pointer, not read)
