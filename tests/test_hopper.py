@@ -185,9 +185,8 @@ def test_rescale_early_issues_each_steps_wgmmas_together(head_dim, causal, persi
 
     def between_wgmmas(build):  # per loop: (instructions from its first WGMMA to its last, FMUL among them)
         result = []
-        for body in build.loop_bodies:
-            where = [index for index, text in enumerate(body) if "GMMA" in text]
-            inside = body[where[0]:where[-1]]
+        for body, loop in zip(build.loop_bodies, build.loop_census):
+            inside = body[loop["wgmma_at"][0]:loop["wgmma_at"][-1]]
             result.append((len(inside), sum(1 for text in inside if sass_opcode(text).startswith("FMUL"))))
         return result
 
@@ -214,7 +213,7 @@ def test_convert_p_late_issues_the_fp8_scores_first(causal):
     more instructions sooner (at 36-44 instead of 88-92, as in FP8's single loop, 33). No spills; for 16-bit P the
     switch changes nothing (the conversion is a no-op there)."""
     def first_wgmma(build):
-        return [next(index for index, text in enumerate(body) if "GMMA" in text) for body in build.loop_bodies]
+        return [loop["wgmma_at"][0] for loop in build.loop_census]
 
     late = _check_sm90_build(128, True, causal, 2, False, True, False, split_loops=True, convert_p_late=True)
     early = _check_sm90_build(128, True, causal, 2, False, True, False, split_loops=True)
