@@ -167,6 +167,13 @@ def _rank_main(rank, worker, world, port, backend, group_timeout_s, args):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # A rank that succeeded leaves without the interpreter's finalization: gloo's threads can still hold tensors
+    # then, and one that takes the GIL while Python shuts down is unwound through C++ that cannot unwind, which
+    # aborts the process with the same message (this happened after the barrier above, once in many CI runs).
+    # The results are in files already; nothing is left to flush but the standard streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(worker, world, *args, backend="gloo", group_timeout_s=30, deadline_s=60):
