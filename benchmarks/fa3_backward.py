@@ -16,7 +16,9 @@ rows); ``... fa3_backward.py rows $OUT`` its steps of 64 and 128 query rows at d
 $OUT/h200_backward_rows.json; ``... fa3_backward.py row-vectors $OUT`` the lse2 and D rows loaded by the consumers
 or by the producer, into $OUT/h200_backward_row_vectors.json; ``... fa3_backward.py varlen-row-vectors $OUT`` the same
 on a packed batch, into $OUT/h200_varlen_row_vectors.json; ``... fa3_backward.py head-groups $OUT`` the causal
-launch's CTAs head by head against in groups of heads, key tile by key tile, into $OUT/h200_backward_head_groups.json.
+launch's CTAs head by head against in groups of heads, key tile by key tile, into $OUT/h200_backward_head_groups.json;
+``... fa3_backward.py rows-ahead $OUT`` the producer's loads of a step's rows one step ahead against after its wait
+for the slot, into $OUT/h200_backward_rows_ahead.json.
 """
 import functools
 import json
@@ -200,6 +202,14 @@ def head_groups(out_dir: str) -> None:
                 grouped_query=(128,))
 
 
+def rows_ahead(out_dir: str) -> None:
+    """The producer loading each step's lse2 and D rows one step ahead (``rows_ahead``) against after its wait for the
+    slot, 1K-16K, causal and not, d = 128 and 64 and chapter 05's grouped-query shape at d = 128:
+    h200_backward_rows_ahead.json."""
+    alternating(out_dir, "h200_backward_rows_ahead.json", (128, 64), (1024, 2048, 4096, 8192, 16384),
+                lambda head_dim: {"after the wait": {}, "a step ahead": {"rows_ahead": True}}, grouped_query=(128,))
+
+
 def plot(results_path: str, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -238,5 +248,7 @@ if __name__ == "__main__":
         varlen_row_vectors(sys.argv[2])
     elif sys.argv[1] == "head-groups":
         head_groups(sys.argv[2])
+    elif sys.argv[1] == "rows-ahead":
+        rows_ahead(sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])

@@ -1,5 +1,6 @@
 """The Hopper forward (impl "triton_hopper") and the FP8 forward (impl "triton_hopper_fp8")."""
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -522,6 +523,34 @@ def test_the_backward_takes_lse2_and_d_from_the_producer_as_the_recorded_run_has
         assert inspect.signature(launcher).parameters["rows_by_producer"].default is True
     for build in compile_all_for_sm90([fa3_backward_job(head_dim=d, causal=True) for d in (64, 128)]):
         assert build.shared_bytes <= SM90_SHARED_LIMIT and build.kv_loop_spills == 0
+
+
+def test_rows_ahead_loads_each_steps_rows_an_iteration_before_the_producer_stores_them():
+    """gluon_backward(rows_ahead=True): the producer loads step i + 1's lse2 and D right after issuing step i's
+    copies, so their latency passes while it waits for the next free slot. In its SASS loop every global load then
+    follows the stores of the step's rows (they store what the iteration before loaded); as shipped the loads come
+    first, after the wait, and the stores wait for them. Same shared memory, and no spills in the consumers' loops,
+    dense (d = 64 and 128, causal or not) and packed."""
+    from fa_lab.kernels.hopper.sm90_offline import (
+        SM90_SHARED_LIMIT,
+        compile_all_for_sm90,
+        fa3_backward_job,
+        loop_bodies_issuing,
+        sass_opcode,
+    )
+
+    variants = [(d, causal, False, ahead) for d in (64, 128) for causal in (False, True) for ahead in (False, True)]
+    variants += [(128, True, True, ahead) for ahead in (False, True)]
+    builds = compile_all_for_sm90([fa3_backward_job(d, causal, varlen=varlen, rows_ahead=ahead)
+                                   for d, causal, varlen, ahead in variants])
+    for (d, causal, varlen, ahead), build in zip(variants, builds):
+        assert build.shared_bytes <= SM90_SHARED_LIMIT and build.kv_loop_spills == 0
+        [producer] = loop_bodies_issuing(build.sass, "UTMALDG")
+        opcodes = [sass_opcode(text) for text in producer]
+        loads = [i for i, op in enumerate(opcodes) if op.startswith("LDG")]
+        first_store = next(i for i, op in enumerate(opcodes) if op.startswith("STS"))
+        assert loads, (d, causal, varlen)
+        assert (min(loads) > first_store) == ahead, (d, causal, varlen, ahead, loads, first_store)
 
 
 def test_packed_batches_and_the_dq_scheme_follow_the_recorded_h200_runs():
@@ -1069,6 +1098,47 @@ def test_gpu_gluon_backward_with_row_vectors_loaded_by_the_consumers(case, gener
     """gluon_backward(rows_by_producer=False): each consumer loads lse2 and D itself (the producer brings them by
     default, which the other backward tests check)."""
     _check_gluon_backward_with(dict(rows_by_producer=False), case, generator, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_BACKWARD_CASES, ids=str)
+def test_gpu_gluon_backward_with_row_vectors_loaded_a_step_ahead(case, generator, monkeypatch):
+    """gluon_backward(rows_ahead=True): the producer loads each step's lse2 and D one step ahead; the rule holds."""
+    _check_gluon_backward_with(dict(rows_ahead=True), case, generator, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_rows_ahead_keeps_the_bits_of_dk_and_dv(varlen, generator):
+    """rows_ahead moves the producer's loads, not the arithmetic: dK and dV bit for bit those of the default, dQ
+    (added up in float32 in whatever order the CTAs reach a tile) within float32 rounding of it. Grouped K/V, causal,
+    a ragged last tile; and a packed batch with an empty sequence and sequences shorter than a step."""
+    from fa_lab.kernels.hopper.attention import (
+        gluon_backward,
+        gluon_forward,
+        gluon_varlen_backward,
+        gluon_varlen_forward,
+    )
+    from fa_lab.kernels.portable.attention import ScoreOptions
+
+    if varlen:
+        lengths = [300, 0, 17, 1000, 64]
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+        q, k, v, grad = (torch.randn(sum(lengths), 8, 128, generator=generator).to("cuda", torch.bfloat16)
+                         for _ in range(4))
+        k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+        bounds = (cu.tolist(), cu.tolist())
+        out, lse = gluon_varlen_forward(q, k, v, cu, cu, bounds, True, 128 ** -0.5, ScoreOptions())
+        runs = [gluon_varlen_backward(q, k, v, out, lse, grad, cu, cu, bounds, True, 128 ** -0.5, rows_ahead=ahead)
+                for ahead in (False, True)]
+    else:
+        q, k, v = make_qkv(2, 8, 700, 700, 128, torch.bfloat16, "cuda", generator=generator, heads_kv=2)
+        grad = torch.randn(q.shape, generator=generator).to("cuda", q.dtype)
+        out, lse = gluon_forward(q, k, v, True, 128 ** -0.5)
+        runs = [gluon_backward(q, k, v, out, lse, grad, True, 128 ** -0.5, rows_ahead=ahead) for ahead in (False, True)]
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = runs
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
+    torch.testing.assert_close(dq1.float(), dq0.float(), rtol=0, atol=2 ** -7 * dq0.abs().max().item())
 
 
 @pytest.mark.gpu

@@ -326,7 +326,8 @@ DQ_MODES = ("turns", "partial", "split", "named")  # fa3_backward.DQ_SCHEMES's n
 
 
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str | None = None,
-                   rows: int | None = None, rows_by_producer: bool = True, head_group: int | None = None):
+                   rows: int | None = None, rows_by_producer: bool = True, head_group: int | None = None,
+                   rows_ahead: bool = False):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
     dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns), "partial" (each consumer
@@ -334,9 +335,10 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     :func:`dq_mode_by_default`); rows: query rows per step
     (None: :data:`.fa3_backward.BWD_ROWS` by head_dim); rows_by_producer: each step's lse2 and D rows brought
     into shared memory by the producer warp (1.02-1.11x on the H200, benchmarks/h200_backward_row_vectors.json),
-    or (False) loaded by each consumer; head_group: (batch, K/V head) pairs whose CTAs run key tile by key tile
-    together (:func:`.fa3_backward.key_tile_of_cta`; None: :func:`.tile_schedule.heads_per_group` with a causal
-    mask, 1 without)."""
+    or (False) loaded by each consumer; rows_ahead: the producer loads them one step ahead (not timed yet);
+    head_group: (batch, K/V head) pairs whose CTAs run key tile by key tile together
+    (:func:`.fa3_backward.key_tile_of_cta`; None: :func:`.tile_schedule.heads_per_group` with a causal mask, 1
+    without)."""
     from .fa3_backward import BWD_BLOCK_N
 
     batch, heads, seqlen_q, _ = q.shape
@@ -348,17 +350,18 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     delta, lse2 = backward_preprocess(out, grad_out, lse)
     dq, dk, dv = _backward_outputs(q, k, v)
     _launch_backward((key_tiles * batch * heads_kv,), (q, k, v, grad_out, dq), dk, dv, lse2, delta, heads, seqlen_q,
-                     seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer)
+                     seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer, rows_ahead)
     return _scaled_dq(dq, scale, q.dtype), dk, dv
 
 
 def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
-                          dq_mode: str | None = None, rows: int | None = None, rows_by_producer: bool = True):
+                          dq_mode: str | None = None, rows: int | None = None, rows_by_producer: bool = True,
+                          rows_ahead: bool = False):
     """The Gluon FA3 backward of a packed batch on prepared operands q, out, grad_out: (total_q, H, d), k, v:
     (total_k, Hkv, d), d = 64 or 128, lse (H, total_q) float32, cu_q, cu_k int32 offsets and bounds their
     values (as :func:`host_bounds` takes them): (dq, dk, dv) in q's dtype. One CTA per (sequence, key tile)
     of ``varlen_schedule`` (most work first) and K/V head; nothing is padded to the longest sequence. dq_mode,
-    rows, rows_by_producer: as :func:`gluon_backward`'s."""
+    rows, rows_by_producer, rows_ahead: as :func:`gluon_backward`'s."""
     from .fa3_backward import BWD_BLOCK_N
 
     total_q, heads, _ = q.shape
@@ -371,7 +374,7 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     delta, lse2 = (t.t().contiguous() for t in backward_preprocess(out, grad_out, lse.t().contiguous()))
     _launch_backward((len(tiles), k.shape[1]), [heads_view(t) for t in (q, k, v, grad_out, dq)], dk, dv, lse2, delta,
                      heads, total_q, k.shape[0], 1, (tiles, cu_q, cu_k), causal, scale, dq_mode, rows,
-                     rows_by_producer)
+                     rows_by_producer, rows_ahead)
     return _scaled_dq(dq, scale, q.dtype), dk, dv
 
 
@@ -389,12 +392,12 @@ def _backward_outputs(q, k, v):
 
 
 def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, head_group, packing, causal,
-                     scale, dq_mode, rows, rows_by_producer):
+                     scale, dq_mode, rows, rows_by_producer, rows_ahead):
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
     its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); head_group: the kernel's argument
     (dense launches); packing: None, or (schedule,
     cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals; dq_mode, rows,
-    rows_by_producer: as the two launchers take them."""
+    rows_by_producer, rows_ahead: as the two launchers take them."""
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, DQ_SPLIT, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
@@ -412,7 +415,8 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
         gluon_descriptor(grad_out, row_block), gluon_descriptor(dq, dq_block),
         dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, head_group, *(packing or (lse2,) * 3),
         scale * LOG2E, scale, CAUSAL=causal, STAGES=2, VARLEN=packing is not None, DQ_SCHEME=scheme,
-        ROWS_BY_PRODUCER=rows_by_producer, num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
+        ROWS_BY_PRODUCER=rows_by_producer, ROWS_AHEAD=rows_by_producer and rows_ahead, num_warps=4,
+        maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
 
 
 # Whether "auto" may give packed batches the Gluon backward (then at the keys of varlen_keys_per_sequence). On the

@@ -139,14 +139,22 @@ def _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q, qk_scale):
-    """What the S^T and dP^T products of a step's rows start from (in rows' layout): -lse2 / qk_scale and -D, from
-    lse2 and D in (B, H, Nq), or (H, total_q) packed (lse_rows rows per head, the sequence's from q_start). Rows
-    past seqlen_q get lse2 = +inf (probability 0) and D = 0."""
+def _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, valid):
+    """lse2 and D of a step's rows (in rows' layout), from (B, H, Nq), or (H, total_q) packed (lse_rows rows per
+    head, the sequence's from q_start); rows not ``valid`` (past seqlen_q) get lse2 = +inf (probability 0) and
+    D = 0, and are not read."""
     base = (batch * heads + head) * lse_rows + q_start
-    valid = rows < seqlen_q
     lse2 = gl.load(lse2_ptr + base + rows, mask=valid, other=float("inf"))
-    return -(lse2 / qk_scale), -gl.load(delta_ptr + base + rows, mask=valid, other=0.0)
+    return lse2, gl.load(delta_ptr + base + rows, mask=valid, other=0.0)
+
+
+@gluon.jit
+def _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q, qk_scale):
+    """What the S^T and dP^T products of a step's rows start from (in rows' layout): -lse2 / qk_scale and -D
+    (:func:`_step_row_vectors`)."""
+    lse2, delta = _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
+                                    rows < seqlen_q)
+    return -(lse2 / qk_scale), -delta
 
 
 @gluon.jit
@@ -166,27 +174,44 @@ def _widen(x):
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr, delta_ptr,
                   batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start, k_start, lse_rows,
-                  qk_scale, ROWS_BY_PRODUCER: gl.constexpr):
+                  qk_scale, ROWS_BY_PRODUCER: gl.constexpr, ROWS_AHEAD: gl.constexpr):
     """TMA copies: K and V of the CTA's keys once, then Q_i and dO_i of every step (q_start, k_start: the
     sequence's first row in a packed batch, else 0). ROWS_BY_PRODUCER: also the start rows of step i's two products
     (:func:`_product_starts`), into row_bufs[2 slot] and [2 slot + 1] before Q_i's copy is announced on the slot's
-    ready barrier."""
+    ready barrier. ROWS_AHEAD: step i + 1's lse2 and D are loaded from global memory right after step i's copies are
+    issued, so that their latency passes while the producer waits for the next free slot, not after it."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     k_ring.at(0).fill(k_desc, [batch, kv_head, k_start + start_n, 0])
     v_ring.at(0).fill(v_desc, [batch, kv_head, k_start + start_n, 0])
-    for t in range(group * q_tiles):
+    steps = group * q_tiles
+    if ROWS_AHEAD:
+        head, start_m = _step_rows(0, first_q, q_tiles, kv_head, group, BLOCK_M)
+        rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        lse2, delta = _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
+                                        (rows < seqlen_q) & (steps > 0))
+    for t in range(steps):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         q_tile = q_ring.at(t)
         if ROWS_BY_PRODUCER:
             wait_until_empty(q_ring.empty.index(q_tile.slot), ring_phase(t, q_ring.bufs.type.shape[0]))
-            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
-            s_rows, dp_rows = _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
-                                              seqlen_q, qk_scale)
+            if ROWS_AHEAD:  # (loaded one step ahead: only the starts are computed here)
+                s_rows = -(lse2 / qk_scale)
+                dp_rows = -delta
+            else:
+                rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+                s_rows, dp_rows = _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
+                                                  seqlen_q, qk_scale)
             row_bufs.index(2 * q_tile.slot).store(s_rows)
             row_bufs.index(2 * q_tile.slot + 1).store(dp_rows)
             gl.thread_barrier()  # every lane's rows stored before the ready barrier's arrival below
         q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])
         do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
+        if ROWS_AHEAD:  # step t + 1's rows, read only if there is one
+            head, start_m = _step_rows(t + 1, first_q, q_tiles, kv_head, group, BLOCK_M)
+            rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+            lse2, delta = _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
+                                            (rows < seqlen_q) & (t + 1 < steps))
 
 
 @gluon.jit
@@ -408,7 +433,8 @@ def key_tile_of_cta(cta, key_tiles, head_group):
 def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
                              heads, group, seqlen_q, seqlen_k, head_group, schedule_ptr, cu_seqlens_q, cu_seqlens_k,
                              qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False,
-                             DQ_SCHEME: gl.constexpr = DQ_TURNS, ROWS_BY_PRODUCER: gl.constexpr = False):
+                             DQ_SCHEME: gl.constexpr = DQ_TURNS, ROWS_BY_PRODUCER: gl.constexpr = False,
+                             ROWS_AHEAD: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, rows, d) (rows: :func:`bwd_rows`); k/v_desc over
@@ -421,7 +447,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     schedule_ptr, cu_seqlens_q/k are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL, DQ_SPLIT (d = 128) or
     DQ_NAMED, the module docstring's dQ schemes. ROWS_BY_PRODUCER: each step's start rows (:func:`_product_starts`)
     reach the consumers through shared memory (the producer loads and computes them) instead of each consumer's own
-    loads.
+    loads; ROWS_AHEAD (with it): the producer loads each step's rows one step ahead (:func:`_bwd_producer`).
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -515,7 +541,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
                          VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr,
                          delta_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start,
-                         k_start, lse_rows, qk_scale, ROWS_BY_PRODUCER)),
+                         k_start, lse_rows, qk_scale, ROWS_BY_PRODUCER, ROWS_AHEAD)),
         (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
                           DQ_SCHEME)),
     ], [4, 1, 1], [BWD_CONSUMER_REGS, BWD_WORKER_REGS, BWD_WORKER_REGS])

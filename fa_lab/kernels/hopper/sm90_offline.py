@@ -182,11 +182,12 @@ def census_row_job(row: dict) -> dict:
 
 
 def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False,
-                     dq_mode: str | None = None, rows: int | None = None, rows_by_producer: bool = True) -> dict:
+                     dq_mode: str | None = None, rows: int | None = None, rows_by_producer: bool = True,
+                     rows_ahead: bool = False) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
     :func:`.attention.gluon_backward` (or, varlen, ``gluon_varlen_backward``) launches it with ``dq_mode`` (None:
-    :func:`.attention.dq_mode_by_default`) and ``rows`` query rows per step (None: by head_dim) and
-    ``rows_by_producer`` (both launchers' default: True)."""
+    :func:`.attention.dq_mode_by_default`) and ``rows`` query rows per step (None: by head_dim),
+    ``rows_by_producer`` (both launchers' default: True) and ``rows_ahead``."""
     from .attention import dq_mode_by_default
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
@@ -201,7 +202,7 @@ def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf
                  "cu_seqlens_k": "*i32", "qk_scale": "fp32", "scale": "fp32"}
     return dict(kernel=attention_bwd_fa3_kernel, signature=signature,
                 constants=dict(CAUSAL=causal, STAGES=2, VARLEN=varlen, DQ_SCHEME=scheme,
-                               ROWS_BY_PRODUCER=rows_by_producer),
+                               ROWS_BY_PRODUCER=rows_by_producer, ROWS_AHEAD=rows_by_producer and rows_ahead),
                 num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value),
                 aligned=("dk_ptr", "dv_ptr", "lse2_ptr", "delta_ptr"))
 
@@ -299,10 +300,19 @@ def _resource_usage(cubin: bytes) -> dict:
 
 
 def wgmma_loop_bodies(sass: str) -> list[list[str]]:
-    """The instructions of each innermost SASS loop that issues WGMMAs (the K/V loops), one list per loop.
+    """The instructions of each innermost SASS loop that issues WGMMAs (the K/V loops), one list per loop."""
+    loops = loop_bodies_issuing(sass, "GMMA")
+    if not loops:
+        raise ValueError("no SASS loop issues a GMMA: is this the FA3 kernel?")
+    return loops
+
+
+def loop_bodies_issuing(sass: str, opcode: str) -> list[list[str]]:
+    """The instructions of each innermost SASS loop that holds an instruction whose opcode contains ``opcode``
+    ("GMMA": the consumers' K/V loops; "UTMALDG": a producer's TMA loads), one list per loop.
 
     A loop is a predicated backward branch (the unpredicated ones return from the out-of-line retry
-    blocks of mbarrier waits); the K/V loops are the smallest ones holding a GMMA instruction.
+    blocks of mbarrier waits); the innermost ones are the smallest holding such an instruction.
     """
     code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
@@ -311,11 +321,9 @@ def wgmma_loop_bodies(sass: str) -> list[list[str]]:
         if target and int(target.group(1), 16) < address:
             loops.append((int(target.group(1), 16), address))
     body = {loop: [text for address, text in code if loop[0] <= address <= loop[1]] for loop in loops}
-    gmma_loops = [loop for loop in loops if any("GMMA" in text for text in body[loop])]
-    innermost = [loop for loop in gmma_loops
-                 if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in gmma_loops)]
-    if not innermost:
-        raise ValueError("no SASS loop issues a GMMA: is this the FA3 kernel?")
+    holding = [loop for loop in loops if any(opcode in sass_opcode(text) for text in body[loop])]
+    innermost = [loop for loop in holding
+                 if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in holding)]
     return [body[loop] for loop in innermost]
 
 
