@@ -465,6 +465,67 @@ def test_the_default_persistent_choice_follows_the_recorded_h200_run():
     assert persistent_by_default(128, False, window["seqlen"], banded=True)
 
 
+def test_gluon_forward_launches_what_its_plan_resolves(monkeypatch):
+    """gluon_forward with the GPU launch replaced by a recorder (CPU tensors): the grid, the tile schedule and the
+    compile-time arguments it launches with follow the defaults' tables where the options leave a choice open and
+    the options where they make it, and a second call of the same kind reuses the plan _forward_plan resolved."""
+    import fa_lab.kernels.hopper.attention as hopper
+    from fa_lab.kernels.hopper.fa3_config import CONSUMER_REGS, launch_maxnreg
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(hopper, "cached_launch", Recorder)
+    monkeypatch.setattr(hopper, "sm_count", lambda device: 132)
+    hopper._forward_plan.cache_clear()
+    try:
+        cases = [(64, 4096, False, (-1, -1), hopper.HopperOptions()),  # three consumers, persistent, three loops
+                 (64, 1024, True, (-1, -1), hopper.HopperOptions()),  # two, one tile per CTA, one loop
+                 (128, 4096, True, (256, 0), hopper.HopperOptions()),  # a causal band: WINDOW, not CAUSAL
+                 (128, 2048, False, (-1, -1), hopper.HopperOptions(consumers=3, persistent=False, split_loops=False,
+                                                                    rescale_early=True, stages=3))]
+        for head_dim, seqlen, causal, window, options in cases:
+            q = torch.randn(2, 4, seqlen, head_dim).to(torch.bfloat16)
+            k = v = torch.randn(2, 2, seqlen, head_dim).to(torch.bfloat16)
+            for _repeat in range(2):
+                out, lse = hopper.gluon_forward(q, k, v, causal, 0.1, options, window=window)
+            assert out.shape == q.shape and lse.shape == q.shape[:3] and len(launches) == 2
+            (grid, _args, kwargs), (again_grid, args, again_kwargs) = launches  # (args: the second call's)
+            assert again_grid == grid and again_kwargs == kwargs
+            launches.clear()
+            banded = window[0] >= 0
+            consumers = options.consumers or hopper.consumers_by_default(head_dim, causal, seqlen, banded)
+            persistent = options.persistent
+            if persistent is None:
+                persistent = hopper.persistent_by_default(head_dim, causal, seqlen, banded, consumers=consumers)
+            split_loops = options.split_loops
+            if split_loops is None:
+                split_loops = hopper.split_loops_by_default(head_dim, causal and not banded, seqlen)
+            tiles = 2 * 4 * -(-seqlen // (64 * consumers))
+            assert grid == ((min(tiles, 132),) if persistent else (tiles,))
+            assert kwargs == dict(CONSUMERS=consumers, STAGES=options.stages, CAUSAL=causal and not banded,
+                                  PINGPONG=False, FP8=False, PERSISTENT=persistent,
+                                  CONSUMER_REGS=CONSUMER_REGS[consumers], WINDOW=banded, VARLEN=False, SOFTCAP=False,
+                                  ALIBI=False, SPLIT_LOOPS=split_loops, RESCALE_EARLY=options.rescale_early,
+                                  CONVERT_P_LATE=False, num_warps=4, maxnreg=launch_maxnreg(consumers))
+            descriptors, (o_ptr, lse_ptr) = args[:4], args[4:6]
+            assert all(d.base is t for d, t in zip(descriptors, (q, k, v, out))) and o_ptr is out and lse_ptr is lse
+            assert [d.block_shape[2] for d in descriptors] == [64, 128, 128, 64]
+            heads, group, seqlen_q, seqlen_k, left, right, schedule = args[10:17]
+            assert (heads, group, seqlen_q, seqlen_k) == (4, 2, seqlen, seqlen)
+            assert (left, right) == ((256, 0) if banded else (0, 0))
+            assert (schedule is not lse) == persistent
+        assert hopper._forward_plan.cache_info().hits == len(cases)
+    finally:
+        hopper._forward_plan.cache_clear()
+
+
 def test_the_default_consumer_count_follows_the_recorded_h200_run():
     """HopperOptions.consumers None takes three consumers (persistent) at d = 64 exactly where
     benchmarks/h200_three_consumers.json had them at least 3% ahead of two; two at d = 128, in windows and in FP8."""

@@ -58,12 +58,12 @@ _layout_key = _LayoutKeys()
 
 def argument_feature(arg):
     """What the launch key holds of one argument that is not constexpr (module docstring)."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() & 15 == 0
     kind = type(arg)
     if kind is int:
         fits = 0 if _INT32[0] <= arg <= _INT32[1] else 1 if _INT64[0] <= arg <= _INT64[1] else 2
         return arg == 1, arg & 15 == 0, fits
+    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() & 15 == 0
     if kind is float:
         return float
     if kind is bool:
@@ -91,6 +91,7 @@ class CachedLaunch:
         self._compiled: dict[tuple, object] = {}
         params = kernel.params
         self._names = [p.name for p in params]
+        self._parameters = frozenset(self._names)
         self._constexpr = [p.is_constexpr for p in params]
         self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
@@ -99,9 +100,11 @@ class CachedLaunch:
 
     def _ordered(self, args, kwargs) -> tuple[list, tuple]:
         """(every parameter's value in signature order, the options: kwargs that are not parameters)."""
-        named = self._names[len(args):]
-        values = [*args, *(kwargs[name] if name in kwargs else self._defaults[name] for name in named)]
-        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in named))
+        values = list(args)
+        for name in self._names[len(args):]:
+            values.append(kwargs[name] if name in kwargs else self._defaults[name])
+        parameters = self._parameters
+        options = tuple(sorted(item for item in kwargs.items() if item[0] not in parameters))
         return values, options
 
     def launch(self, grid, args, kwargs):

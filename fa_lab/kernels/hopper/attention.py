@@ -9,7 +9,9 @@ rest (windows, the soft cap, ALiBi, other head sizes, other GPUs).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 
@@ -195,33 +197,81 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` with ``gluon=True``, and
     ``out_dtype`` the output's dtype.
     """
-    from .fa3_config import KV_BLOCK, ROWS_PER_CONSUMER
-
-    batch, heads, seqlen_q, _ = q.shape
-    seqlen_k = k.shape[2]
+    fp8 = fp8_scales is not None
+    plan = _forward_plan(tuple(q.shape), tuple(k.shape), q.device, causal, tuple(window), fp8,
+                         alibi_slopes is not None, bool(softcap), options)
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    info = BlockInfo(seqlen_q, seqlen_k, causal, tuple(window))
-    fp8 = fp8_scales is not None
+    schedule = lse if plan.schedule is None else plan.schedule  # (lse: a placeholder pointer, not read)
+    heads, seqlen_q, seqlen_k = q.shape[1], q.shape[2], k.shape[2]
+    descriptors = [gluon_descriptor(t, block) for t, block in zip((q, k, v, out), plan.blocks)]
+    _launch_fa3(descriptors, out, lse, plan.grid, (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse),
+                plan.window_bounds, scale, softcap, alibi_slopes, fp8_scales, plan.constants)
+    return out, lse
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """What a dense Gluon forward launch decides from its shape and options alone (:func:`_forward_plan` keeps one
+    per kind of call, so that a call only allocates its outputs, builds its descriptors and launches): the grid,
+    the persistent kernel's tile schedule (None: one work tile per CTA), the q, k, v, o descriptors' blocks, the
+    window's (left, right) bounds and the kernel's compile-time arguments (:func:`fa3_launch_constants`)."""
+
+    grid: tuple[int]
+    schedule: torch.Tensor | None
+    blocks: tuple[list[int], ...]
+    window_bounds: tuple[int, int]
+    constants: Mapping[str, object]
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_plan(q_shape: tuple, k_shape: tuple, device: torch.device, causal: bool, window: tuple, fp8: bool,
+                  alibi: bool, softcap: bool, options: HopperOptions) -> ForwardPlan:
+    """The :class:`ForwardPlan` of :func:`gluon_forward` for operands of these shapes on ``device``: ``options``'
+    unset choices resolved by the defaults' tables (consumers, persistent, split loops)."""
+    from .fa3_config import KV_BLOCK, ROWS_PER_CONSUMER, descriptor_blocks
+
+    batch, heads, seqlen_q, head_dim = q_shape
+    seqlen_k = k_shape[2]
+    info = BlockInfo(seqlen_q, seqlen_k, causal, window)
     if options.consumers is None:
-        options = replace(options, consumers=consumers_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8,
-                                                                  alibi_slopes is not None))
+        options = replace(options, consumers=consumers_by_default(head_dim, causal, seqlen_k, info.banded, fp8, alibi))
     block_m = ROWS_PER_CONSUMER.value * options.consumers
     total_tiles = cdiv(seqlen_q, block_m) * batch * heads
-    grid, schedule = (total_tiles,), lse  # (lse: a placeholder pointer, not read)
     persistent = options.persistent
     if persistent is None:
-        persistent = persistent_by_default(q.shape[-1], causal, seqlen_k, info.banded, fp8, options.consumers)
+        persistent = persistent_by_default(head_dim, causal, seqlen_k, info.banded, fp8, options.consumers)
     if options.split_loops is None:
-        options = replace(options, split_loops=split_loops_by_default(q.shape[-1], info.causal_only, seqlen_k, fp8))
+        options = replace(options, split_loops=split_loops_by_default(head_dim, info.causal_only, seqlen_k, fp8))
+    grid, schedule = (total_tiles,), None
     if persistent:
-        grid = (min(total_tiles, max(sm_count(q.device) - options.spare_sms, 1)),)
-        schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value,
-                                   info.causal_only, grid[0], q.device)
-    work = (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse)
-    _launch_fa3(_descriptors(q, k, v, out, fp8_scales is not None), out, lse, grid, work, info, scale, options,
-                persistent, softcap, alibi_slopes, fp8_scales)
-    return out, lse
+        grid = (min(total_tiles, max(sm_count(device) - options.spare_sms, 1)),)
+        schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value, info.causal_only,
+                                   grid[0], device)
+    blocks = descriptor_blocks(head_dim_bucket(head_dim), fp8)
+    return ForwardPlan(grid, schedule, tuple(blocks[name] for name in "qkvo"), _window_bounds(info),
+                       fa3_launch_constants(options, info.causal_only, info.banded, persistent, softcap, alibi, fp8,
+                                            varlen=False))
+
+
+def _window_bounds(info: BlockInfo) -> tuple[int, int]:
+    """The kernel's (left, right) arguments: the band's bounds, (0, 0) without a band (not read)."""
+    return info.window_bounds() if info.banded else (0, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def fa3_launch_constants(options: HopperOptions, causal: bool, banded: bool, persistent: bool, softcap: bool,
+                         alibi: bool, fp8: bool, varlen: bool) -> Mapping[str, object]:
+    """The compile-time arguments and launch options of :func:`.fa3_kernel.attention_fwd_fa3_kernel` for resolved
+    ``options`` (consumers and split_loops set) and a call of this kind (``causal``: the kernel's CAUSAL, causal
+    without a band), read-only."""
+    from .fa3_config import CONSUMER_REGS, launch_maxnreg
+
+    return MappingProxyType(dict(
+        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
+        PERSISTENT=persistent, CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=banded, VARLEN=varlen,
+        SOFTCAP=softcap, ALIBI=alibi, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
+        CONVERT_P_LATE=options.convert_p_late, num_warps=4, maxnreg=launch_maxnreg(options.consumers)))
 
 
 def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: ScoreOptions,
@@ -231,7 +281,7 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     ``DeviceTiles``, no mask):
     (out (total_q, H, d8), lse (H, total_q) float32). One work tile per (sequence, query tile) of
     ``varlen_schedule`` (longest first) and head; nothing is padded to the longest sequence."""
-    from .fa3_config import ROWS_PER_CONSUMER
+    from .fa3_config import ROWS_PER_CONSUMER, descriptor_blocks
 
     total_q, heads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -239,7 +289,8 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     if hopper.consumers is None:  # packed batches keep two consumers (the three-consumer default was timed dense)
         hopper = replace(hopper, consumers=2)
     block_m = ROWS_PER_CONSUMER.value * hopper.consumers
-    descriptors = _descriptors(*(heads_view(t) for t in (q, k, v, out)), fp8=False)
+    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), False)
+    descriptors = [gluon_descriptor(heads_view(t), blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
     tiles, cu_q, cu_k = query_tiles(bounds, cu_q, cu_k, block_m, causal, options.window, q.device)
     if not len(tiles):
         return out, lse
@@ -247,40 +298,26 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     info = BlockInfo(total_q, k.shape[0], causal, tuple(options.window))
     if hopper.split_loops is None:  # where the table splits at any length (the sequences' lengths stay on the GPU)
         hopper = replace(hopper, split_loops=split_loops_by_default(q.shape[-1], info.causal_only, 0))
-    _launch_fa3(descriptors, out, lse, (len(tiles) * heads,), work, info, scale, hopper, False, options.softcap,
-                options.alibi_slopes, None, varlen=True)
+    constants = fa3_launch_constants(hopper, info.causal_only, info.banded, False, bool(options.softcap),
+                                     options.alibi_slopes is not None, False, varlen=True)
+    _launch_fa3(descriptors, out, lse, (len(tiles) * heads,), work, _window_bounds(info), scale, options.softcap,
+                options.alibi_slopes, None, constants)
     return out, lse
 
 
-def _descriptors(q, k, v, out, fp8: bool) -> list:
-    """The kernel's TMA descriptors over (B, H, N, d8) operands (packed ones seen as (1, H, total, d8))."""
-    from .fa3_config import descriptor_blocks
-
-    blocks = descriptor_blocks(head_dim_bucket(q.shape[-1]), fp8)
-    return [gluon_descriptor(t, blocks[name]) for name, t in zip("qkvo", (q, k, v, out))]
-
-
-def _launch_fa3(descriptors, out, lse, grid, work, info: BlockInfo, scale, options: HopperOptions, persistent: bool,
-                softcap, alibi_slopes, fp8_scales, varlen: bool = False):
+def _launch_fa3(descriptors, out, lse, grid, work, window_bounds, scale, softcap, alibi_slopes, fp8_scales,
+                constants: Mapping[str, object]):
     """Launch :func:`.fa3_kernel.attention_fwd_fa3_kernel`. work: (heads, group, seqlen_q, seqlen_k, schedule,
-    cu_seqlens_q, cu_seqlens_k), the kernel's arguments of those names; info: the call's mask (its causal flag and
-    window); persistent: options.persistent resolved."""
-    from .fa3_config import CONSUMER_REGS, launch_maxnreg
+    cu_seqlens_q, cu_seqlens_k), the kernel's arguments of those names; window_bounds: its (left, right);
+    constants: :func:`fa3_launch_constants`."""
     from .fa3_kernel import attention_fwd_fa3_kernel
 
     heads, group, seqlen_q, seqlen_k, schedule, cu_q, cu_k = work
-    left, right = info.window_bounds() if info.banded else (0, 0)
     qk_scale = (softcap if softcap else scale) * LOG2E
     slopes = lse if alibi_slopes is None else alibi_slopes.float().contiguous()
     cached_launch(attention_fwd_fa3_kernel)[grid](
-        *descriptors, out, lse, *(fp8_scales or (lse,) * 4), heads, group, seqlen_q, seqlen_k, left, right,
-        schedule, cu_q, cu_k, qk_scale, scale / softcap if softcap else 0.0, slopes,
-        CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=info.causal_only,
-        PINGPONG=options.pingpong, FP8=fp8_scales is not None, PERSISTENT=persistent,
-        CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=info.banded, VARLEN=varlen, SOFTCAP=bool(softcap),
-        ALIBI=alibi_slopes is not None, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
-        CONVERT_P_LATE=options.convert_p_late, num_warps=4,
-        maxnreg=launch_maxnreg(options.consumers))
+        *descriptors, out, lse, *(fp8_scales or (lse,) * 4), heads, group, seqlen_q, seqlen_k, *window_bounds,
+        schedule, cu_q, cu_k, qk_scale, scale / softcap if softcap else 0.0, slopes, **constants)
 
 
 def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),

@@ -147,8 +147,10 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, 
                     window: bool = False, varlen: bool = False, softcap: bool = False, alibi: bool = False,
                     split_loops: bool = False, rescale_early: bool = False, convert_p_late: bool = False) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_kernel.attention_fwd_fa3_kernel` as the launcher builds
-    it with these switches (:class:`.attention.HopperOptions`' and the call's)."""
-    from .fa3_config import CONSUMER_REGS, descriptor_blocks, launch_maxnreg
+    it with these switches (:class:`.attention.HopperOptions`' and the call's; the compile-time arguments are
+    :func:`.attention.fa3_launch_constants`')."""
+    from .attention import HopperOptions, fa3_launch_constants
+    from .fa3_config import descriptor_blocks
     from .fa3_kernel import attention_fwd_fa3_kernel
 
     operand = "fp8e4nv" if fp8 else out_dtype
@@ -162,12 +164,11 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, 
         "schedule_ptr": "*i32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
         "softcap_scale": "fp32",
     }
-    constants = {"CONSUMERS": consumers, "STAGES": stages, "CAUSAL": causal, "PINGPONG": pingpong, "FP8": fp8,
-                 "PERSISTENT": persistent, "CONSUMER_REGS": CONSUMER_REGS[consumers], "WINDOW": window,
-                 "VARLEN": varlen, "SOFTCAP": softcap, "ALIBI": alibi, "SPLIT_LOOPS": split_loops,
-                 "RESCALE_EARLY": rescale_early, "CONVERT_P_LATE": convert_p_late}
-    return dict(kernel=attention_fwd_fa3_kernel, signature=signature, constants=constants, num_warps=4,
-                maxnreg=launch_maxnreg(consumers))
+    options = HopperOptions(stages=stages, pingpong=pingpong, consumers=consumers, split_loops=split_loops,
+                            rescale_early=rescale_early, convert_p_late=convert_p_late)
+    constants = dict(fa3_launch_constants(options, causal, window, persistent, softcap, alibi, fp8, varlen))
+    return dict(kernel=attention_fwd_fa3_kernel, signature=signature, num_warps=constants.pop("num_warps"),
+                maxnreg=constants.pop("maxnreg"), constants=constants)
 
 
 def census_row_job(row: dict) -> dict:

@@ -1,0 +1,82 @@
+"""The Python of one impl="triton_hopper" forward call, timed on a CPU: everything a call runs on the host up to
+the compiled kernel's launcher, which is replaced by a no-op (as are the checks that need a GPU).
+
+``fa_lab.kernels.launch.CachedLaunch`` runs as on the GPU (its launch key is built from every argument), with a
+stand-in for the compiled kernel; the Gluon path is taken as on an H200 (``uses_gluon`` True, 132 SMs, Triton
+not in its interpreter). What is not timed: Triton's launcher (the TMA descriptors' encoding, the driver's
+launch), which benchmarks/launch_overhead.py times with the rest on the device.
+
+Three calls on a (1, 1, 128, 128) bf16 causal input: ``triton_hopper_attention`` without and with inputs that
+require grad, and ``fa_lab.attention(..., impl="triton_hopper")`` (the API's checks on top). For each, 7 rounds
+of 2,000 calls after 200 warm-up calls; the median and the fastest round in microseconds per call.
+
+``.venv/bin/python benchmarks/launch_path_cpu.py`` prints one line per call kind.
+"""
+import functools
+import time
+import types
+
+import torch
+
+import fa_lab
+import fa_lab.kernels as kernels
+import fa_lab.kernels.hopper.attention as hopper
+from fa_lab.kernels import launch
+
+
+def launch_without_a_gpu() -> None:
+    """Take the Gluon path with the GPU's parts replaced: the compiled kernel's run and the driver's device and
+    stream queries by stand-ins, Triton's interpreter off, 132 SMs."""
+    kernels.load_triton()
+    kernels.interpreting = hopper.interpreting = lambda: False
+    kernels.load_triton()  # (now kept as loaded for compiled kernels: the short path every launch takes)
+    hopper.uses_gluon = lambda q, options: options.kernel == "gluon"
+    hopper.sm_count = lambda device: 132
+    hopper.check_triton_inputs = lambda q: None  # (its only other check asks for CUDA tensors)
+    launch.driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
+                                                                       get_current_stream=lambda device: 0))
+    compiled = types.SimpleNamespace(function=None, packed_metadata=None, run=lambda *args: None)
+
+    class FirstCallCompiled(dict):
+        """CachedLaunch's cache of compiled kernels, which a first call fills with the stand-in."""
+
+        def get(self, key, default=None):
+            return self.setdefault(key, compiled)
+
+    launches = {}
+
+    def cached_launch(kernel):
+        if kernel not in launches:
+            launches[kernel] = launch.CachedLaunch(kernel)
+            launches[kernel]._compiled = FirstCallCompiled()
+        return launches[kernel]
+
+    hopper.cached_launch = cached_launch
+
+
+def host_us(call, calls: int = 2000, rounds: int = 7) -> tuple[float, float]:
+    """(median, fastest) microseconds per call over ``rounds`` rounds of ``calls`` calls."""
+    for _ in range(200):
+        call()
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(per_call)[rounds // 2], min(per_call)
+
+
+def main() -> None:
+    launch_without_a_gpu()
+    torch.set_num_threads(1)
+    for grad in (False, True):
+        q, k, v = (torch.randn(1, 1, 128, 128, dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
+        median, fastest = host_us(functools.partial(hopper.triton_hopper_attention, q, k, v, True, None))
+        print(f"triton_hopper_attention grad={grad}: median {median:.1f} fastest {fastest:.1f} us/call", flush=True)
+    median, fastest = host_us(functools.partial(fa_lab.attention, q, k, v, causal=True, impl="triton_hopper"))
+    print(f"fa_lab.attention grad=True: median {median:.1f} fastest {fastest:.1f} us/call", flush=True)
+
+
+if __name__ == "__main__":
+    main()
