@@ -10,9 +10,14 @@ Three calls on a (1, 1, 128, 128) bf16 causal input: ``triton_hopper_attention``
 require grad, and ``fa_lab.attention(..., impl="triton_hopper")`` (the API's checks on top). For each, 7 rounds
 of 2,000 calls after 200 warm-up calls; the median and the fastest round in microseconds per call.
 
-``.venv/bin/python benchmarks/launch_path_cpu.py`` prints one line per call kind.
+``.venv/bin/python benchmarks/launch_path_cpu.py OUT.json LABEL`` prints one line per call kind and appends them,
+labelled (the code timed: a commit, say), to the log OUT.json (created with the machine's header if absent), so
+that two versions of the launch path run in turn land in one file (benchmarks/cpu_launch_path.json).
 """
 import functools
+import json
+import os
+import sys
 import time
 import types
 
@@ -67,16 +72,25 @@ def host_us(call, calls: int = 2000, rounds: int = 7) -> tuple[float, float]:
     return sorted(per_call)[rounds // 2], min(per_call)
 
 
-def main() -> None:
+def main(out_path: str, label: str) -> None:
+    from fa_lab.bench.schema import environment, write_log
+
     launch_without_a_gpu()
     torch.set_num_threads(1)
+    calls = {}
     for grad in (False, True):
         q, k, v = (torch.randn(1, 1, 128, 128, dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
-        median, fastest = host_us(functools.partial(hopper.triton_hopper_attention, q, k, v, True, None))
-        print(f"triton_hopper_attention grad={grad}: median {median:.1f} fastest {fastest:.1f} us/call", flush=True)
-    median, fastest = host_us(functools.partial(fa_lab.attention, q, k, v, causal=True, impl="triton_hopper"))
-    print(f"fa_lab.attention grad=True: median {median:.1f} fastest {fastest:.1f} us/call", flush=True)
+        calls[f"triton_hopper_attention grad={grad}"] = functools.partial(hopper.triton_hopper_attention, q, k, v,
+                                                                          True, None)
+    calls["fa_lab.attention grad=True"] = functools.partial(fa_lab.attention, q, k, v, causal=True,
+                                                            impl="triton_hopper")
+    log = json.load(open(out_path)) if os.path.exists(out_path) else {**environment("cpu"), "log": []}
+    for name, call in calls.items():
+        median, fastest = host_us(call)
+        print(f"{label}: {name}: median {median:.1f} fastest {fastest:.1f} us/call", flush=True)
+        log["log"].append({"code": label, "call": name, "median_us": round(median, 1), "fastest_us": round(fastest, 1)})
+    write_log(log, out_path)
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:3])
