@@ -129,9 +129,8 @@ def descriptor(t: torch.Tensor, block_rows: int, block_cols: int | None = None):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the GPU: a persistent kernel's grid (cached, as :func:`device_capability`)."""
+    """Streaming multiprocessors of the GPU: a persistent kernel's grid."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
