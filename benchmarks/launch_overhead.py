@@ -10,30 +10,21 @@ On the H200: ``PYTHONPATH=. python3 benchmarks/launch_overhead.py`` (its output 
 benchmarks/h200_launch_overhead.log).
 """
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa_lab.kernels.hopper.attention as hopper
+from fa_lab.bench import host
 from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
 from fa_lab.kernels.launch import cached_launch
 
 
-def host_us(call, calls: int = 100, rounds: int = 7) -> tuple[float, float]:
-    """(median, fastest) host microseconds per call over ``rounds`` rounds of ``calls`` calls."""
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(per_call)[rounds // 2], min(per_call)
+def host_us(call) -> tuple[float, float]:
+    """(median, fastest) host microseconds per call: 7 rounds of 100 calls after 10 warm-up calls
+    (:func:`fa_lab.bench.host.host_us`)."""
+    return host.host_us(call, synchronize=torch.cuda.synchronize)
 
 
 def cudnn(q, k, v):

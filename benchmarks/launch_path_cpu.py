@@ -18,7 +18,6 @@ import functools
 import json
 import os
 import sys
-import time
 import types
 
 import torch
@@ -26,6 +25,7 @@ import torch
 import fa_lab
 import fa_lab.kernels as kernels
 import fa_lab.kernels.hopper.attention as hopper
+from fa_lab.bench.host import host_us
 from fa_lab.kernels import launch
 
 
@@ -59,19 +59,6 @@ def launch_without_a_gpu() -> None:
     hopper.cached_launch = cached_launch
 
 
-def host_us(call, calls: int = 2000, rounds: int = 7) -> tuple[float, float]:
-    """(median, fastest) microseconds per call over ``rounds`` rounds of ``calls`` calls."""
-    for _ in range(200):
-        call()
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
-    return sorted(per_call)[rounds // 2], min(per_call)
-
-
 def main(out_path: str, label: str) -> None:
     from fa_lab.bench.schema import environment, write_log
 
@@ -86,7 +73,7 @@ def main(out_path: str, label: str) -> None:
                                                             impl="triton_hopper")
     log = json.load(open(out_path)) if os.path.exists(out_path) else {**environment("cpu"), "log": []}
     for name, call in calls.items():
-        median, fastest = host_us(call)
+        median, fastest = host_us(call, calls=2000, warmup=200)
         print(f"{label}: {name}: median {median:.1f} fastest {fastest:.1f} us/call", flush=True)
         log["log"].append({"code": label, "call": name, "median_us": round(median, 1), "fastest_us": round(fastest, 1)})
     write_log(log, out_path)

@@ -10,7 +10,7 @@
   the upstream FlashAttention kernels; :mod:`.decode`: decode over a (paged) KV cache against the
   copy bandwidth; :mod:`.sparse`: NSA's selected blocks with flash-linear-attention's kernel;
   :mod:`.linear`: chunkwise linear attention with fla's kernels and softmax attention; :mod:`.ring`:
-  ring attention's steps on one GPU and the overlap they predict;
+  ring attention's steps on one GPU and the overlap they predict; :mod:`.host`: the host's time to issue a call;
 - :mod:`.cli`: ``fa-lab bench cpu|gpu|hopper|interfaces|decode|sparse|linear|ring``.
 
 Importing this package loads neither the runners nor matplotlib: notebooks read recorded results
