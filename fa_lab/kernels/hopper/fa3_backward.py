@@ -178,8 +178,10 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
     """TMA copies: K and V of the CTA's keys once, then Q_i and dO_i of every step (q_start, k_start: the
     sequence's first row in a packed batch, else 0). ROWS_BY_PRODUCER: also the start rows of step i's two products
     (:func:`_product_starts`), into row_bufs[2 slot] and [2 slot + 1] before Q_i's copy is announced on the slot's
-    ready barrier. ROWS_AHEAD: step i + 1's lse2 and D are loaded from global memory right after step i's copies are
-    issued, so that their latency passes while the producer waits for the next free slot, not after it."""
+    ready barrier. ROWS_AHEAD: the rows' global loads leave the path from a free slot to its copies: step i + 1's
+    lse2 and D are loaded right after step i's copies are issued (their latency passes while the producer waits for
+    the next free slot), and a step's copies are issued as soon as its slot is free, its rows stored after them and
+    announced by a second arrival on the slot's ready barrier (which then counts two)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     k_ring.at(0).fill(k_desc, [batch, kv_head, k_start + start_n, 0])
@@ -193,25 +195,28 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
     for t in range(steps):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         q_tile = q_ring.at(t)
-        if ROWS_BY_PRODUCER:
-            wait_until_empty(q_ring.empty.index(q_tile.slot), ring_phase(t, q_ring.bufs.type.shape[0]))
-            if ROWS_AHEAD:  # (loaded one step ahead: only the starts are computed here)
-                s_rows = -(lse2 / qk_scale)
-                dp_rows = -delta
-            else:
-                rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-                s_rows, dp_rows = _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
-                                                  seqlen_q, qk_scale)
-            row_bufs.index(2 * q_tile.slot).store(s_rows)
-            row_bufs.index(2 * q_tile.slot + 1).store(dp_rows)
-            gl.thread_barrier()  # every lane's rows stored before the ready barrier's arrival below
-        q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])
-        do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
-        if ROWS_AHEAD:  # step t + 1's rows, read only if there is one
-            head, start_m = _step_rows(t + 1, first_q, q_tiles, kv_head, group, BLOCK_M)
+        if ROWS_AHEAD:
+            q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])  # (waits for the free slot)
+            do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
+            row_bufs.index(2 * q_tile.slot).store(-(lse2 / qk_scale))
+            row_bufs.index(2 * q_tile.slot + 1).store(-delta)
+            gl.thread_barrier()  # every lane's rows stored before the arrival that announces them
+            mbarrier.arrive(q_ring.ready.index(q_tile.slot))
+            head, start_m = _step_rows(t + 1, first_q, q_tiles, kv_head, group, BLOCK_M)  # the next step's rows
             rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
             lse2, delta = _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
                                             (rows < seqlen_q) & (t + 1 < steps))
+        else:
+            if ROWS_BY_PRODUCER:
+                wait_until_empty(q_ring.empty.index(q_tile.slot), ring_phase(t, q_ring.bufs.type.shape[0]))
+                rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+                s_rows, dp_rows = _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
+                                                  seqlen_q, qk_scale)
+                row_bufs.index(2 * q_tile.slot).store(s_rows)
+                row_bufs.index(2 * q_tile.slot + 1).store(dp_rows)
+                gl.thread_barrier()  # every lane's rows stored before the ready barrier's arrival below
+            q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])
+            do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
 
 
 @gluon.jit
@@ -447,7 +452,8 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     schedule_ptr, cu_seqlens_q/k are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL, DQ_SPLIT (d = 128) or
     DQ_NAMED, the module docstring's dQ schemes. ROWS_BY_PRODUCER: each step's start rows (:func:`_product_starts`)
     reach the consumers through shared memory (the producer loads and computes them) instead of each consumer's own
-    loads; ROWS_AHEAD (with it): the producer loads each step's rows one step ahead (:func:`_bwd_producer`).
+    loads; ROWS_AHEAD (with it): the producer loads each step's rows one step ahead and issues a step's copies before
+    it stores the step's rows (:func:`_bwd_producer`).
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -512,7 +518,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     mbarrier.init(v_ready.index(0), count=1)
     mbarrier.init(v_empty.index(0), count=BWD_CONSUMERS)
     for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_ready.index(i), count=2 if ROWS_AHEAD else 1)  # (ROWS_AHEAD: the copy's and the rows')
         mbarrier.init(q_empty.index(i), count=BWD_CONSUMERS)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=BWD_CONSUMERS)
