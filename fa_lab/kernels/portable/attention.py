@@ -15,7 +15,6 @@ import torch
 from ...block_info import BlockInfo
 from .. import interpreting, load_triton
 from ..common import LOG2E, cdiv, check_triton_inputs, descriptor, head_dim_bucket, kernel_operand, on_device
-from ..launch import cached_launch
 from .configs import TileConfig, backward_config, forward_config
 
 
@@ -63,7 +62,7 @@ def triton_forward(q, k, v, causal: bool, scale: float, config: TileConfig | Non
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     grid = (cdiv(seqlen_q, config.block_m), batch * heads)
     option_args, constexprs = options.kernel_args(q, k, causal, scale)
-    cached_launch(attention_fwd_kernel)[grid](
+    attention_fwd_kernel[grid](
         descriptor(q, config.block_m), descriptor(k, config.block_n), descriptor(v, config.block_n),
         descriptor(out, config.block_m), lse, heads, seqlen_q, seqlen_k, scale * LOG2E, *option_args,
         *_no_varlen(lse, 1, seqused_k), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -94,7 +93,7 @@ def pipelined_forward(q, k, v, out, lse, descales, causal: bool, scale: float, c
     head_dim_pad = head_dim_bucket(head_dim)
     desc_v = descriptor(v, head_dim_pad, config.block_n) if fp8 else descriptor(v, config.block_n)
     grid = (cdiv(seqlen_q, config.block_m), batch * heads)
-    cached_launch(attention_fwd_pipelined_kernel)[grid](
+    attention_fwd_pipelined_kernel[grid](
         descriptor(q, config.block_m), descriptor(k, config.block_n), desc_v, descriptor(out, config.block_m),
         lse, *descales, heads, seqlen_q, seqlen_k, scale * LOG2E,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_pad, CAUSAL=causal,
@@ -111,7 +110,7 @@ def backward_preprocess(out, grad_out, lse):
     rows, head_dim = lse.numel(), out.shape[-1]
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     pre_block = 64
-    cached_launch(attention_bwd_preprocess_kernel)[(cdiv(rows, pre_block),)](
+    attention_bwd_preprocess_kernel[(cdiv(rows, pre_block),)](
         out, grad_out, lse, delta, lse2, rows, head_dim, LOG2E, HEAD_DIM=head_dim_bucket(head_dim), BLOCK=pre_block)
     return delta, lse2
 
@@ -138,13 +137,13 @@ def triton_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
     desc_q, desc_k, desc_v, desc_do = (descriptor(t, block) for t, block in (
         (q, config.block_m), (k, config.block_n), (v, config.block_n), (grad_out, config.block_m)))
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else dq  # (dq: not read)
-    cached_launch(attention_bwd_dkdv_kernel)[(cdiv(seqlen_k, config.block_n), batch * k.shape[1])](
+    attention_bwd_dkdv_kernel[(cdiv(seqlen_k, config.block_n), batch * k.shape[1])](
         desc_q, desc_k, desc_v, desc_do, descriptor(dk, config.block_n), descriptor(dv, config.block_n),
         descriptor(dq32, config.block_m), lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale,
         *option_args, *_no_varlen(lse, 2), ATOMIC_DQ=atomic_dq, **meta)
     if atomic_dq:
         return dq32.to(q.dtype), dk, dv
-    cached_launch(attention_bwd_dq_kernel)[(cdiv(seqlen_q, config.block_m), batch * heads)](
+    attention_bwd_dq_kernel[(cdiv(seqlen_q, config.block_m), batch * heads)](
         desc_q, desc_k, desc_v, desc_do, descriptor(dq, config.block_m), lse2, delta, heads, seqlen_q,
         seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse, 1), **meta)
     return dq, dk, dv
@@ -330,7 +329,7 @@ def triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal: bool, scale: floa
         return out, lse
     qv, kv, vv = heads_view(q), heads_view(k), heads_view(v)
     option_args, constexprs = options.kernel_args(qv, kv, causal, scale)
-    cached_launch(attention_fwd_kernel)[(len(tiles), heads)](
+    attention_fwd_kernel[(len(tiles), heads)](
         descriptor(qv, config.block_m), descriptor(kv, config.block_n), descriptor(vv, config.block_n),
         descriptor(heads_view(out), config.block_m), lse, heads, total_q, k.shape[0], scale * LOG2E,
         *option_args, cu_q, cu_k, tiles, out, head_dim,
@@ -361,12 +360,12 @@ def triton_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, caus
                                                                     config.block_n, config.block_m))]
     key_tiles = varlen_schedule(*bounds, config.block_n, True, causal, options.window, q.device)
     if len(key_tiles):
-        cached_launch(attention_bwd_dkdv_kernel)[(len(key_tiles), k.shape[1])](
+        attention_bwd_dkdv_kernel[(len(key_tiles), k.shape[1])](
             *descriptors, descriptors[1], descriptors[2], descriptors[0], lse2, delta, heads, total_q, k.shape[0],
             scale * LOG2E, scale, *option_args, cu_q, cu_k, key_tiles, dk, dv, head_dim, **meta)
     query_tiles = varlen_schedule(*bounds, config.block_m, False, causal, options.window, q.device)
     if len(query_tiles):
-        cached_launch(attention_bwd_dq_kernel)[(len(query_tiles), heads)](
+        attention_bwd_dq_kernel[(len(query_tiles), heads)](
             *descriptors, descriptors[0], lse2, delta, heads, total_q, k.shape[0], scale * LOG2E, scale,
             *option_args, cu_q, cu_k, query_tiles, dq, head_dim, **meta)
     return dq, dk, dv
