@@ -52,8 +52,7 @@ def main() -> None:
 
 def decode_step() -> None:
     """One eager decode step (batch 1, 32 / 8 heads, d = 128, a 4K dense cache, 4 splits: the split kernel and
-    the merge, launched through cached_launch) without the values' check, next to SDPA's GQA call on the same
-    cache."""
+    the merge) without the values' check, next to SDPA's GQA call on the same cache."""
     from fa_lab.kvcache import attention_with_kvcache
 
     q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)

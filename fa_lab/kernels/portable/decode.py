@@ -28,7 +28,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ...block_info import BlockInfo, cdiv
 from ...kvcache import DECODE_ROWS, SMALL_TILE_KEYS, SMALL_TILES_PER_SM, fits_one_wave, pages_read_ahead
 from .. import common
-from ..launch import cached_launch
 from .block_range import split_key_range
 from .score_mod import in_window, softcap_tanh
 
@@ -323,7 +322,7 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
            torch.empty((splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device))
     lse = torch.empty((splits, batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     with on_device(q):
-        cached_launch(decode_split_kernel)[(splits, batch * layout.heads_kv, triton.cdiv(rows, block_m))](
+        decode_split_kernel[(splits, batch * layout.heads_kv, triton.cdiv(rows, block_m))](
             q, k_rows, v_rows, table, lengths, out, lse,
             q.stride(0), q.stride(1), q.stride(2), k_rows.stride(0), k_rows.stride(1),
             heads, group, seqlen_q, page_size, table.shape[-1], head_dim, scale * common.LOG2E,
@@ -421,8 +420,8 @@ def merge_split_results(out, lse, dtype, pdl: bool = False):
     merged = torch.empty((batch, seqlen_q, heads, head_dim), dtype=dtype, device=out.device)
     merged_lse = torch.empty(lse.shape[1:], dtype=torch.float32, device=out.device)
     with on_device(out):
-        cached_launch(merge_splits_kernel)[(batch * heads * seqlen_q,)](
-            out, lse, merged, merged_lse, splits, heads, seqlen_q, head_dim, SPLITS=triton.next_power_of_2(splits),
-            SPLIT_CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(splits)), HEAD_DIM=head_dim_bucket(head_dim),
-            PDL=pdl, launch_pdl=pdl)
+        merge_splits_kernel[(batch * heads * seqlen_q,)](out, lse, merged, merged_lse, splits, heads, seqlen_q,
+                                                         head_dim, SPLITS=triton.next_power_of_2(splits),
+                                                         SPLIT_CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(splits)),
+                                                         HEAD_DIM=head_dim_bucket(head_dim), PDL=pdl, launch_pdl=pdl)
     return merged, merged_lse
