@@ -1038,14 +1038,18 @@ def test_gpu_gluon_window(window, seqlen_q, seqlen_k, head_dim, causal, persiste
                                                                  (2048, 2048, 128, torch.bfloat16),
                                                                  (2048, 4096, 64, torch.bfloat16)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("switch", ["split_loops", "rescale_early", "convert_p_late"])
-def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype, causal, switch, generator):
+@pytest.mark.parametrize("switch, other",
+                         [(switch, other) for switch in ("split_loops", "rescale_early", "convert_p_late")
+                          for other in ("one_tile_per_cta", "persistent", "defaults", "one_loop")
+                          if (switch, other) != ("split_loops", "one_loop")])
+def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype, causal, switch, other, generator):
     """A switch that reorders the Gluon forward's work but not its arithmetic leaves O and lse the same bit for bit:
     split_loops (three K/V loops against one; P rounded the same way whether carried packed or not),
     rescale_early (O meets the same multiplications in the same order) and convert_p_late (P packed after S_j's
-    issue). One tile per CTA, persistent and the defaults (three consumers at d = 64 from 4K keys); no window,
-    windows wider and narrower than a tile, a soft cap, and ALiBi (one loop in the kernel); rescale_early also with
-    one loop; rescale_early and convert_p_late in the FP8 kernel, with one loop and three."""
+    issue). Beside ``other``: one tile per CTA, persistent, the defaults (three consumers at d = 64 from 4K keys), and
+    for the last two switches one loop; no window, windows wider and narrower than a tile, a soft cap, and ALiBi (one
+    loop in the kernel); with the defaults, rescale_early and convert_p_late also in the FP8 kernel, one loop and
+    three. (One item per ``other``, so that each compiles a few kernels and workers share the rest.)"""
     from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
     from fa_lab.kernels.hopper.attention import FP8_OPTIONS
     from fa_lab.kernels.hopper.fp8_attention import triton_hopper_fp8_attention
@@ -1054,17 +1058,16 @@ def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype,
     slopes = (torch.rand(2, 4, generator=generator) * 0.1).cuda()
     cases = [{}, dict(window=(1024, 0)), dict(window=(100, -1)), dict(window=(64, 64)), dict(window=(300, 200)),
              dict(softcap=30.0), dict(softcap=30.0, window=(256, 0)), dict(alibi_slopes=slopes, window=(256, 0))]
-    others = [dict(persistent=False), dict(persistent=True), {}]
-    if switch != "split_loops":
-        others.append(dict(persistent=True, split_loops=False))
-    for other in others:
-        for given in cases:
-            off, on = (triton_hopper_attention(q, k, v, causal, None, **given,
-                                               options=HopperOptions(**other, **{switch: flag}))
-                       for flag in (False, True))
-            for name, a, b in zip(("out", "lse"), off, on):
-                assert torch.equal(a, b), (name, other, given)
-    if switch != "split_loops" and dtype == torch.bfloat16 and seqlen_k > 1:  # (FP8's own tests: no one-key rows)
+    others = dict(one_tile_per_cta=dict(persistent=False), persistent=dict(persistent=True), defaults={},
+                  one_loop=dict(persistent=True, split_loops=False))
+    for given in cases:
+        off, on = (triton_hopper_attention(q, k, v, causal, None, **given,
+                                           options=HopperOptions(**others[other], **{switch: flag}))
+                   for flag in (False, True))
+        for name, a, b in zip(("out", "lse"), off, on):
+            assert torch.equal(a, b), (name, given)
+    # FP8 once per switch and shape (its own tests have no one-key rows)
+    if other == "defaults" and switch != "split_loops" and dtype == torch.bfloat16 and seqlen_k > 1:
         k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # (FP8 takes one K/V head per query head)
         for split_loops in (False, True):
             off, on = (triton_hopper_fp8_attention(q, k, v, causal, None, options=dataclasses.replace(
