@@ -149,6 +149,17 @@ def _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start
 
 
 @gluon.jit
+def _rows_of_step(t, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q, q_tiles, seqlen_q, q_start,
+                  lse_rows, BLOCK_M: gl.constexpr, row_layout: gl.constexpr):
+    """Step t's lse2 and D rows (:func:`_step_row_vectors`, BLOCK_M of them in row_layout), none read past the last
+    of ``steps``."""
+    head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    return _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
+                             (rows < seqlen_q) & (t < steps))
+
+
+@gluon.jit
 def _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows, seqlen_q, qk_scale):
     """What the S^T and dP^T products of a step's rows start from (in rows' layout): -lse2 / qk_scale and -D
     (:func:`_step_row_vectors`)."""
@@ -188,10 +199,8 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
     v_ring.at(0).fill(v_desc, [batch, kv_head, k_start + start_n, 0])
     steps = group * q_tiles
     if ROWS_AHEAD:
-        head, start_m = _step_rows(0, first_q, q_tiles, kv_head, group, BLOCK_M)
-        rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-        lse2, delta = _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
-                                        (rows < seqlen_q) & (steps > 0))
+        lse2, delta = _rows_of_step(0, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q, q_tiles,
+                                    seqlen_q, q_start, lse_rows, BLOCK_M, row_layout)
     for t in range(steps):
         head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         q_tile = q_ring.at(t)
@@ -202,10 +211,8 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
             row_bufs.index(2 * q_tile.slot + 1).store(-delta)
             gl.thread_barrier()  # every lane's rows stored before the arrival that announces them
             mbarrier.arrive(q_ring.ready.index(q_tile.slot))
-            head, start_m = _step_rows(t + 1, first_q, q_tiles, kv_head, group, BLOCK_M)  # the next step's rows
-            rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
-            lse2, delta = _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
-                                            (rows < seqlen_q) & (t + 1 < steps))
+            lse2, delta = _rows_of_step(t + 1, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q,
+                                        q_tiles, seqlen_q, q_start, lse_rows, BLOCK_M, row_layout)
         else:
             if ROWS_BY_PRODUCER:
                 wait_until_empty(q_ring.empty.index(q_tile.slot), ring_phase(t, q_ring.bufs.type.shape[0]))
