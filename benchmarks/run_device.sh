@@ -164,11 +164,11 @@ case "$step" in
   nsa-dkdv-variants) python3 benchmarks/nsa_dkdv_variants.py "$out" 2>&1 | tee "$out/nsa_dkdv_variants.log" ;;
   nsa-gather-order) python3 benchmarks/nsa_dkdv_variants.py --order "$out" 2>&1 | tee "$out/nsa_gather_order.log" ;;
   tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
-         # -v names each result as it comes (a run cut by the call's limit keeps them); the log leaves out the passes
+         # -v names each result as it comes (a run cut by the call's limit keeps them); the log keeps the failures
          tests=(python3 -m pytest -v -rfE -m gpu -p no:cacheprovider --maxfail=30 "${targets[@]}")
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
-           "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE " (PASSED|SKIPPED) " \
+           "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
   *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
