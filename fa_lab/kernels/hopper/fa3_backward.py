@@ -165,7 +165,22 @@ def _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, 
     (:func:`_step_row_vectors`)."""
     lse2, delta = _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
                                     rows < seqlen_q)
+    return _starts_of(lse2, delta, qk_scale)
+
+
+@gluon.jit
+def _starts_of(lse2, delta, qk_scale):
+    """The S^T and dP^T products' start rows from a step's lse2 and D rows: -lse2 / qk_scale and -D."""
     return -(lse2 / qk_scale), -delta
+
+
+@gluon.jit
+def _store_starts(row_bufs, slot, s_rows, dp_rows):
+    """A step's start rows into its Q slot's row buffers (2 slot and 2 slot + 1), every lane's stores done before
+    the ready barrier's arrival that announces them."""
+    row_bufs.index(2 * slot).store(s_rows)
+    row_bufs.index(2 * slot + 1).store(dp_rows)
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -207,9 +222,8 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
         if ROWS_AHEAD:
             q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])  # (waits for the free slot)
             do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
-            row_bufs.index(2 * q_tile.slot).store(-(lse2 / qk_scale))
-            row_bufs.index(2 * q_tile.slot + 1).store(-delta)
-            gl.thread_barrier()  # every lane's rows stored before the arrival that announces them
+            s_rows, dp_rows = _starts_of(lse2, delta, qk_scale)
+            _store_starts(row_bufs, q_tile.slot, s_rows, dp_rows)
             mbarrier.arrive(q_ring.ready.index(q_tile.slot))
             lse2, delta = _rows_of_step(t + 1, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q,
                                         q_tiles, seqlen_q, q_start, lse_rows, BLOCK_M, row_layout)
@@ -219,9 +233,7 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
                 rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
                 s_rows, dp_rows = _product_starts(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
                                                   seqlen_q, qk_scale)
-                row_bufs.index(2 * q_tile.slot).store(s_rows)
-                row_bufs.index(2 * q_tile.slot + 1).store(dp_rows)
-                gl.thread_barrier()  # every lane's rows stored before the ready barrier's arrival below
+                _store_starts(row_bufs, q_tile.slot, s_rows, dp_rows)  # (announced with Q's copy below)
             q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])
             do_ring.at(t).fill(do_desc, [batch, head, q_start + start_m, 0])
 
