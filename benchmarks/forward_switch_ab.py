@@ -9,9 +9,7 @@ bit.
 On the H200: ``PYTHONPATH=. python3 benchmarks/forward_switch_ab.py $OUT`` writes $OUT/h200_split_loops.json (a log);
 ``... forward_switch_ab.py $OUT --fp8`` times the FP8 kernel alone (its default, persistent, on operands quantized once)
 the same way, d = 128 and 64, 4K-16K, into $OUT/h200_split_loops_fp8.json; ``--switch rescale_early`` times that
-switch instead (h200_rescale_early.json, h200_rescale_early_fp8.json), the other switches at their defaults;
-``--switch epilogue_overlap`` times the persistent kernel with and without it, and the defaults beside them
-(h200_epilogue_overlap.json).
+switch instead (h200_rescale_early.json, h200_rescale_early_fp8.json), the other switches at their defaults.
 """
 import argparse
 import dataclasses
@@ -21,11 +19,7 @@ import os
 ROUNDS = 3
 WINDOW = (1024, 0)
 SOFTCAP = 30.0  # chapter 05's soft-cap case (d = 128, 8K, no mask)
-RUN_NAMES = {"split_loops": ("one_loop", "split_loops"), "rescale_early": ("rescale_late", "rescale_early"),
-             "epilogue_overlap": ("store_after", "store_overlapped")}  # off, on
-# epilogue_overlap acts on the persistent kernel only: both runs are persistent, and the defaults (one tile per CTA
-# where PERSISTENT_MAX_KEYS says so) are timed beside them as a third run.
-PERSISTENT_SWITCHES = ("epilogue_overlap",)
+RUN_NAMES = {"split_loops": ("one_loop", "split_loops"), "rescale_early": ("rescale_late", "rescale_early")}  # off, on
 
 
 def main(out_dir: str, fp8: bool = False, switch: str = "split_loops") -> None:
@@ -56,14 +50,12 @@ def main(out_dir: str, fp8: bool = False, switch: str = "split_loops") -> None:
             return lambda q, k, v, causal, window, softcap: triton_hopper_attention(
                 q, k, v, causal, None, options=options, window=window, softcap=softcap)
 
-        base = HopperOptions(persistent=True) if switch in PERSISTENT_SWITCHES else HopperOptions()
+        base = HopperOptions()
         cases = [(shape, (-1, -1), 0.0) for shape in protocol_shapes(HOPPER_SEQLENS, (64, 128))]
         cases.append((AttentionShape(1, 32, 16384, 128, causal=False, dtype="bf16"), WINDOW, 0.0))
         cases.append((AttentionShape(2, 16, 8192, 128, causal=False, dtype="bf16"), (-1, -1), SOFTCAP))
     runs = {name: make_run(dataclasses.replace(base, **{switch: flag}))
             for name, flag in zip(RUN_NAMES[switch], (False, True))}
-    if switch in PERSISTENT_SWITCHES and not fp8:
-        runs["defaults"] = make_run(HopperOptions())
     out_path = os.path.join(out_dir, f"h200_{switch}{'_fp8' if fp8 else ''}.json")
     log = []
     for shape, window, softcap in cases:
@@ -78,7 +70,7 @@ def main(out_dir: str, fp8: bool = False, switch: str = "split_loops") -> None:
         with torch.no_grad():
             calls = {name: functools.partial(run, q, k, v, shape.causal, window, softcap)
                      for name, run in runs.items()}
-            off, on = (calls[name]() for name in RUN_NAMES[switch])
+            off, on = (call() for call in calls.values())
             entry["same_bits"] = all(torch.equal(a, b) for a, b in zip(off, on))
             for _round in range(ROUNDS):
                 for name, call in calls.items():

@@ -51,8 +51,6 @@
 #   split-loops-fp8 - the same for the FP8 kernel alone, d = 128 and 64, 4K-16K (h200_split_loops_fp8.json)
 #   rescale-early, rescale-early-fp8 - the same two A/Bs for HopperOptions(rescale_early=True) against the default
 #            (h200_rescale_early.json, h200_rescale_early_fp8.json)
-#   epilogue-overlap - the persistent bf16 forward with HopperOptions(epilogue_overlap=True) against without, and
-#            the defaults beside them, on the same shapes (h200_epilogue_overlap.json)
 #   persistent-host - the bf16 forward at 1K-4K one tile per CTA and persistent: do_bench's time, the kernel's and
 #            the host's per call (h200_persistent_host_bound.log, by benchmarks/persistent_host_bound.py)
 #   moba-gate - MoBA's gate, PyTorch's against the kernel's, and the kernel at two tile heights and warp counts
@@ -155,8 +153,6 @@ case "$step" in
   rescale-early) python3 benchmarks/forward_switch_ab.py "$out" --switch rescale_early 2>&1 | tee "$out/rescale_early.log" ;;
   rescale-early-fp8) python3 benchmarks/forward_switch_ab.py "$out" --fp8 --switch rescale_early 2>&1 \
            | tee "$out/rescale_early_fp8.log" ;;
-  epilogue-overlap) python3 benchmarks/forward_switch_ab.py "$out" --switch epilogue_overlap 2>&1 \
-           | tee "$out/epilogue_overlap.log" ;;
   persistent-host) python3 benchmarks/persistent_host_bound.py 2>&1 | tee "$out/h200_persistent_host_bound.log" ;;
   moba-gate) python3 benchmarks/moba_gate_variants.py "$out/h200_moba_gate.json" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
@@ -174,5 +170,5 @@ case "$step" in
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|epilogue-overlap|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

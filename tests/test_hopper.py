@@ -225,37 +225,6 @@ def test_convert_p_late_issues_the_fp8_scores_first(causal):
     assert [len(body) for body in bf16[0].loop_bodies] == [len(body) for body in bf16[1].loop_bodies]
 
 
-@pytest.mark.parametrize("head_dim, causal, window, softcap", [(128, False, False, False), (128, True, False, False),
-                                                               (128, False, True, False), (64, True, False, False),
-                                                               (128, False, False, True)])
-def test_epilogue_overlap_stores_o_while_the_next_tiles_first_scores_compute(head_dim, causal, window, softcap):
-    """HopperOptions(epilogue_overlap=True), persistent: a consumer issues a work tile's first Q K^T, then stores the
-    previous tile's O (its shared-memory writes and TMA store between that product's issue and its wait; the plain
-    persistent kernel stores none there), and ptxas adds no wait of its own (O crosses into the next tile normalized
-    and rounded, not as the last P V product's accumulator, whose registers ptxas would wait for). The K/V loops stay
-    within 20 instructions of the plain kernel's (the Q slot's address is now a run-time value), with no spills."""
-    from fa_lab.kernels.hopper.sm90_offline import sass_instructions, sass_opcode
-
-    def stores_under_first_scores(build):  # TMA stores between a first WGMMA from zero (!UPT) and its wait
-        count, open_product = 0, False
-        for _address, text in sass_instructions(build.sass):
-            opcode = sass_opcode(text)
-            if opcode.startswith("HGMMA") and "!UPT" in text:
-                open_product = True
-            elif opcode.startswith("WARPGROUP.DEPBAR"):
-                open_product = False
-            elif opcode == "UTMASTG.4D" and open_product:
-                count += 1
-        return count
-
-    overlap = _check_sm90_build(head_dim, False, causal, 2, False, True, window, split_loops=True, softcap=softcap,
-                                epilogue_overlap=True)
-    plain = _check_sm90_build(head_dim, False, causal, 2, False, True, window, split_loops=True, softcap=softcap)
-    assert stores_under_first_scores(overlap) >= 2 and stores_under_first_scores(plain) == 0
-    assert len(overlap.loop_bodies) == len(plain.loop_bodies)
-    assert all(abs(len(a) - len(b)) <= 20 for a, b in zip(overlap.loop_bodies, plain.loop_bodies))
-
-
 def test_pingpong_takes_turns_through_named_barriers_around_the_wgmma_issue():
     """With PINGPONG each consumer's K/V loop waits for its turn on its own hardware named barrier (256 threads: its
     128 and the other consumer's arrive) before it issues the step's WGMMAs and passes the turn on right after
@@ -499,8 +468,7 @@ def test_the_default_persistent_choice_follows_the_recorded_h200_run():
 def test_gluon_forward_launches_what_its_plan_resolves(monkeypatch):
     """gluon_forward with the GPU launch replaced by a recorder (CPU tensors): the grid, the tile schedule and the
     compile-time arguments it launches with follow the defaults' tables where the options leave a choice open and
-    the options where they make it (epilogue_overlap where it applies), and a second call of the same kind reuses
-    the plan _forward_plan resolved."""
+    the options where they make it, and a second call of the same kind reuses the plan _forward_plan resolved."""
     import fa_lab.kernels.hopper.attention as hopper
     from fa_lab.kernels.hopper.fa3_config import CONSUMER_REGS, launch_maxnreg
 
@@ -521,9 +489,7 @@ def test_gluon_forward_launches_what_its_plan_resolves(monkeypatch):
                  (64, 1024, True, (-1, -1), hopper.HopperOptions()),  # two, one tile per CTA, one loop
                  (128, 4096, True, (256, 0), hopper.HopperOptions()),  # a causal band: WINDOW, not CAUSAL
                  (128, 2048, False, (-1, -1), hopper.HopperOptions(consumers=3, persistent=False, split_loops=False,
-                                                                    rescale_early=True, stages=3)),
-                 (128, 4096, False, (256, 0), hopper.HopperOptions(epilogue_overlap=True)),  # persistent: applies
-                 (64, 4096, False, (-1, -1), hopper.HopperOptions(epilogue_overlap=True))]  # three consumers: not
+                                                                    rescale_early=True, stages=3))]
         for head_dim, seqlen, causal, window, options in cases:
             q = torch.randn(2, 4, seqlen, head_dim).to(torch.bfloat16)
             k = v = torch.randn(2, 2, seqlen, head_dim).to(torch.bfloat16)
@@ -547,9 +513,7 @@ def test_gluon_forward_launches_what_its_plan_resolves(monkeypatch):
                                   PINGPONG=False, FP8=False, PERSISTENT=persistent,
                                   CONSUMER_REGS=CONSUMER_REGS[consumers], WINDOW=banded, VARLEN=False, SOFTCAP=False,
                                   ALIBI=False, SPLIT_LOOPS=split_loops, RESCALE_EARLY=options.rescale_early,
-                                  CONVERT_P_LATE=False,
-                                  EPILOGUE_OVERLAP=options.epilogue_overlap and persistent and consumers == 2,
-                                  num_warps=4, maxnreg=launch_maxnreg(consumers))
+                                  CONVERT_P_LATE=False, num_warps=4, maxnreg=launch_maxnreg(consumers))
             descriptors, (o_ptr, lse_ptr) = args[:4], args[4:6]
             assert all(d.base is t for d, t in zip(descriptors, (q, k, v, out))) and o_ptr is out and lse_ptr is lse
             assert [d.block_shape[2] for d in descriptors] == [64, 128, 128, 64]
@@ -1110,34 +1074,6 @@ def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype,
                 FP8_OPTIONS, split_loops=split_loops, **{switch: flag})) for flag in (False, True))
             for name, a, b in zip(("out", "lse"), off, on):
                 assert torch.equal(a, b), ("fp8", split_loops, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch, heads, seqlen_q, seqlen_k, head_dim, dtype",
-                         [(2, 8, 3000, 3100, 128, torch.bfloat16), (2, 8, 4096, 4096, 64, torch.float16),
-                          (1, 16, 2100, 5000, 128, torch.bfloat16)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_epilogue_overlap_keeps_the_bits(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, causal, generator):
-    """HopperOptions(epilogue_overlap=True) moves each work tile's O store after the next tile's first Q K^T, and
-    O and lse stay the same bit for bit: in the persistent kernel (two consumers, one K/V loop and three), with no
-    window, windows, a soft cap and ALiBi, on shapes with several work tiles per CTA (so that a tile's O goes out
-    inside the next tile)."""
-    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
-
-    work_tiles = batch * heads * -(-seqlen_q // 128)
-    assert work_tiles >= 3 * torch.cuda.get_device_properties(0).multi_processor_count
-    q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator,
-                       heads_kv=heads // 2)
-    slopes = (torch.rand(batch, heads, generator=generator) * 0.1).cuda()
-    cases = [{}, dict(window=(1024, 0)), dict(window=(300, 200)), dict(softcap=30.0),
-             dict(alibi_slopes=slopes, window=(256, 0))]
-    for split_loops in (False, True):
-        for given in cases:
-            off, on = (triton_hopper_attention(q, k, v, causal, None, **given, options=HopperOptions(
-                persistent=True, consumers=2, split_loops=split_loops, epilogue_overlap=flag))
-                for flag in (False, True))
-            for name, a, b in zip(("out", "lse"), off, on):
-                assert torch.equal(a, b), (name, split_loops, given)
 
 
 @pytest.mark.gpu

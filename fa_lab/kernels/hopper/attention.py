@@ -70,7 +70,6 @@ class HopperOptions:
     split_loops: bool | None = None  # Gluon: K/V steps in 3 loops, one per kind of mask (flash-attn-4); None: auto
     rescale_early: bool = False  # Gluon: O rescaled at the end of each K/V step (flash-attn-4's place), same bits
     convert_p_late: bool = False  # Gluon FP8: P packed to e4m3 after the step's Q K^T is issued, not before; same bits
-    epilogue_overlap: bool = False  # Gluon: O stored after the next tile's first Q K^T (epilogue_overlaps), same bits
     consumers: int | None = None  # Gluon: 2 or 3 consumer warpgroups (128- or 192-row tiles); None: auto
     persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
@@ -260,13 +259,6 @@ def _window_bounds(info: BlockInfo) -> tuple[int, int]:
     return info.window_bounds() if info.banded else (0, 0)
 
 
-def epilogue_overlaps(options: HopperOptions, persistent: bool, fp8: bool) -> bool:
-    """Whether ``options.epilogue_overlap`` applies: a persistent 16-bit launch with two consumers (FP8's Q slots are
-    too small for O; with three consumers the third one's K/V loop grows by about 25 instructions and ptxas spills
-    24 bytes, in the offline build)."""
-    return options.epilogue_overlap and persistent and not fp8 and options.consumers == 2
-
-
 @functools.lru_cache(maxsize=256)
 def fa3_launch_constants(options: HopperOptions, causal: bool, banded: bool, persistent: bool, softcap: bool,
                          alibi: bool, fp8: bool, varlen: bool) -> Mapping[str, object]:
@@ -279,8 +271,7 @@ def fa3_launch_constants(options: HopperOptions, causal: bool, banded: bool, per
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
         PERSISTENT=persistent, CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=banded, VARLEN=varlen,
         SOFTCAP=softcap, ALIBI=alibi, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
-        CONVERT_P_LATE=options.convert_p_late, EPILOGUE_OVERLAP=epilogue_overlaps(options, persistent, fp8),
-        num_warps=4, maxnreg=launch_maxnreg(options.consumers)))
+        CONVERT_P_LATE=options.convert_p_late, num_warps=4, maxnreg=launch_maxnreg(options.consumers)))
 
 
 def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: ScoreOptions,

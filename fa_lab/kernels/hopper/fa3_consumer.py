@@ -8,8 +8,7 @@ step that computed the factor (flash-attn-4's place): the same multiplications i
 P_{j-1} becomes the e4m3 operand before S_j is issued or, with ``state.convert_p_late``, after. Its
 epilogue writes O through shared memory with one TMA copy, which also drops the rows past seqlen_q; in a
 packed batch a sequence's last, partial rows go out with a masked store instead (past them lies the next
-sequence). With ``state.epilogue_overlap`` a persistent consumer issues the next work tile's first Q K^T before
-that store, so the tensor cores compute it while the store is written.
+sequence).
 """
 from __future__ import annotations
 
@@ -39,100 +38,59 @@ from .fa3_softmax import (
 )
 
 
-@gluon.constexpr_function
-def accumulator_layout(columns, dtype):
-    """The WGMMA accumulator layout of a consumer's (64, columns) float32 tile when its operands are dtype: 4 warps
-    stacked along the 64 rows, N = the full width, K = 32 bytes of the operand type per instruction (16 bf16
-    values, 32 e4m3 values)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, columns, 256 // dtype.primitive_bitwidth])
-
-
-@gluon.jit
-def consumer_rows(tile, CONSUMER: gl.constexpr, row_layout: gl.constexpr):
-    """(row0, offs_m): consumer CONSUMER's first query row of a work tile, and its 64 rows in row_layout."""
-    row0 = tile.start_m + CONSUMER * ROWS_PER_CONSUMER
-    return row0, row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_layout)
-
-
 @gluon.jit
 def consumer(state, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr,
              PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr,
              ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Consumer warpgroup CONSUMER: its 64 rows of every work tile of this CTA (one tile, or its share of the
     schedule when persistent). state: the :class:`.fa3_state.KernelState`; SEPARATE_O: O has buffers of its
-    own (else it goes out through the consumer's Q buffer).
-
-    With ``state.epilogue_overlap`` (persistent, 16-bit) a work tile's O store waits until the next tile's first
-    Q K^T is issued (flash-attn-4's overlap): the next tile's Q is in the other Q slot, and the tensor cores
-    compute its first scores while this consumer writes O / l to shared memory and issues its TMA store."""
+    own (else it goes out through the consumer's Q buffer)."""
     BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
-    CONSUMERS: gl.constexpr = state.q.bufs.type.shape[0] // state.q.ready.type.shape[0]
+    CONSUMERS: gl.constexpr = state.q.bufs.type.shape[0]
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     if PINGPONG:
         state.turns.start(CONSUMER)
     if PERSISTENT:
         kv_count = 0  # K/V tiles consumed by this CTA so far (the rings' count)
         first, last, tiles_ptr = state.work.cta_tiles()
-        if state.epilogue_overlap:
-            HEAD_DIM: gl.constexpr = state.k.bufs.type.shape[4]
-            row_layout: gl.constexpr = gl.SliceLayout(1, accumulator_layout(BLOCK_N, state.k.bufs.dtype))
-            # the previous work tile's O / l, which goes out once this tile's first Q K^T is issued
-            o = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], state.o_bufs.dtype,
-                         accumulator_layout(HEAD_DIM, state.k.bufs.dtype))
-            for k in range(first, last):
-                tile = state.work.tile(gl.load(tiles_ptr + k), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
-                                       WINDOW=WINDOW, VARLEN=VARLEN)
-                # (the previous tile, read again from the schedule: k = first has none, and reads the entry before)
-                previous = state.work.tile(gl.load(tiles_ptr + gl.maximum(k - 1, first)), BLOCK_M=BLOCK_M,
-                                           BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, WINDOW=WINDOW, VARLEN=VARLEN)
-                o = _consumer_tile(state, tile, kv_count, k - first, previous, o, CONSUMER=CONSUMER, CAUSAL=CAUSAL,
-                                   PINGPONG=PINGPONG, FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN,
-                                   SOFTCAP=SOFTCAP, ALIBI=ALIBI, SEPARATE_O=SEPARATE_O, OVERLAP=True)
-                kv_count += tile.n_iter
-            if last > first:
-                previous = state.work.tile(gl.load(tiles_ptr + last - 1), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                           CAUSAL=CAUSAL, WINDOW=WINDOW, VARLEN=VARLEN)
-                row0, offs_m = consumer_rows(previous, CONSUMER, row_layout)
-                _store_o(state, previous, last - 1 - first, o, row0, offs_m, CONSUMER=CONSUMER,
-                         PERSISTENT=PERSISTENT, VARLEN=VARLEN, SEPARATE_O=SEPARATE_O)
-        else:
-            for k in range(first, last):
-                tile = state.work.tile(gl.load(tiles_ptr + k), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
-                                       WINDOW=WINDOW, VARLEN=VARLEN)
-                _consumer_tile(state, tile, kv_count, k - first, tile, 0, CONSUMER=CONSUMER, CAUSAL=CAUSAL,
-                               PINGPONG=PINGPONG, FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN,
-                               SOFTCAP=SOFTCAP, ALIBI=ALIBI, SEPARATE_O=SEPARATE_O, OVERLAP=False)
-                kv_count += tile.n_iter
+        for k in range(first, last):
+            tile = state.work.tile(gl.load(tiles_ptr + k), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
+                                   WINDOW=WINDOW, VARLEN=VARLEN)
+            _consumer_tile(state, tile, kv_count, k - first, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG,
+                           FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP,
+                           ALIBI=ALIBI, SEPARATE_O=SEPARATE_O)
+            kv_count += tile.n_iter
     else:
         tile = state.work.tile(gl.program_id(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL,
                                WINDOW=WINDOW, VARLEN=VARLEN)
-        _consumer_tile(state, tile, 0, 0, tile, 0, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG,
-                       FP8=FP8, PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                       SEPARATE_O=SEPARATE_O, OVERLAP=False)
+        _consumer_tile(state, tile, 0, 0, CONSUMER=CONSUMER, CAUSAL=CAUSAL, PINGPONG=PINGPONG, FP8=FP8,
+                       PERSISTENT=PERSISTENT, WINDOW=WINDOW, VARLEN=VARLEN, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+                       SEPARATE_O=SEPARATE_O)
     tma.store_wait(0)  # this consumer's last O store
 
 
 @gluon.jit
-def _consumer_tile(state, tile, kv_count, local, previous, o_prev, CONSUMER: gl.constexpr,
-                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
-                   WINDOW: gl.constexpr, VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                   SEPARATE_O: gl.constexpr, OVERLAP: gl.constexpr):
+def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr,
+                   PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr, WINDOW: gl.constexpr,
+                   VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Rows [start_m + 64 * CONSUMER, +64) of one WorkTile through its K/V tiles, then the epilogue.
 
     kv_count: K/V tiles this CTA consumed before this work tile (step j takes ring tile kv_count + j);
-    local: work tiles before it (the Q slot's count). Returns O / l (64, d) in the output dtype. OVERLAP: the
-    previous work tile's O goes out here, once this tile's first Q K^T is issued (where local > 0: previous is
-    that WorkTile, o_prev what this function returned for it), and this tile's O is left to the caller. (Without
-    OVERLAP previous and o_prev are not read.)
+    local: work tiles before it (the Q slot's count).
     """
     seqlen_q = tile.seqlen_q
     seqlen_k = tile.seqlen_k
     BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
     HEAD_DIM: gl.constexpr = state.k.bufs.type.shape[4]
     dtype: gl.constexpr = state.k.bufs.dtype
-    s_layout: gl.constexpr = accumulator_layout(BLOCK_N, dtype)
-    o_layout: gl.constexpr = accumulator_layout(HEAD_DIM, dtype)
+    out_dtype: gl.constexpr = state.o_bufs.dtype
+    # WGMMA accumulator layouts: 4 warps stacked along the 64 rows, N = the full tile width,
+    # K = 32 bytes of the operand type per instruction (16 bf16 values, 32 e4m3 values).
+    k_instr: gl.constexpr = 256 // dtype.primitive_bitwidth
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, k_instr])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, k_instr])
     # P feeds the second WGMMA from registers. For 16-bit types the accumulator layout of S
     # already is this operand layout, so the conversion moves no data (FA2/FA3's trick);
     # e4m3 packs 4 values per register, which needs a shuffle between threads.
@@ -141,8 +99,9 @@ def _consumer_tile(state, tile, kv_count, local, previous, o_prev, CONSUMER: gl.
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     SPLIT: gl.constexpr = state.split_loops and not ALIBI  # (also P packed across them: carried_p)
 
-    q_smem = state.q.rows(local, CONSUMER).reshape([ROWS_PER_CONSUMER, HEAD_DIM])
-    row0, offs_m = consumer_rows(tile, CONSUMER, row_layout)
+    q_smem = state.q.bufs.index(CONSUMER).reshape([ROWS_PER_CONSUMER, HEAD_DIM])
+    row0 = tile.start_m + CONSUMER * ROWS_PER_CONSUMER
+    offs_m = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_layout)
     if WINDOW:
         key_start = visible_key_start(offs_m, seqlen_q, seqlen_k, state.work.left)
         key_end = window_key_end(offs_m, seqlen_q, seqlen_k, state.work.right)
@@ -160,7 +119,6 @@ def _consumer_tile(state, tile, kv_count, local, previous, o_prev, CONSUMER: gl.
         slope = gl.load(state.slopes_ptr + tile.pid_bh) * LOG2E / qk_scale
     mods = ScoreMods(state.softcap_scale, gl.to_tensor(slope), (offs_m + (seqlen_k - seqlen_q)).to(gl.float32))
     log2_p_scale = 0.0
-    v_descale_max = 1.0
     if FP8:
         kv_tiles = gl.cdiv(seqlen_k, BLOCK_N)
         # Q is quantized in Q_QUANT_ROWS-row blocks; a consumer's 64 rows lie in one of them.
@@ -178,11 +136,6 @@ def _consumer_tile(state, tile, kv_count, local, previous, o_prev, CONSUMER: gl.
                       is_async=True)
     if PINGPONG:
         state.turns.pass_on(CONSUMER)
-    if OVERLAP:
-        if local > 0:  # the previous tile's epilogue, while the tensor cores compute S_0
-            row0_prev, offs_m_prev = consumer_rows(previous, CONSUMER, row_layout)
-            _store_o(state, previous, local - 1, o_prev, row0_prev, offs_m_prev, CONSUMER=CONSUMER,
-                     PERSISTENT=PERSISTENT, VARLEN=VARLEN, SEPARATE_O=SEPARATE_O)
     if FP8:
         tile_scale, log2_p_scale = fp8_tile_scales(qk_scale, state.k_descale_ptr, state.v_exponent_ptr,
                                                    tile.pid_bh * kv_tiles)
@@ -223,7 +176,7 @@ def _consumer_tile(state, tile, kv_count, local, previous, o_prev, CONSUMER: gl.
                                              SPLIT, s_layout, o_layout, p_layout)
 
     if PERSISTENT and SEPARATE_O:  # every Q K^T of this tile is done: the producer may load the next tile's Q
-        state.q.release(local)
+        state.q.release()
     v_last = state.v.at(kv_count + tile.n_iter - 1)
     v_last.wait_ready()
     if not state.rescale_early:
@@ -233,52 +186,27 @@ def _consumer_tile(state, tile, kv_count, local, previous, o_prev, CONSUMER: gl.
     o = warpgroup_mma_wait(0, deps=(o,))
     v_last.release()
 
+    # Epilogue (FA2's deferred normalization): O / l once; lse = ln 2 * (m + log2 l).
     l_i = gl.convert_layout(gl.sum(l_i, axis=1), row_layout)  # the four threads' partial sums of each row
-    o_out = _normalized(state, tile, o, m_i, l_i, offs_m, v_descale_max, FP8=FP8)
-    if not OVERLAP:
-        _store_o(state, tile, local, o_out, row0, offs_m, CONSUMER=CONSUMER, PERSISTENT=PERSISTENT, VARLEN=VARLEN,
-                 SEPARATE_O=SEPARATE_O)
-    return o_out
-
-
-@gluon.jit
-def _normalized(state, tile, o, m_i, l_i, offs_m, v_descale_max, FP8: gl.constexpr):
-    """FA2's deferred normalization of a work tile: stores lse = ln 2 * (m + log2 l) and returns O / l in the output
-    dtype. o (64, d), m_i and l_i (64,) as :func:`_consumer_tile` has them after the last P V product; offs_m (64,):
-    the consumer's rows (:func:`consumer_rows`); v_descale_max: FP8's largest V descale of the head (unread in
-    16-bit)."""
-    o_layout: gl.constexpr = o.type.layout
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
     lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(state.lse_ptr + tile.lse_offset + offs_m, lse, mask=offs_m < tile.seqlen_q)
+    gl.store(state.lse_ptr + tile.lse_offset + offs_m, lse, mask=offs_m < seqlen_q)
     if FP8:  # P was scaled by P_SCALE * v_descale_j / v_descale_max: undo the constant part
         l_safe = l_safe * (P_SCALE / v_descale_max)
     o = o / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
-    return o.to(state.o_bufs.dtype)
-
-
-@gluon.jit
-def _store_o(state, tile, local, o, row0, offs_m, CONSUMER: gl.constexpr, PERSISTENT: gl.constexpr,
-             VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
-    """Store a work tile's O (64, d) in the output dtype (local: work tiles of this CTA before it; row0, offs_m:
-    :func:`consumer_rows`): through shared memory with one TMA copy, or a packed sequence's last rows one by one."""
-    if SEPARATE_O:
-        o_smem = state.o_bufs.index(CONSUMER)
-        if PERSISTENT:  # the previous tile's O store from this buffer must have left it
-            tma.store_wait(0)
-    else:  # the tile's own Q buffer, dead after its last Q K^T
-        o_smem = state.q.rows(local, CONSUMER)
-    if VARLEN:
-        o_layout: gl.constexpr = o.type.layout
-        if row0 + ROWS_PER_CONSUMER > tile.seqlen_q:  # the TMA box would write into the next sequence
-            _store_rows(state, o, tile, offs_m, o_layout)
-        else:
-            _store_tile(state, o, o_smem, tile, row0)
-    else:
-        _store_tile(state, o, o_smem, tile, row0)
-    if PERSISTENT and not SEPARATE_O:  # O went out through the Q buffer: free it for a later tile's Q once stored
+    o_smem = state.o_bufs.index(CONSUMER)
+    if PERSISTENT and SEPARATE_O:  # the previous tile's O store from this buffer must have left it
         tma.store_wait(0)
-        state.q.release(local)
+    if VARLEN:
+        if row0 + ROWS_PER_CONSUMER > seqlen_q:  # the TMA box would write into the next sequence
+            _store_rows(state, o.to(out_dtype), tile, offs_m, o_layout)
+        else:
+            _store_tile(state, o.to(out_dtype), o_smem, tile, row0)
+    else:
+        _store_tile(state, o.to(out_dtype), o_smem, tile, row0)
+    if PERSISTENT and not SEPARATE_O:  # O went out through the Q buffer: free it for the next tile's Q once stored
+        tma.store_wait(0)
+        state.q.release()
 
 
 @gluon.jit

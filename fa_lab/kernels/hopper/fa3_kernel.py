@@ -74,7 +74,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
                              CONSUMER_REGS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr = False,
                              SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
                              SPLIT_LOOPS: gl.constexpr = False, RESCALE_EARLY: gl.constexpr = False,
-                             CONVERT_P_LATE: gl.constexpr = False, EPILOGUE_OVERLAP: gl.constexpr = False):
+                             CONVERT_P_LATE: gl.constexpr = False):
     """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
 
     q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
@@ -101,8 +101,6 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     tiles in up to three loops, one per kind of mask (:func:`.fa3_consumer._consumer_tile`). RESCALE_EARLY: O is
     rescaled at the end of each K/V step instead of before the next P V product (:func:`.fa3_consumer._kv_steps`).
     CONVERT_P_LATE: P_{j-1} becomes the P V operand after S_j is issued (FP8's e4m3 packing) instead of before.
-    EPILOGUE_OVERLAP (PERSISTENT, 16-bit): Q has two slots, and a consumer issues the next work tile's first Q K^T
-    before this tile's epilogue, which then runs while the tensor cores compute it (:func:`.fa3_consumer.consumer`).
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     if VARLEN:  # one work tile per (sequence, query tile) pair and head
@@ -110,31 +108,27 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     else:
         m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
 
-    # Q's slots: one, or with EPILOGUE_OVERLAP two, so that the next work tile's Q is there before this one ends.
-    Q_SLOTS: gl.constexpr = 2 if EPILOGUE_OVERLAP else 1
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [Q_SLOTS * CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     # O's own buffers: in FP8 (16-bit O does not fit in the e4m3 Q buffers), and in a persistent CTA where they
     # fit beside the rest, so that the next tile's Q loads while this tile's O is written and stored. Otherwise a
     # consumer's Q tile, dead after its last Q K^T, takes O.
-    SEPARATE_O: gl.constexpr = FP8 or (PERSISTENT and not EPILOGUE_OVERLAP and separate_o_fits(
+    SEPARATE_O: gl.constexpr = FP8 or (PERSISTENT and separate_o_fits(
         CONSUMERS * q_desc.block_type.nbytes, STAGES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes),
         CONSUMERS * o_desc.block_type.nbytes))
     if SEPARATE_O:
         o_bufs = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_bufs = q_bufs
-    Q_BARRIERS: gl.constexpr = [Q_SLOTS, 1] if EPILOGUE_OVERLAP else [1]  # (QSlot.barrier)
-    q_ready = gl.allocate_shared_memory(gl.int64, Q_BARRIERS, mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, Q_BARRIERS, mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(Q_SLOTS):
-        mbarrier.init(QSlot.barrier(q_ready, i), count=1)
-        mbarrier.init(QSlot.barrier(q_empty, i), count=CONSUMERS)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -147,7 +141,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
                         q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr,
                         QSlot(q_bufs, q_ready, q_empty), Ring(k_bufs, k_ready, k_empty), Ring(v_bufs, v_ready, v_empty),
-                        Turns(CONSUMERS), work, SPLIT_LOOPS, RESCALE_EARLY, CONVERT_P_LATE, EPILOGUE_OVERLAP)
+                        Turns(CONSUMERS), work, SPLIT_LOOPS, RESCALE_EARLY, CONVERT_P_LATE)
     # warp_specialize takes a literal list of partitions, so the two consumer counts are spelled out; the
     # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
     if CONSUMERS == 2:

@@ -18,7 +18,7 @@ def producer(state, CAUSAL: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.cons
     """TMA copies only, for every work tile of this CTA (one tile, or its share of the schedule when
     persistent). state: the :class:`.fa3_state.KernelState`."""
     BLOCK_N: gl.constexpr = state.k_desc.block_type.shape[2]
-    CONSUMERS: gl.constexpr = state.q.bufs.type.shape[0] // state.q.ready.type.shape[0]
+    CONSUMERS: gl.constexpr = state.q.bufs.type.shape[0]
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     if PERSISTENT:
         kv_count = 0  # K/V tiles loaded by this CTA so far: the ring's position and phases run across work tiles
@@ -41,11 +41,9 @@ def _producer_tile(state, tile, kv_count, local, FP8: gl.constexpr, PERSISTENT: 
     before it. A packed batch's tiles read rows from the sequence's offsets (rows past its end belong to
     the next sequence: the consumers mask those keys and store none of those query rows). Q goes first,
     except in a persistent CTA, where the Q buffers may still be busy with the previous tile: there Q
-    follows K_0 and V_0, which need no free Q buffer; with two Q slots (state.epilogue_overlap) the tile's slot
-    was freed during the previous tile, and Q goes first again."""
+    follows K_0 and V_0, which need no free Q buffer."""
     BLOCK_N: gl.constexpr = state.k_desc.block_type.shape[2]
-    Q_FIRST: gl.constexpr = (not PERSISTENT) or state.epilogue_overlap
-    if Q_FIRST:
+    if not PERSISTENT:
         state.q.fill(local, state.q_desc, tile.batch, tile.head, tile.q_offset + tile.start_m)
     for j in range(tile.n_iter):  # the tile's j-th K/V tile is tile first + j of the sequence
         key = tile.k_offset + (tile.first + j) * BLOCK_N
@@ -54,6 +52,6 @@ def _producer_tile(state, tile, kv_count, local, FP8: gl.constexpr, PERSISTENT: 
             state.v.at(kv_count + j).fill(state.v_desc, [tile.batch, tile.kv_head, 0, key])
         else:
             state.v.at(kv_count + j).fill(state.v_desc, [tile.batch, tile.kv_head, key, 0])
-        if not Q_FIRST:
+        if PERSISTENT:
             if j == 0:
                 state.q.fill(local, state.q_desc, tile.batch, tile.head, tile.q_offset + tile.start_m)

@@ -101,12 +101,11 @@ class RingTile:
 
 @aggregate
 class QSlot:
-    """Every consumer's Q rows of a work tile: a ring of SLOTS (1 or 2) slots, taken once per work tile.
+    """Every consumer's Q rows of the current work tile: a ring of one slot, taken once per work tile.
 
-    bufs: (SLOTS * CONSUMERS, 1, 1, 64, d), consumer c's rows of slot i in bufs[i * CONSUMERS + c]; ready:
-    (SLOTS, 1) mbarriers (the TMA copies complete them), or one slot's (1,); empty: the same (every consumer
-    arrives once it no longer reads its rows). ``local`` numbers this CTA's work tiles; work tile local takes slot
-    local % SLOTS.
+    bufs: (CONSUMERS, 1, 1, 64, d), consumer c's rows in bufs[c]; ready: one mbarrier (the TMA copies
+    complete it); empty: one mbarrier (every consumer arrives once it no longer reads its rows).
+    ``local`` numbers this CTA's work tiles.
     """
     bufs: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
@@ -118,47 +117,25 @@ class QSlot:
         self.ready = ready
         self.empty = empty
 
-    @staticmethod
-    @gluon.jit
-    def barrier(bars, slot):
-        """Slot ``slot``'s mbarrier of ``bars`` (ready or empty): (SLOTS, 1) bars hold one per slot; a single slot's
-        (1,) bars are that barrier."""
-        if len(bars.type.shape) == 1:
-            return bars
-        else:
-            return bars.index(slot)
-
     @gluon.jit
     def fill(self, local, desc, batch, head, start_m):
-        """Producer: once the consumers have released work tile local's slot, copy the rows [start_m, +64 *
-        CONSUMERS) into it."""
-        SLOTS: gl.constexpr = self.ready.type.shape[0]
-        CONSUMERS: gl.constexpr = self.bufs.type.shape[0] // SLOTS
-        slot = ring_slot(local, SLOTS)
-        wait_until_empty(QSlot.barrier(self.empty, slot), ring_phase(local, SLOTS))
-        mbarrier.expect(QSlot.barrier(self.ready, slot), CONSUMERS * desc.block_type.nbytes)
+        """Producer: once the consumers have released the Q buffers, copy the rows [start_m, +64 * CONSUMERS)."""
+        CONSUMERS: gl.constexpr = self.bufs.type.shape[0]
+        wait_until_empty(self.empty, ring_phase(local, 1))
+        mbarrier.expect(self.ready, CONSUMERS * desc.block_type.nbytes)
         for c in gl.static_range(CONSUMERS):
-            tma.async_copy_global_to_shared(desc, [batch, head, start_m + c * ROWS_PER_CONSUMER, 0],
-                                            QSlot.barrier(self.ready, slot), self.bufs.index(slot * CONSUMERS + c))
+            tma.async_copy_global_to_shared(desc, [batch, head, start_m + c * ROWS_PER_CONSUMER, 0], self.ready,
+                                            self.bufs.index(c))
 
     @gluon.jit
     def wait_ready(self, local):
         """Consumer: wait until work tile local's Q has arrived."""
-        SLOTS: gl.constexpr = self.ready.type.shape[0]
-        mbarrier.wait(QSlot.barrier(self.ready, ring_slot(local, SLOTS)), ring_phase(local, SLOTS))
+        mbarrier.wait(self.ready, ring_phase(local, 1))
 
     @gluon.jit
-    def rows(self, local, CONSUMER: gl.constexpr):
-        """Consumer CONSUMER's buffer (1, 1, 64, d) of work tile local's Q rows."""
-        SLOTS: gl.constexpr = self.ready.type.shape[0]
-        CONSUMERS: gl.constexpr = self.bufs.type.shape[0] // SLOTS
-        return self.bufs.index(ring_slot(local, SLOTS) * CONSUMERS + CONSUMER)
-
-    @gluon.jit
-    def release(self, local):
-        """Consumer: done with work tile local's Q rows (and, where O goes out through them, with the O stored
-        from them)."""
-        mbarrier.arrive(QSlot.barrier(self.empty, ring_slot(local, self.ready.type.shape[0])))
+    def release(self):
+        """Consumer: done with this work tile's Q rows (and, in bf16, with the O stored from them)."""
+        mbarrier.arrive(self.empty)
 
 
 # The hardware named barriers of the ping-pong turns: consumer c waits on TURN_BARRIER + c. (Triton's warp
@@ -363,8 +340,7 @@ class KernelState:
     (:func:`.fa3_consumer._consumer_tile`); rescale_early: a consumer rescales O to step j's maximum at the end of
     step j, once P_{j-1} V_{j-1} is done, instead of just before it issues P_j V_j (:func:`.fa3_consumer._kv_steps`);
     convert_p_late: a consumer turns P_{j-1} into the P V product's operand after issuing S_j instead of before
-    (FP8's packing to e4m3; a no-op for 16-bit P); epilogue_overlap: a persistent consumer issues the next work
-    tile's first Q K^T before this tile's epilogue (Q in two slots, O out through the tile's own).
+    (FP8's packing to e4m3; a no-op for 16-bit P).
     """
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -388,12 +364,11 @@ class KernelState:
     split_loops: gl.constexpr
     rescale_early: gl.constexpr
     convert_p_late: gl.constexpr
-    epilogue_overlap: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
                  q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work,
-                 split_loops=False, rescale_early=False, convert_p_late=False, epilogue_overlap=False):
+                 split_loops=False, rescale_early=False, convert_p_late=False):
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.v_desc = v_desc
@@ -416,4 +391,3 @@ class KernelState:
         self.split_loops = gl.constexpr(split_loops)
         self.rescale_early = gl.constexpr(rescale_early)
         self.convert_p_late = gl.constexpr(convert_p_late)
-        self.epilogue_overlap = gl.constexpr(epilogue_overlap)

@@ -145,8 +145,7 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, **switches) 
 def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
                     fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2, persistent: bool = False,
                     window: bool = False, varlen: bool = False, softcap: bool = False, alibi: bool = False,
-                    split_loops: bool = False, rescale_early: bool = False, convert_p_late: bool = False,
-                    epilogue_overlap: bool = False) -> dict:
+                    split_loops: bool = False, rescale_early: bool = False, convert_p_late: bool = False) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_kernel.attention_fwd_fa3_kernel` as the launcher builds
     it with these switches (:class:`.attention.HopperOptions`' and the call's; the compile-time arguments are
     :func:`.attention.fa3_launch_constants`')."""
@@ -166,8 +165,7 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, 
         "softcap_scale": "fp32",
     }
     options = HopperOptions(stages=stages, pingpong=pingpong, consumers=consumers, split_loops=split_loops,
-                            rescale_early=rescale_early, convert_p_late=convert_p_late,
-                            epilogue_overlap=epilogue_overlap)
+                            rescale_early=rescale_early, convert_p_late=convert_p_late)
     constants = dict(fa3_launch_constants(options, causal, window, persistent, softcap, alibi, fp8, varlen))
     return dict(kernel=attention_fwd_fa3_kernel, signature=signature, num_warps=constants.pop("num_warps"),
                 maxnreg=constants.pop("maxnreg"), constants=constants)
@@ -310,11 +308,6 @@ def wgmma_loop_bodies(sass: str) -> list[list[str]]:
     return loops
 
 
-def sass_instructions(sass: str) -> list[tuple[int, str]]:
-    """(address, text) of each instruction of cuobjdump's SASS listing, in order (the text without its ';')."""
-    return [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-
-
 def loop_bodies_issuing(sass: str, opcode: str) -> list[list[str]]:
     """The instructions of each innermost SASS loop that holds an instruction whose opcode contains ``opcode``
     ("GMMA": the consumers' K/V loops; "UTMALDG": a producer's TMA loads), one list per loop.
@@ -322,7 +315,7 @@ def loop_bodies_issuing(sass: str, opcode: str) -> list[list[str]]:
     A loop is a predicated backward branch (the unpredicated ones return from the out-of-line retry
     blocks of mbarrier waits); the innermost ones are the smallest holding such an instruction.
     """
-    code = sass_instructions(sass)
+    code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
     for address, text in code:
         target = re.search(r"^@!?U?P\w*\s+BRA\b.*?0x([0-9a-f]+)", text)
