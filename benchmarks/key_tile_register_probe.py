@@ -10,24 +10,22 @@ thread (what ``setmaxnreg`` gives a consumer of two), and prints what ptxas made
     .venv/bin/python benchmarks/key_tile_register_probe.py
 """
 import re
-import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+
+from fa_lab.kernels.hopper.fa3_softmax import thread_row_sums
 
 TAILS = (0, 16, 32, 64)  # keys a step beyond the first 128 (0: the kernel's step)
 CONSUMER_REGISTERS = 240
 
 
 @gluon.jit
-def _per_thread(x, MAX: gl.constexpr):
-    """(64, N) in the accumulator layout -> (64, 4): each thread's max (or sum) of its own values of a row."""
-    parts = x.reshape([x.shape[0], x.shape[1] // 8, 4, 2])
-    if MAX:
-        return gl.max(gl.max(parts, axis=3), axis=1)
-    else:
-        return gl.sum(gl.sum(parts, axis=3), axis=1)
+def _thread_row_max(x):
+    """(64, N) in the accumulator layout -> (64, 4): each thread's max of its own values of a row (the max
+    counterpart of :func:`fa_lab.kernels.hopper.fa3_softmax.thread_row_sums`)."""
+    return gl.max(gl.max(x.reshape([x.shape[0], x.shape[1] // 8, 4, 2]), axis=3), axis=1)
 
 
 @gluon.jit
@@ -43,7 +41,7 @@ def key_steps(out_ptr, n_iter, scale, TAIL: gl.constexpr):
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m = gl.full([64], float("-inf"), gl.float32, row_layout)
-    l = _per_thread(gl.zeros([64, 128], gl.float32, s_layout), False)
+    l = thread_row_sums(gl.zeros([64, 128], gl.float32, s_layout))
     o = gl.zeros([64, D], gl.float32, o_layout)
     alpha = gl.full([64], 1.0, gl.float32, row_layout)
     p = gl.zeros([64, 128], dt, p_layout)
@@ -65,17 +63,17 @@ def key_steps(out_ptr, n_iter, scale, TAIL: gl.constexpr):
         if TAIL > 0:
             o = warpgroup_mma(p2, v2_smem, o, is_async=True)
             s, s2 = warpgroup_mma_wait(2, deps=(s, s2))
-            thread_max = gl.maximum(_per_thread(s, True), gl.convert_layout(_per_thread(s2, True), l.type.layout))
+            thread_max = gl.maximum(_thread_row_max(s), gl.convert_layout(_thread_row_max(s2), l.type.layout))
         else:
             s = warpgroup_mma_wait(1, deps=(s,))
-            thread_max = _per_thread(s, True)
+            thread_max = _thread_row_max(s)
         m_new = gl.maximum(m, gl.convert_layout(gl.max(thread_max, axis=1), row_layout) * scale)
         alpha = gl.exp2(m - m_new)
         pa = gl.exp2(s * scale - m_new[:, None])
-        l = l * gl.convert_layout(alpha, gl.SliceLayout(1, l.type.layout))[:, None] + _per_thread(pa, False)
+        l = l * gl.convert_layout(alpha, gl.SliceLayout(1, l.type.layout))[:, None] + thread_row_sums(pa)
         if TAIL > 0:
             pb = gl.exp2(s2 * scale - gl.convert_layout(m_new, gl.SliceLayout(1, s2_layout))[:, None])
-            l = l + gl.convert_layout(_per_thread(pb, False), l.type.layout)
+            l = l + gl.convert_layout(thread_row_sums(pb), l.type.layout)
             o, p, p2 = warpgroup_mma_wait(0, deps=(o, p, p2))
             p2 = gl.convert_layout(pb.to(dt), p_layout)
         else:
@@ -105,4 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
