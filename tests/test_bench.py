@@ -129,12 +129,15 @@ def test_committed_results_files_name_device_versions_and_date(path):
     for key in ("device", "torch", "triton", "date"):  # results files and the logs beside them
         assert isinstance(raw.get(key), str) and raw[key], f"{path.name} lacks {key}"
     datetime.date.fromisoformat(raw["date"])
+    assert ("H100" in raw["device"]) == path.name.startswith("h100_"), (path.name, raw["device"])
 
 
 @pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.log")), ids=lambda p: p.name)
 def test_committed_logs_open_with_device_versions_and_date(path):
+    """The device machine is an H200 or, at times, an H100: a log says which (h100_* files are H100 runs)."""
     header = path.read_text().splitlines()[0]
-    assert re.match(r"# \d{4}-\d{2}-\d{2}, .*H200.*torch [\d.]+.*triton [\d.]+", header), header
+    assert re.match(r"# \d{4}-\d{2}-\d{2}, .*H[12]00.*torch [\d.]+.*triton [\d.]+", header), header
+    assert ("H100" in header) == path.name.startswith("h100_"), header
 
 
 def test_importing_the_package_loads_no_runner_and_no_matplotlib():
