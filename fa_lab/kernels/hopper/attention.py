@@ -87,15 +87,18 @@ MOBA_PASS_OPTIONS = (HopperOptions(persistent=False), HopperOptions(persistent=F
 # benchmarks/h200_persistent_bf16.json (the FA3-paper shapes, medians of three rounds) had it at least 2% ahead of
 # one tile per CTA up to PERSISTENT_MAX_KEYS keys per (head_dim bucket, causal): causal, its LPT schedule evens out
 # the tiles' unequal lengths (+4 to +24% up to 8K keys, level at 16K); without a mask it pays only where tiles are
-# short (1K-2K keys). Below PERSISTENT_MIN_KEYS a call's host time (0.2-0.3 ms to issue it, more than the kernel's
-# 0.15-0.29 ms at 1K-2K keys causal: benchmarks/h200_persistent_host_bound.log) decides what a caller waits for,
-# and calls timed back to back measured the persistent kernel slower there, so the default takes it from 4K keys.
-# A CPU test holds both to the A/B. A windowed call runs persistent from PERSISTENT_MIN_KEYS keys at any length:
+# short (1K-2K keys). Below 4K keys that gain once hid behind the call's host time (0.2-0.3 ms to issue it, as long
+# as the kernel: benchmarks/h200_persistent_host_bound.log); with the plan cached per kind of call the host takes
+# 0.14-0.24 ms and do_bench, as the protocol times, had the persistent kernel 1.05-1.30x ahead at 1K-2K causal and
+# level to 1.07x at 2K without a mask on an H100 (benchmarks/h100_persistent_host_bound.log), as an A/B on the H200
+# the same day had it 1.12-1.23x causal and 1.02-1.13x without a mask (docs/experiments/hopper_forward.md, "Persistent
+# as the bf16 default from 1K keys"). PERSISTENT_MIN_KEYS is the shortest length the A/B measured. A CPU test holds
+# both to the A/B. A windowed call runs persistent from PERSISTENT_MIN_KEYS keys at any length:
 # each work tile walks only its band's few K/V tiles, so its start and end weigh as in a short dense call, which
 # the persistent kernel overlaps with the next tile's loads (450 against 434 TFLOP/s at (1024, 0) and 16K in
 # benchmarks/h200_window_variants.json, 456 against 424 in the run before). Packed batches stay one tile per CTA.
 PERSISTENT_MAX_KEYS = {(64, False): 2048, (64, True): 8192, (128, False): 1024, (128, True): 8192}
-PERSISTENT_MIN_KEYS = 4096
+PERSISTENT_MIN_KEYS = 1024
 
 
 def persistent_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bool, fp8: bool = False,
