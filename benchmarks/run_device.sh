@@ -49,6 +49,8 @@
 #            protocol's shapes and the window (1024, 0) at 16K, three rounds (h200_split_loops.json, by
 #            benchmarks/forward_switch_ab.py)
 #   split-loops-fp8 - the same for the FP8 kernel alone, d = 128 and 64, 4K-16K (h200_split_loops_fp8.json)
+#   fp8-loop-variants - the FP8 kernel alone with one loop and three, convert_p_late, rescale_early and the v_next
+#            edit, d = 128 (<h100|h200>_fp8_loop_variants.json, by benchmarks/fp8_loop_variants_ab.py)
 #   rescale-early, rescale-early-fp8 - the same two A/Bs for HopperOptions(rescale_early=True) against the default
 #            (h200_rescale_early.json, h200_rescale_early_fp8.json)
 #   persistent-host - the bf16 forward at 1K-4K one tile per CTA and persistent: do_bench's time, the kernel's and
@@ -151,6 +153,7 @@ case "$step" in
   split-loops) python3 benchmarks/forward_switch_ab.py "$out" 2>&1 | tee "$out/split_loops.log" ;;
   split-loops-fp8) python3 benchmarks/forward_switch_ab.py "$out" --fp8 2>&1 | tee "$out/split_loops_fp8.log" ;;
   rescale-early) python3 benchmarks/forward_switch_ab.py "$out" --switch rescale_early 2>&1 | tee "$out/rescale_early.log" ;;
+  fp8-loop-variants) python3 benchmarks/fp8_loop_variants_ab.py "$out" ;;
   rescale-early-fp8) python3 benchmarks/forward_switch_ab.py "$out" --fp8 --switch rescale_early 2>&1 \
            | tee "$out/rescale_early_fp8.log" ;;
   persistent-host) python3 benchmarks/persistent_host_bound.py 2>&1 | tee "$out/h200_persistent_host_bound.log" ;;
@@ -164,11 +167,14 @@ case "$step" in
   nsa-dkdv-variants) python3 benchmarks/nsa_dkdv_variants.py "$out" 2>&1 | tee "$out/nsa_dkdv_variants.log" ;;
   nsa-gather-order) python3 benchmarks/nsa_dkdv_variants.py --order "$out" 2>&1 | tee "$out/nsa_gather_order.log" ;;
   tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
+         for arg in "${targets[@]}"; do  # -q would cancel -v, and a run cut by the call's limit would name nothing
+           case "$arg" in -q|--quiet) echo "run_device.sh tests: drop $arg (results are named one per line)" >&2; exit 2 ;; esac
+         done
          # -v names each result as it comes (a run cut by the call's limit keeps them); the log keeps the failures
          tests=(python3 -m pytest -v -rfE -m gpu -p no:cacheprovider --maxfail=30 "${targets[@]}")
          { echo "# $(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
