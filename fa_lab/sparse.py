@@ -17,12 +17,14 @@ varlen kernels, one sequence per block, the second key-block-major (:mod:`fa_lab
 NSA (DeepSeek's native sparse attention): three causal branches mixed by a learned gate, the query
 over the mean keys of compressed blocks (:func:`nsa_compress`), over the raw keys of the ``top_n``
 selection blocks that its GQA group ranks highest by the compressed branch's probabilities
-(:func:`nsa_select`), and over a sliding window (:func:`nsa_attention`, a dense masked reference).
+(:func:`nsa_select`), and over a sliding window (:func:`nsa_attention`: a dense masked reference, or kernels
+throughout).
 
 Self-attention layouts as :func:`fa_lab.attention`: q (B, H, N, d), k, v (B, H_kv, N, d).
 ``impl="triton"`` (block-sparse attention, NSA's selected branch) runs the selected-blocks kernel of
 :mod:`fa_lab.kernels.portable.sparse_select`, which takes both selections as they are: a per-tile list
-(``block_q`` queries per row) and NSA's per-query one (``block_q = 1``).
+(``block_q`` queries per row) and NSA's per-query one (``block_q = 1``); NSA's other branches then run on the
+dense kernels and its selection scores on :mod:`fa_lab.kernels.portable.nsa_importance`.
 """
 from __future__ import annotations
 
@@ -255,31 +257,85 @@ def _masked_attention(q, k, v, mask, scale):
     return torch.matmul(p, v.to(dtype)), lse
 
 
-def nsa_select(q, k_cmp, block_cmp: int, block_sel: int, top_n: int, scale: float) -> torch.Tensor:
-    """(B, H_kv, N, top_n) int64: the selection blocks (of ``block_sel`` tokens) each query keeps, the
-    same for every query head of a GQA group (-1 where fewer blocks are in its past).
+def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl: str = "torch"):
+    """NSA's compressed branch: (out (B, H, N, d), lse (B, H, N) float32) of q (B, H, N, d) over the compressed
+    keys and values (B, H_kv, N // block_cmp, d) of the blocks wholly in each query's past (compressed key j is
+    visible to query i iff (j + 1) * block_cmp - 1 <= i); rows that see none (i < block_cmp - 1) give zeros and
+    lse = -inf.
 
-    Importance is the compressed branch's attention probability, summed over the compressed blocks that
-    a selection block covers (block_sel a multiple of block_cmp) and over the group's query heads; a
-    query keeps the top_n blocks that start at or before it.
+    impl="torch": the masked dense reference. impl="triton": one call of the dense kernels
+    (``fa_lab.attention(impl="triton_hopper")``: the Gluon forward on sm_90, the portable kernels elsewhere) on a
+    folded layout. With query i moved to position i + 1 (one row of padding in front), the rule reads "row r sees
+    j <= r // block_cmp - 1" for every row, so rows with the same r % block_cmp form a sequence of
+    N // block_cmp + 1 queries over the N // block_cmp compressed keys under the course's bottom-right causal
+    mask (query m sees j <= m - 1). The block_cmp residues become a batch dimension: no kernel of its own.
+    """
+    if k_cmp.shape[2] == 0:  # no whole block yet: every row sees nothing
+        out = torch.zeros(q.shape, dtype=q.dtype if impl == "triton" else _compute_dtype(q), device=q.device)
+        return out, torch.full(q.shape[:3], float("-inf"), device=q.device)
+    if impl == "torch":
+        rows = torch.arange(q.shape[2], device=q.device)[:, None]
+        ends = (torch.arange(k_cmp.shape[2], device=q.device) + 1) * block_cmp - 1
+        heads = q.shape[1]
+        return _masked_attention(q, expand_kv(k_cmp, heads), expand_kv(v_cmp, heads), ends[None, :] <= rows, scale)
+    from . import attention
+
+    batch, heads, seqlen, head_dim = q.shape
+    steps = k_cmp.shape[2] + 1  # rows per residue: ceil((N + 1) / block_cmp) = N // block_cmp + 1
+    padded = torch.nn.functional.pad(q, (0, 0, 1, steps * block_cmp - seqlen - 1))
+    folded_q = padded.view(batch, heads, steps, block_cmp, head_dim).permute(0, 3, 1, 2, 4)
+    folded_q = folded_q.reshape(batch * block_cmp, heads, steps, head_dim)
+    folded_kv = [t.unsqueeze(1).expand(batch, block_cmp, *t.shape[1:]).reshape(batch * block_cmp, *t.shape[1:])
+                 for t in (k_cmp.to(q.dtype), v_cmp.to(q.dtype))]
+    out, lse = attention(folded_q, *folded_kv, causal=True, scale=scale, impl="triton_hopper", return_lse=True)
+    out = out.view(batch, block_cmp, heads, steps, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, heads, -1, head_dim)
+    lse = lse.view(batch, block_cmp, heads, steps).permute(0, 2, 3, 1).reshape(batch, heads, -1)
+    return out[:, :, 1:seqlen + 1], lse[:, :, 1:seqlen + 1]
+
+
+def nsa_importance(q, k_cmp, block_cmp: int, block_sel: int, scale: float, impl: str = "torch", lse_cmp=None):
+    """(B, H_kv, N, cdiv(N, block_sel)) float: how much each selection block (of ``block_sel`` tokens) matters to
+    each query, shared by its GQA group: the compressed branch's attention probabilities, summed over the
+    compressed blocks that the selection block covers (block_sel a multiple of block_cmp) and over the group's
+    query heads; -inf for blocks that start after the query (never selectable).
+
+    impl="torch" materializes the probabilities (B, H, N, N // block_cmp); impl="triton" recomputes them tile by
+    tile in :mod:`fa_lab.kernels.portable.nsa_importance` from the compressed branch's lse (``lse_cmp``
+    (B, H, N), computed here when not given) and returns float32.
     """
     if block_sel % block_cmp:
         raise ValueError(f"block_sel ({block_sel}) must be a multiple of block_cmp ({block_cmp})")
+    if impl == "triton" and k_cmp.shape[2]:
+        from .kernels import triton_nsa_importance
+        if lse_cmp is None:
+            lse_cmp = nsa_compressed_attention(q, k_cmp, k_cmp, block_cmp, scale, impl)[1]
+        return triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale)
     batch, heads, seqlen, _ = q.shape
     heads_kv, group = k_cmp.shape[1], heads // k_cmp.shape[1]
     rows = torch.arange(seqlen, device=q.device)[:, None]
     ends = (torch.arange(k_cmp.shape[2], device=q.device) + 1) * block_cmp - 1  # last token of each block
     seen = ends[None, :] <= rows  # compressed blocks wholly in the query's past
     s = torch.matmul(q.to(_compute_dtype(q)), expand_kv(k_cmp, heads).to(_compute_dtype(q)).transpose(-2, -1))
-    p, _ = softmax_with_lse((s * scale).masked_fill(~seen, float("-inf")))  # (B, H, N, compressed blocks)
+    if k_cmp.shape[2]:
+        p, _ = softmax_with_lse((s * scale).masked_fill(~seen, float("-inf")))  # (B, H, N, compressed blocks)
+    else:  # no whole block yet
+        p = s
     per = block_sel // block_cmp
     sel_blocks = cdiv(seqlen, block_sel)
     p = torch.nn.functional.pad(p, (0, sel_blocks * per - p.shape[-1]))
     importance = p.view(batch, heads_kv, group, seqlen, sel_blocks, per).sum(dim=(2, 5))  # (B, Hkv, N, blocks)
     starts = torch.arange(sel_blocks, device=q.device) * block_sel
-    importance = importance.masked_fill(starts[None, :] > rows, float("-inf"))  # future blocks: never
-    count = min(top_n, sel_blocks)
-    best = importance.topk(count, dim=-1)
+    return importance.masked_fill(starts[None, :] > rows, float("-inf"))  # future blocks: never
+
+
+def nsa_select(q, k_cmp, block_cmp: int, block_sel: int, top_n: int, scale: float, impl: str = "torch",
+               lse_cmp=None) -> torch.Tensor:
+    """(B, H_kv, N, top_n) int64: the selection blocks (of ``block_sel`` tokens) each query keeps, the
+    same for every query head of a GQA group (-1 where fewer blocks are in its past): the top_n blocks of
+    :func:`nsa_importance` (impl and lse_cmp as it takes them) that start at or before the query.
+    """
+    importance = nsa_importance(q, k_cmp, block_cmp, block_sel, scale, impl, lse_cmp)
+    best = importance.topk(min(top_n, importance.shape[-1]), dim=-1)
     return torch.where(torch.isinf(best.values), -1, best.indices)
 
 
@@ -287,11 +343,15 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
                   scale: float | None = None, impl: str = "torch"):
     """NSA's output: gates[..., 0] * compressed + gates[..., 1] * selected + gates[..., 2] * window
     attention, each causal. q (B, H, N, d), k, v (B, H_kv, N, d), gates (B, H, N, 3) (the learned
-    gate's outputs). A dense reference: the three branches as masked attention. Returns (out, branches),
-    branches the three (B, H, N, d) outputs. Differentiable in q, k, v and gates (the selection is discrete).
-    impl="triton" computes the selected branch with the selected-blocks kernel (float16/bfloat16; one
-    program per query and KV head, the group's query heads packed into its tile; that branch then comes
-    back in q's dtype), the others as above.
+    gate's outputs). Returns (out, branches), branches the three (B, H, N, d) outputs. Differentiable in q, k, v
+    and gates (the selection is discrete).
+
+    impl="torch": a dense reference, each branch as masked attention (memory quadratic in N). impl="triton"
+    (float16/bfloat16): kernels throughout, memory linear in N: the compressed branch on the dense kernels
+    (:func:`nsa_compressed_attention`), the selection scored by the importance kernel from its lse, the
+    selected branch on the selected-blocks kernel (one program per query and KV head, the group's query heads
+    packed into its tile), the window as ``fa_lab.attention(window=(window - 1, 0), impl="triton_hopper")``
+    (on sm_90 the Gluon forward skips the tiles outside the band).
     """
     check_impl(impl)
     check_qkv(q, k, v, DTYPES)
@@ -303,27 +363,36 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1 (the keys of the window branch, the query's own included), "
                          f"got {window!r}")
+    if block_sel % block_cmp:
+        raise ValueError(f"block_sel ({block_sel}) must be a multiple of block_cmp ({block_cmp})")
+    if impl == "triton":  # every branch's kernel takes float16/bfloat16: refuse others before any runs
+        from .kernels import load_triton
+        load_triton()
+        from .kernels.common import check_triton_inputs
+        check_triton_inputs(q)
     scale = resolve_scale(scale, q.shape[-1])
-    batch, heads, seqlen, _ = q.shape
-    rows, cols = torch.arange(seqlen, device=q.device)[:, None], torch.arange(seqlen, device=q.device)[None, :]
+    heads, seqlen = q.shape[1], q.shape[2]
     # Compressed branch: the query over the mean keys of the blocks wholly in its past.
     k_cmp, v_cmp = nsa_compress(k, block_cmp), nsa_compress(v, block_cmp)
-    ends = (torch.arange(k_cmp.shape[2], device=q.device) + 1) * block_cmp - 1
-    out_cmp, _ = _masked_attention(q, expand_kv(k_cmp, heads), expand_kv(v_cmp, heads), ends[None, :] <= rows, scale)
+    out_cmp, lse_cmp = nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp, scale, impl)
     # Selected branch: the raw keys of the top_n blocks the group chose, causally.
-    selected = nsa_select(q, k_cmp, block_cmp, block_sel, top_n, scale)  # (B, Hkv, N, top_n)
+    with torch.no_grad():
+        selected = nsa_select(q.detach(), k_cmp.detach(), block_cmp, block_sel, top_n, scale, impl, lse_cmp)
     if impl == "triton":  # a per-query selection: one selection row per query
+        from . import attention
         from .kernels import triton_block_select_attention
         out_sel, _ = triton_block_select_attention(q, k, v, selected, block_sel, True, scale, block_q=1)
+        # Window branch: the last ``window`` keys, the query's own included.
+        out_win = attention(q, k, v, causal=True, scale=scale, window=(window - 1, 0), impl="triton_hopper")
     else:
+        cols = torch.arange(seqlen, device=q.device)[None, :]
         chosen = ((cols // block_sel)[None, None, None] == selected.clamp(min=-1)[..., None]).any(dim=-2)
         causal = BlockInfo(seqlen, seqlen, causal=True).mask(device=q.device)
         out_sel, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), expand_kv(chosen, heads) & causal,
                                        scale)
-    # Window branch: the last ``window`` keys, the query's own included.
-    band = BlockInfo(seqlen, seqlen, causal=True, window=(window - 1, -1)).mask(device=q.device)
-    out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), band, scale)
+        band = BlockInfo(seqlen, seqlen, causal=True, window=(window - 1, -1)).mask(device=q.device)
+        out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), band, scale)
     branches = (out_cmp, out_sel, out_win)
-    g = gates.to(out_cmp.dtype)
-    out = sum(g[..., i:i + 1] * branch for i, branch in enumerate(branches))
+    mixed = _compute_dtype(q)
+    out = sum(gates[..., i:i + 1].to(mixed) * branch.to(mixed) for i, branch in enumerate(branches))
     return out.to(q.dtype), branches

@@ -169,6 +169,23 @@ def test_the_sparse_benchmarks_selection_is_nsas_and_its_pairs_are_counted_exact
     assert "nsa_select: dense time / ours fwd, 16K" not in found
 
 
+def test_the_sparse_benchmarks_nsa_pairs_are_the_three_branches_masks():
+    """nsa_pairs: the compressed, selected and window branches' visible pairs, summed over the query heads, as
+    their dense masks count them."""
+    from fa_lab.bench import sparse as bench
+    from fa_lab.block_info import BlockInfo
+    from fa_lab.sparse import selection_mask
+
+    seqlen = bench.NSA_WINDOW + 3 * bench.BLOCK_K + 10
+    selection = bench.nsa_selection(seqlen, torch.Generator().manual_seed(3), device="cpu")
+    rows = torch.arange(seqlen)[:, None]
+    compressed = int(((torch.arange(seqlen // bench.NSA_BLOCK_CMP) + 1) * bench.NSA_BLOCK_CMP - 1 <= rows).sum())
+    window = int(BlockInfo(seqlen, seqlen, causal=True, window=(bench.NSA_WINDOW - 1, 0)).mask().sum())
+    chosen = selection_mask(selection, seqlen, seqlen, 1, bench.BLOCK_K) & BlockInfo(seqlen, seqlen, True).mask()
+    group = bench.HEADS // bench.HEADS_KV
+    assert bench.nsa_pairs(selection, seqlen) == (compressed + window) * bench.HEADS + int(chosen.sum()) * group
+
+
 def test_the_sparse_benchmarks_moba_pairs_sparsity_curve_and_plot():
     """moba_pairs counts the pairs of MoBA's mask; the sparsity curve reads the kept share from the rows'
     FLOPs; the plot draws the rows it is given."""
@@ -182,6 +199,7 @@ def test_the_sparse_benchmarks_moba_pairs_sparsity_curve_and_plot():
     for impl, case, selected_blocks, fwd_ms, kept in (("dense", "nsa_select", 16, 40.0, 1.0),
                                                        ("triton", "nsa_select", 16, 5.0, 0.06),
                                                        ("triton", "nsa_select", 4, 2.0, 0.015),
+                                                       ("triton", "nsa", 16, 8.0, 0.08),
                                                        ("triton", "moba", 3, 9.0, 0.25),
                                                        ("dense", "moba", 3, 20.0, 1.0)):
         row = bench.sparse_row(impl, bench.SWEEP_SEQLEN, case=case, selected=selected_blocks)
@@ -193,6 +211,8 @@ def test_the_sparse_benchmarks_moba_pairs_sparsity_curve_and_plot():
     found = dict(bench.speedups(rows))
     assert found["moba: dense time / ours fwd, 32K"] == pytest.approx(20 / 9)
     assert found["nsa_select: dense time / ours bwd, 32K"] == pytest.approx(8.0)
+    assert found["nsa: dense time / ours fwd, 32K"] == pytest.approx(5.0)
+    assert not any(what.startswith("nsa: None") for what in found)
     figure = bench.plot_sparse({"device": "test", "torch": "x", "triton": None, "date": "2026-12-01", "rows": rows})
     assert len(figure.axes) == 3 and all(ax.lines for ax in figure.axes)
 

@@ -164,18 +164,122 @@ def test_nsa_selection_through_the_kernel(heads, heads_kv, seqlen, block_sel, ge
     check_against_dense(lambda *t: kernel(1, block_sel, True)(*t, selected), q, k, v, mask, generator)
 
 
-def test_nsa_attention_runs_its_selected_branch_in_the_kernel(generator):
-    q, k, v = make_qkv(1, 4, 77, 77, 32, torch.bfloat16, DEVICE, generator, heads_kv=1, requires_grad=False)
-    gates = torch.rand(1, 4, 77, 3, generator=generator).to(DEVICE)
-    out, branches = nsa_attention(q, k, v, gates, 16, 32, 2, 16, impl="triton")
-    selected = nsa_select(q, nsa_compress(k, 16), 16, 32, 2, 32 ** -0.5)
-    mask = dense_mask(selected, q, k, 1, 32, causal=True)
-    assert branches[1].dtype == torch.bfloat16  # the kernel's (the torch branch computes in float32)
-    want, _ = masked_attention(q.double(), k.double(), v.double(), mask)
-    result = compare("selected branch", branches[1], want, masked_attention(q, k, v, mask)[0], torch.bfloat16)
+NSA_CASES = [  # (dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel)
+    (torch.bfloat16, 1, 4, 1, 77, 32, 16, 32),
+    (torch.float16, 2, 4, 2, 130, 64, 8, 32),  # four compressed blocks to a selection block
+    (torch.bfloat16, 1, 2, 2, 200, 32, 16, 16),  # a selection block per compressed block, no grouping
+    (torch.bfloat16, 1, 4, 2, 11, 32, 16, 32),  # shorter than a compressed block: nothing compressed yet
+]
+
+
+@pytest.mark.parametrize("dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel", NSA_CASES)
+def test_nsa_compressed_branch_on_the_dense_kernels(dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp,
+                                                   block_sel, generator):
+    """The compressed branch folded into one dense causal call (impl="triton") against the masked float64
+    reference under the tolerance rule, out and lse, and its gradients to q and the compressed k, v."""
+    from fa_lab.sparse import nsa_compressed_attention
+
+    q, k, v = make_qkv(batch, heads, seqlen, seqlen, head_dim, dtype, DEVICE, generator, heads_kv=heads_kv)
+    k_cmp, v_cmp = (nsa_compress(t.detach(), block_cmp) for t in (k, v))
+    if k_cmp.shape[2] == 0:
+        out, lse = nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp, head_dim ** -0.5, "triton")
+        assert out.dtype == dtype and bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+        return
+    rows = torch.arange(seqlen)[:, None]
+    mask = ((torch.arange(k_cmp.shape[2]) + 1) * block_cmp - 1 <= rows).expand(batch, heads, -1, -1).to(DEVICE)
+    check_against_dense(lambda *t: nsa_compressed_attention(*t, block_cmp, head_dim ** -0.5, "triton"),
+                        q, k_cmp, v_cmp, mask, generator)
+
+
+@pytest.mark.parametrize("dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel", NSA_CASES)
+def test_nsa_importance_kernel_against_its_definition(dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp,
+                                                      block_sel, generator):
+    check_nsa_importance(dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel, 2, DEVICE,
+                         generator)
+
+
+def check_nsa_importance(dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel, top_n, device,
+                         generator):
+    """The importance kernel's scores against nsa_importance's PyTorch definition in float64: the same blocks
+    barred (-inf: they start after the query), the others within float32 rounding of probabilities summed over
+    at most a group's heads; and its selection keeps a best set of blocks by the float64 scores (equal up to
+    that rounding, so near-ties may choose either)."""
+    from fa_lab.sparse import nsa_importance
+
+    q, k, _ = make_qkv(batch, heads, seqlen, seqlen, head_dim, dtype, device, generator, heads_kv=heads_kv,
+                       requires_grad=False)
+    k_cmp, scale = nsa_compress(k, block_cmp), head_dim ** -0.5
+    got = nsa_importance(q, k_cmp, block_cmp, block_sel, scale, "triton")
+    want = nsa_importance(q.double(), k_cmp.double(), block_cmp, block_sel, scale).to(got.device)
+    assert got.dtype == torch.float32 and got.shape == want.shape == (batch, heads_kv, seqlen, cdiv(seqlen, block_sel))
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    allowed = torch.isfinite(want)
+    assert bool((want[allowed] >= 0).all()) and bool((got[allowed] >= 0).all())
+    torch.testing.assert_close(got[allowed].double(), want[allowed], rtol=1e-5, atol=1e-5 * heads // heads_kv)
+    selected = nsa_select(q, k_cmp, block_cmp, block_sel, top_n, scale, "triton")
+    best = want.topk(min(top_n, want.shape[-1]), dim=-1).values
+    kept = torch.where(selected >= 0, want.gather(-1, selected.clamp(min=0)), float("-inf"))
+    assert torch.equal(torch.isneginf(kept), torch.isneginf(best))  # as many blocks as the past holds, up to top_n
+    torch.testing.assert_close(torch.where(torch.isneginf(kept), 0, kept).sum(-1),
+                               torch.where(torch.isneginf(best), 0, best).sum(-1), rtol=0, atol=1e-4)
+
+
+def test_nsa_attention_runs_every_branch_in_the_kernels(generator):
+    check_nsa_branches(1, 4, 1, 77, 32, 16, 32, 2, 16, DEVICE, generator)
+
+
+def check_nsa_branches(batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel, top_n, window, device,
+                       generator):
+    """nsa_attention(impl="triton"): each branch against float64 attention under its own mask (the selected
+    branch under the selection the kernels made, nsa_select(impl="triton")), under the tolerance rule; the
+    output is the gated sum of the branches in float32."""
+    from fa_lab.sparse import nsa_compressed_attention
+
+    q, k, v = make_qkv(batch, heads, seqlen, seqlen, head_dim, torch.bfloat16, device, generator, heads_kv=heads_kv,
+                       requires_grad=False)
+    gates = torch.rand(batch, heads, seqlen, 3, generator=generator).to(device)
+    out, branches = nsa_attention(q, k, v, gates, block_cmp, block_sel, top_n, window, impl="triton")
+    assert all(branch.dtype == torch.bfloat16 for branch in branches)
+    k_cmp, v_cmp = nsa_compress(k, block_cmp), nsa_compress(v, block_cmp)
+    selected = nsa_select(q, k_cmp, block_cmp, block_sel, top_n, head_dim ** -0.5, "triton")
+    band = BlockInfo(seqlen, seqlen, causal=True, window=(window - 1, 0)).mask().to(device)
+    cases = {"selected": (branches[1], (q, k, v), dense_mask(selected, q, k, 1, block_sel, causal=True)),
+             "window": (branches[2], (q, k, v), band.expand(batch, heads, -1, -1))}
+    for name, (got, operands, mask) in cases.items():
+        want, _ = masked_attention(*(t.double() for t in operands), mask)
+        result = compare(name, got, want, masked_attention(*operands, mask)[0], torch.bfloat16)
+        assert result.ok, str(result)
+    want, _ = nsa_compressed_attention(q.double(), k_cmp.double(), v_cmp.double(), block_cmp, head_dim ** -0.5)
+    base, _ = nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp, head_dim ** -0.5)
+    result = compare("compressed", branches[0], want, base.to(torch.bfloat16), torch.bfloat16)
     assert result.ok, str(result)
     mixed = sum(gates[..., i:i + 1] * branch.float() for i, branch in enumerate(branches))
     torch.testing.assert_close(out, mixed.to(out.dtype), rtol=0, atol=0)
+
+
+def test_nsa_attention_kernels_and_reference_agree_with_gradients(generator):
+    """Where top_n holds every block a query's past has (the selection is then the whole causal past, with no
+    ranking to differ on), impl="triton" and the float64 reference compute the same function: out and the
+    gradients to q, k, v and the gates under the tolerance rule (baseline: the reference in bfloat16)."""
+    batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel, window = 1, 4, 2, 70, 32, 8, 16, 12
+    top_n = cdiv(seqlen, block_sel)
+    q, k, v = make_qkv(batch, heads, seqlen, seqlen, head_dim, torch.bfloat16, DEVICE, generator, heads_kv=heads_kv)
+    gates = torch.rand(batch, heads, seqlen, 3, generator=generator).to(DEVICE)
+    grad_out = torch.randn(q.shape, generator=generator).to(DEVICE, q.dtype)
+
+    def run(impl, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, gates)]
+        out, _ = nsa_attention(*leaves, block_cmp, block_sel, top_n, window, impl=impl)
+        out.backward(grad_out.to(dtype))
+        return [out, *(t.grad for t in leaves)]
+
+    failures = []
+    for name, got, want, base in zip(("out", "dq", "dk", "dv", "dgates"), run("triton", torch.bfloat16),
+                                     run("torch", torch.float64), run("torch", torch.bfloat16)):
+        result = compare(name, got, want, base, torch.bfloat16)
+        if not result.ok:
+            failures.append(str(result))
+    assert not failures, "; ".join(failures)
 
 
 @pytest.fixture
@@ -373,6 +477,26 @@ def test_mobas_gate_builds_for_sm90_on_tensor_cores_without_spills():
     assert build.sass.count("LDG.E.128") >= 1 and build.stack_bytes == 0, (build.registers, build.stack_bytes)
 
 
+def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
+    """nsa_importance_kernel at NSA's sizes (bf16, d = 128, compressed blocks of 32, selection blocks of 64)
+    compiles for sm_90, scores on the tensor cores and keeps its tiles in registers."""
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
+
+    load_triton()
+    from fa_lab.kernels.portable.nsa_importance import IMPORTANCE_KEYS, IMPORTANCE_ROWS, nsa_importance_kernel
+
+    signature = {"q_ptr": "*bf16", "k_cmp_ptr": "*bf16", "lse_ptr": "*fp32", "out_ptr": "*fp32",
+                 **{name: "i32" for name in ("seqlen", "blocks_cmp", "sel_blocks", "heads", "group", "head_dim")},
+                 "qk_scale_log2": "fp32", "log2e": "fp32"}
+    (build,) = compile_all_for_sm90([dict(kernel=nsa_importance_kernel, signature=signature, num_warps=4,
+                                          constants=dict(BLOCK_CMP=32, PER=2, BLOCK_M=IMPORTANCE_ROWS,
+                                                         BLOCK_N=IMPORTANCE_KEYS, HEAD_DIM=128),
+                                          aligned=("q_ptr", "k_cmp_ptr", "head_dim"))])
+    assert "HMMA" in build.sass or "HGMMA" in build.sass, build.registers
+    assert build.stack_bytes == 0, (build.registers, build.stack_bytes)
+
+
 # ---------------------------------------------------------------- GPU (device machine)
 
 @pytest.mark.gpu
@@ -398,6 +522,18 @@ def test_gpu_nsa_selection(heads, heads_kv, generator):
                           128 ** -0.5)
     mask = dense_mask(selected, q, k, 1, block_sel, causal=True)
     check_against_dense(lambda *t: kernel(1, block_sel, True)(*t, selected), q, k, v, mask, generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, heads_kv, seqlen", [(16, 1, 2049), (8, 2, 1000)])
+def test_gpu_nsa_importance(heads, heads_kv, seqlen, generator):
+    check_nsa_importance(torch.bfloat16, 1, heads, heads_kv, seqlen, 128, 32, 64, 16, "cuda", generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, heads_kv, seqlen, window", [(16, 1, 2049, 512), (8, 2, 1000, 100)])
+def test_gpu_nsa_attention_end_to_end(heads, heads_kv, seqlen, window, generator):
+    check_nsa_branches(1, heads, heads_kv, seqlen, 128, 32, 64, 16, window, "cuda", generator)
 
 
 @pytest.mark.gpu

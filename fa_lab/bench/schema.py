@@ -41,7 +41,7 @@ dense cache), ``num_splits`` (the count the call used; null when the impl choose
 rows do; ``seqlen_k`` is the cache length, ``seqlen_q`` the new queries per sequence, and a memory-bound
 row's ``bytes`` counts the K and V it reads.
 
-Rows of the sparse benchmark (:mod:`.sparse`) carry ``case`` (``nsa_select``, ``moba``, or ``dense`` for
+Rows of the sparse benchmark (:mod:`.sparse`) carry ``case`` (``nsa_select``, ``nsa``, ``moba``, or ``dense`` for
 the dense reference at a case's shape), ``heads_kv``, ``block_k`` (keys per selected block) and
 ``selected`` (blocks per query; MoBA's top-k), and no other rows do; their TFLOP/s count the pairs the
 selection keeps.

@@ -11,6 +11,12 @@ without the selection checks that function runs first (they run once, before tim
 impl="triton_hopper")`` on the same q, k, v (grouped K/V). At 32K the sweep also runs ours with 2 to 128
 selected blocks: the speed-up over dense attention against the share of the causal pairs kept.
 
+Case ``nsa``: NSA end to end at the ``nsa_select`` shapes, ``fa_lab.sparse.nsa_attention(impl="triton")`` (the
+compressed branch over mean keys of NSA_BLOCK_CMP tokens on the dense kernels, the importance kernel and top-k
+choosing SELECTED blocks of BLOCK_K keys per query and KV head, the selected-blocks kernel, a window of
+NSA_WINDOW keys, random gates), against ``dense`` at that shape. FLOPs count the three branches' visible pairs,
+the selection as the importance kernel makes it.
+
 Case ``moba``: bf16, d = 128, batch 1, 32 heads (MoBA gates per head, so K/V have 32 heads too), 32K and
 64K tokens, blocks of 4096 keys, top-3 (the own block and two past ones). Ours is
 ``fa_lab.sparse.moba_attention(impl="triton")`` end to end (the gate, both passes and their merge,
@@ -40,6 +46,7 @@ HEADS, HEADS_KV, HEAD_DIM, BLOCK_K, SELECTED = 64, 4, 128, 64, 16
 SEQLENS = (16384, 32768, 65536)
 IMPLS = ("triton", "fla_nsa", "dense")
 SWEEP_SEQLEN, SWEEP_SELECTED = 32768, (2, 4, 8, 32, 64, 128)  # with SELECTED from the main sweep
+NSA_BLOCK_CMP, NSA_WINDOW = 32, 512  # NSA's compression block and window (its paper's sizes, without the stride)
 MOBA_HEADS, MOBA_BLOCK, MOBA_TOP_K = 32, 4096, 3
 MOBA_SEQLENS = (32768, 65536)
 MOBA_IMPLS = ("triton", "fla_moba", "dense")
@@ -67,6 +74,24 @@ def selection_pairs(selection: torch.Tensor) -> int:
     return int(torch.where(selection >= 0, visible, 0).sum())
 
 
+def nsa_pairs(selection: torch.Tensor, seqlen: int) -> int:
+    """Visible (query, key) pairs of NSA end to end at the bench's sizes, summed over the query heads: the
+    compressed branch's (query i sees (i + 1) // NSA_BLOCK_CMP mean keys), the selected branch's under
+    ``selection`` (B, HEADS_KV, N, SELECTED) and the window's."""
+    queries = torch.arange(seqlen, device=selection.device)
+    per_head = int(((queries + 1) // NSA_BLOCK_CMP).sum()) + int((queries + 1).clamp(max=NSA_WINDOW).sum())
+    return per_head * HEADS + selection_pairs(selection) * (HEADS // HEADS_KV)
+
+
+def nsa_end_to_end_selection(q, k) -> torch.Tensor:
+    """The selection nsa_attention(impl="triton") makes at the bench's sizes (what its FLOPs count)."""
+    from ..sparse import nsa_compress, nsa_select
+
+    with torch.no_grad():
+        return nsa_select(q.detach(), nsa_compress(k.detach(), NSA_BLOCK_CMP), NSA_BLOCK_CMP, BLOCK_K, SELECTED,
+                          HEAD_DIM ** -0.5, "triton")
+
+
 def moba_pairs(selected: torch.Tensor, block: int) -> int:
     """Visible (query, key) pairs of a MoBA selection (B, H, N, top_k) (own block first), summed over the
     heads: the own block causally, every key of each selected past block."""
@@ -76,7 +101,7 @@ def moba_pairs(selected: torch.Tensor, block: int) -> int:
 
 
 def sparse_row(impl: str, seqlen: int, case: str = "nsa_select", selected: int = SELECTED) -> dict:
-    """A row of ``case`` ("nsa_select" or "moba"; impl "dense" makes it the "dense" case at that shape)."""
+    """A row of ``case`` ("nsa_select", "nsa" or "moba"; impl "dense" makes it the "dense" case at that shape)."""
     heads, heads_kv, block_k = (MOBA_HEADS, MOBA_HEADS, MOBA_BLOCK) if case == "moba" else (HEADS, HEADS_KV, BLOCK_K)
     if case == "moba":
         selected = MOBA_TOP_K
@@ -128,6 +153,15 @@ def fla_nsa(q, k, v, selection):
     indices = selection.permute(0, 2, 1, 3).long().contiguous()  # (B, T, Hkv, S); -1 slots are skipped
     scale = HEAD_DIM ** -0.5
     return (lambda: ParallelNSAFunction.apply(qt, kt, vt, indices, SELECTED, BLOCK_K, scale, None)), (qt, kt, vt)
+
+
+def ours_nsa(q, k, v, _selection):
+    from ..sparse import nsa_attention
+
+    generator = torch.Generator(device=q.device).manual_seed(q.shape[2])
+    gates = torch.rand(*q.shape[:3], 3, device=q.device, generator=generator).to(q.dtype)
+    return (lambda: nsa_attention(q, k, v, gates, NSA_BLOCK_CMP, BLOCK_K, SELECTED, NSA_WINDOW,
+                                  impl="triton")[0]), (q, k, v)
 
 
 def ours_moba(q, k, v, _selection):
@@ -194,6 +228,9 @@ def run_sparse(json_path=None, seqlens=SEQLENS, impls=IMPLS, timer=None, moba_se
         pairs["triton"] = pairs["fla_nsa"] = selection_pairs(selection) * group
         for impl in impls:
             add(sparse_row(impl, seqlen), makers[impl], tensors, selection, pairs[impl])
+        if "triton" in impls:
+            add(sparse_row("triton", seqlen, case="nsa"), ours_nsa, tensors, None,
+                nsa_pairs(nsa_end_to_end_selection(*tensors[:2]), seqlen))
         if seqlen == SWEEP_SEQLEN and "triton" in impls:
             for count in sweep_selected:
                 selection = nsa_selection(seqlen, generator, selected=count)
@@ -246,12 +283,12 @@ def speedups(rows: list[dict]) -> list[tuple[str, float]]:
                      and (case == "moba" or impl == "dense" or r["selected"] == SELECTED)), None)
 
     found = []
-    for case, peer in (("nsa_select", "fla_nsa"), ("moba", "fla_moba")):
+    for case, peer in (("nsa_select", "fla_nsa"), ("nsa", None), ("moba", "fla_moba")):
         for seqlen in sorted({r["seqlen_q"] for r in rows if r["case"] == case}):
             ours_row, peer_row, dense_row = find("triton", case, seqlen), find(peer, case, seqlen), \
                 find("dense", case, seqlen)
             for metric in ("fwd_ms", "bwd_ms"):
-                for name, other in ((peer, peer_row), ("dense", dense_row)):
+                for name, other in ((peer, peer_row), ("dense", dense_row)) if peer else (("dense", dense_row),):
                     if ours_row and other and ours_row[metric] and other[metric]:
                         found.append((f"{case}: {name} time / ours {metric[:3]}, {seqlen // 1024}K",
                                       other[metric] / ours_row[metric]))
@@ -275,8 +312,9 @@ def sparsity_curve(rows: list[dict], seqlen: int = SWEEP_SEQLEN) -> list[tuple[f
 
 
 def plot_sparse(results: dict, dpi=90):
-    """Three panels: NSA's selected branch (ours, fla's, dense) against N; MoBA (same) against N; the
-    speed-up over dense attention against the share of causal pairs a selection keeps, at SWEEP_SEQLEN."""
+    """Three panels: NSA's selected branch (ours, fla's, dense) and NSA end to end (ours) against N; MoBA (same)
+    against N; the speed-up over dense attention against the share of causal pairs a selection keeps, at
+    SWEEP_SEQLEN."""
     from matplotlib.figure import Figure
 
     from ..memory import use_seqlen_ticks
@@ -296,6 +334,11 @@ def plot_sparse(results: dict, dpi=90):
                 points = [(r["seqlen_q"], r[metric]) for r in mine if r[metric]]
                 if points:
                     ax.plot(*zip(*points), style, color=color, label=f"{label} {metric[:3]}")
+        if case == "nsa_select":  # NSA end to end beside its selected branch
+            for metric, style in (("fwd_ms", "o-"), ("bwd_ms", "s--")):
+                points = sorted((r["seqlen_q"], r[metric]) for r in rows if r["case"] == "nsa" and r[metric])
+                if points:
+                    ax.plot(*zip(*points), style, color="C2", label=f"ours NSA end to end {metric[:3]}")
         ax.set_yscale("log")
         use_seqlen_ticks(ax.xaxis, [r["seqlen_q"] for r in rows if r["case"] == case])
         ax.set(xlabel="sequence length N", ylabel="time (ms)", title=title)

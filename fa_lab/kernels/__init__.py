@@ -118,6 +118,17 @@ def triton_block_select_attention(q, k, v, block_indices, block_k, causal=False,
     return run(q, k, v, block_indices, block_k, causal, scale, block_q=block_q)
 
 
+def triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale):
+    """NSA's selection scores (:func:`fa_lab.sparse.nsa_importance`) from q (B, H, N, d), the compressed keys and
+    the compressed branch's lse, without materializing its probabilities: float32 (B, H_kv, N, selection blocks).
+    See :mod:`fa_lab.kernels.portable.nsa_importance`."""
+    load_triton()
+    from .common import check_triton_inputs
+    from .portable.nsa_importance import triton_nsa_importance as run
+    check_triton_inputs(q)
+    return run(q, k_cmp, lse_cmp, block_cmp, block_sel, scale)
+
+
 def triton_moba_gate(q, pooled, block, top_k):
     """MoBA's selection (:func:`fa_lab.sparse.moba_gate`) from q (B, H, N, d) and the blocks' mean keys
     (B, H_kv, blocks, d) float32, in one kernel: int64 (B, H, N, top_k), or None past the kernel's limit on

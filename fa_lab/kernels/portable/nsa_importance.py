@@ -1,0 +1,84 @@
+"""NSA's selection scores as a Triton kernel: the compressed branch's probabilities, summed per selection block and
+over the GQA group, without materializing them.
+
+:func:`fa_lab.sparse.nsa_importance` defines the scores: query ``i`` of query head ``h`` attends over the mean keys
+of the compressed blocks wholly in its past (compressed key ``j`` is visible iff ``(j + 1) * block_cmp - 1 <= i``);
+a selection block of ``block_sel = per * block_cmp`` tokens scores the sum of those probabilities over its ``per``
+compressed keys and over the ``group`` query heads of its KV head. A block that starts after the query scores
+-inf (never selectable). In PyTorch that is a (B, H, N, N / block_cmp) tensor of probabilities, 34 GB at 64K
+tokens and 64 heads; here one program takes a tile of BLOCK_M queries of one KV head, walks the compressed keys
+BLOCK_N at a time, recomputes each group head's probabilities from the compressed branch's LSE (p = 2^(s log2 e -
+lse log2 e), as the backward recomputes P) and adds them over the group in registers, and stores the tile's scores
+(B, H_kv, N, selection blocks) in float32. Steps whose compressed keys all lie after the tile's last query store
+-inf or 0 without a product. Grid: ``(cdiv(N, BLOCK_M), B * H_kv)``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import LOG2E, head_dim_bucket, on_device
+
+IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # BLOCK_M queries a program; BLOCK_N compressed keys a step (>= per)
+
+
+@triton.jit
+def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp, sel_blocks, heads, group,
+                          head_dim, qk_scale_log2, log2e, BLOCK_CMP: tl.constexpr, PER: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """q (B, H, N, d), k_cmp (B, H_kv, blocks_cmp, d), lse (B, H, N) float32, out (B, H_kv, N, sel_blocks)
+    float32, all contiguous."""
+    pid_m, pid_bkv = tl.program_id(0), tl.program_id(1)
+    heads_kv = heads // group
+    batch, kv_head = pid_bkv // heads_kv, pid_bkv % heads_kv
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seqlen
+    dims = tl.arange(0, HEAD_DIM)
+    dim_ok = dims < head_dim
+    last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, seqlen) - 1
+    k_base = k_cmp_ptr + pid_bkv.to(tl.int64) * blocks_cmp * head_dim
+    out_base = out_ptr + pid_bkv.to(tl.int64) * seqlen * sel_blocks
+    SEL_STEP: tl.constexpr = BLOCK_N // PER
+    for start in range(0, sel_blocks * PER, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)  # compressed keys of this step
+        summed = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if (start + 1) * BLOCK_CMP - 1 <= last_row:  # some key of the step is in some row's past
+            keys = tl.load(k_base + cols[:, None] * head_dim + dims[None, :],
+                           mask=(cols[:, None] < blocks_cmp) & dim_ok[None, :], other=0.0)
+            visible = ((cols[None, :] + 1) * BLOCK_CMP - 1 <= rows[:, None]) & (cols[None, :] < blocks_cmp)
+            for member in range(group):
+                head = batch * heads + kv_head * group + member
+                q_rows = q_ptr + (head.to(tl.int64) * seqlen + rows[:, None]) * head_dim + dims[None, :]
+                q_tile = tl.load(q_rows, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+                lse2 = tl.load(lse_ptr + head.to(tl.int64) * seqlen + rows, mask=row_ok, other=0.0) * log2e
+                scores = tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2
+                summed += tl.where(visible, tl.exp2(scores - lse2[:, None]), 0.0)
+        per_block = tl.sum(tl.reshape(summed, (BLOCK_M, SEL_STEP, PER)), axis=2)
+        sel = start // PER + tl.arange(0, SEL_STEP)
+        future = sel[None, :] * (PER * BLOCK_CMP) > rows[:, None]
+        per_block = tl.where(future, float("-inf"), per_block)
+        tl.store(out_base + rows[:, None] * sel_blocks + sel[None, :], per_block,
+                 mask=row_ok[:, None] & (sel[None, :] < sel_blocks))
+
+
+def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, block_cmp: int,
+                          block_sel: int, scale: float) -> torch.Tensor:
+    """:func:`nsa_importance_kernel` on q (B, H, N, d) float16/bfloat16, the compressed keys k_cmp
+    (B, H_kv, N // block_cmp, d) and the compressed branch's lse (B, H, N) (natural log, -inf where no
+    compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)). block_sel a multiple of block_cmp
+    (the caller checks), at most IMPORTANCE_KEYS compressed keys per selection block."""
+    batch, heads, seqlen, head_dim = q.shape
+    heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
+    per = block_sel // block_cmp
+    if per > IMPORTANCE_KEYS or per & (per - 1):
+        raise ValueError(f"block_sel / block_cmp must be a power of two up to {IMPORTANCE_KEYS}, got {per}")
+    sel_blocks = -(-seqlen // block_sel)
+    out = torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device)
+    q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
+    with on_device(q):
+        nsa_importance_kernel[(triton.cdiv(seqlen, IMPORTANCE_ROWS), batch * heads_kv)](
+            q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim,
+            scale * LOG2E, LOG2E, BLOCK_CMP=block_cmp, PER=per, BLOCK_M=IMPORTANCE_ROWS, BLOCK_N=IMPORTANCE_KEYS,
+            HEAD_DIM=head_dim_bucket(head_dim))
+    return out
