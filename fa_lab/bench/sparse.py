@@ -257,12 +257,13 @@ def run_sparse(json_path=None, seqlens=SEQLENS, impls=IMPLS, timer=None, moba_se
 
 
 def breakdowns(seqlen: int = 65536, progress=print) -> None:
-    """Print our kernels' times, forward and backward, for the NSA selection and MoBA at ``seqlen``
+    """Print our kernels' times, forward and backward, for the NSA selection, NSA end to end and MoBA at ``seqlen``
     (:mod:`.breakdown`): where the time of a multi-kernel op goes."""
     from .breakdown import format_breakdown, kernel_times, passes
 
     generator = torch.Generator(device="cuda").manual_seed(seqlen)
     cases = (("nsa_select", ours, (HEADS, HEADS_KV), lambda: nsa_selection(seqlen, generator)),
+             ("nsa", ours_nsa, (HEADS, HEADS_KV), lambda: None),
              ("moba", ours_moba, (MOBA_HEADS, MOBA_HEADS), lambda: None))
     for case, make, heads, selection in cases:
         tensors = bf16_inputs(*heads, seqlen, generator)
