@@ -303,6 +303,7 @@ def nsa_importance(q, k_cmp, block_cmp: int, block_sel: int, scale: float, impl:
     tile in :mod:`fa_lab.kernels.portable.nsa_importance` from the compressed branch's lse (``lse_cmp``
     (B, H, N), computed here when not given) and returns float32.
     """
+    check_impl(impl)
     if block_sel % block_cmp:
         raise ValueError(f"block_sel ({block_sel}) must be a multiple of block_cmp ({block_cmp})")
     if impl == "triton" and k_cmp.shape[2]:
@@ -369,7 +370,9 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
         from .kernels import load_triton
         load_triton()
         from .kernels.common import check_triton_inputs
+        from .kernels.portable.nsa_importance import check_blocks_per_selection
         check_triton_inputs(q)
+        check_blocks_per_selection(block_cmp, block_sel)
     scale = resolve_scale(scale, q.shape[-1])
     heads, seqlen = q.shape[1], q.shape[2]
     # Compressed branch: the query over the mean keys of the blocks wholly in its past.

@@ -323,6 +323,27 @@ def test_unknown_impls_are_refused():
         block_sparse_attention(q, k, v, torch.zeros(1, 1, 2, 1, dtype=torch.int64), 16, 16, impl="cuda")
     with pytest.raises(ValueError, match="impl must be one of"):
         nsa_attention(q, k, v, torch.rand(1, 2, 32, 3), 8, 16, 1, 8, impl="Triton")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        nsa_select(q, nsa_compress(k, 8), 8, 16, 1, 0.25, impl="cuda")
+
+
+@pytest.mark.parametrize("dtype, block_cmp, block_sel, error, words", [
+    (torch.float32, 8, 16, TypeError, "float16 and bfloat16"),
+    (torch.float16, 8, 20, ValueError, "multiple of block_cmp"),
+    (torch.float16, 4, 12, ValueError, "power-of-two number"),  # three compressed blocks a selection block
+])
+def test_nsa_kernels_refuse_what_they_cannot_run_before_any_runs(dtype, block_cmp, block_sel, error, words,
+                                                                 monkeypatch):
+    import fa_lab
+    from fa_lab import sparse
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a branch ran on input that should have been refused")
+    monkeypatch.setattr(fa_lab, "attention", ran)
+    monkeypatch.setattr(sparse, "nsa_compressed_attention", ran)
+    q, k, v = make_qkv(1, 2, 48, 48, 16, dtype, heads_kv=1, requires_grad=False)
+    with pytest.raises(error, match=words):
+        nsa_attention(q, k, v, torch.rand(1, 2, 48, 3), block_cmp, block_sel, 1, 8, impl="triton")
 
 
 def test_the_inverted_selection_lists_each_blocks_rows_in_order():

@@ -23,6 +23,16 @@ from ..common import LOG2E, head_dim_bucket, on_device
 IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # BLOCK_M queries a program; BLOCK_N compressed keys a step (>= per)
 
 
+def check_blocks_per_selection(block_cmp: int, block_sel: int) -> int:
+    """The compressed blocks per selection block, ``block_sel // block_cmp``, which the kernel sums in registers:
+    a power of two up to IMPORTANCE_KEYS (ValueError otherwise, before anything runs)."""
+    per = block_sel // block_cmp
+    if block_sel % block_cmp or per > IMPORTANCE_KEYS or per & (per - 1):
+        raise ValueError(f"impl='triton' scores selection blocks of a power-of-two number (up to {IMPORTANCE_KEYS}) "
+                         f"of compressed blocks: block_sel {block_sel} over block_cmp {block_cmp}")
+    return per
+
+
 @triton.jit
 def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp, sel_blocks, heads, group,
                           head_dim, qk_scale_log2, log2e, BLOCK_CMP: tl.constexpr, PER: tl.constexpr,
@@ -66,13 +76,11 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
                           block_sel: int, scale: float) -> torch.Tensor:
     """:func:`nsa_importance_kernel` on q (B, H, N, d) float16/bfloat16, the compressed keys k_cmp
     (B, H_kv, N // block_cmp, d) and the compressed branch's lse (B, H, N) (natural log, -inf where no
-    compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)). block_sel a multiple of block_cmp
-    (the caller checks), at most IMPORTANCE_KEYS compressed keys per selection block."""
+    compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)). block_sel: see
+    :func:`check_blocks_per_selection`."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
-    per = block_sel // block_cmp
-    if per > IMPORTANCE_KEYS or per & (per - 1):
-        raise ValueError(f"block_sel / block_cmp must be a power of two up to {IMPORTANCE_KEYS}, got {per}")
+    per = check_blocks_per_selection(block_cmp, block_sel)
     sel_blocks = -(-seqlen // block_sel)
     out = torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device)
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
