@@ -396,6 +396,9 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
         band = BlockInfo(seqlen, seqlen, causal=True, window=(window - 1, -1)).mask(device=q.device)
         out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), band, scale)
     branches = (out_cmp, out_sel, out_win)
+    if impl == "triton":  # one pass, summed in float32
+        from .kernels import triton_nsa_gate_mix
+        return triton_nsa_gate_mix(gates, *branches), branches
     mixed = _compute_dtype(q)
     out = sum(gates[..., i:i + 1].to(mixed) * branch.to(mixed) for i, branch in enumerate(branches))
     return out.to(q.dtype), branches

@@ -129,6 +129,14 @@ def triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale):
     return run(q, k_cmp, lse_cmp, block_cmp, block_sel, scale)
 
 
+def triton_nsa_gate_mix(gates, out_cmp, out_sel, out_win):
+    """NSA's gated sum of its three branches (B, H, N, d) in one pass, differentiable. See
+    :mod:`fa_lab.kernels.portable.nsa_gate`."""
+    load_triton()
+    from .portable.nsa_gate import triton_nsa_gate_mix as run
+    return run(gates, out_cmp, out_sel, out_win)
+
+
 def triton_moba_gate(q, pooled, block, top_k):
     """MoBA's selection (:func:`fa_lab.sparse.moba_gate`) from q (B, H, N, d) and the blocks' mean keys
     (B, H_kv, blocks, d) float32, in one kernel: int64 (B, H, N, top_k), or None past the kernel's limit on
