@@ -18,7 +18,8 @@ or by the producer, into $OUT/h200_backward_row_vectors.json; ``... fa3_backward
 on a packed batch, into $OUT/h200_varlen_row_vectors.json; ``... fa3_backward.py head-groups $OUT`` the causal
 launch's CTAs head by head against in groups of heads, key tile by key tile, into $OUT/h200_backward_head_groups.json;
 ``... fa3_backward.py rows-ahead $OUT`` the producer's loads of a step's rows one step ahead against after its wait
-for the slot, into $OUT/h200_backward_rows_ahead.json.
+for the slot, into $OUT/h200_backward_rows_ahead.json; ``... fa3_backward.py kv-split $OUT`` a grouped-query call's
+group split over 1, 2 and 4 CTAs, into $OUT/h200_backward_kv_split.json.
 """
 import functools
 import json
@@ -210,6 +211,15 @@ def rows_ahead(out_dir: str) -> None:
                 lambda head_dim: {"after the wait": {}, "a step ahead": {"rows_ahead": True}}, grouped_query=(128,))
 
 
+def kv_split(out_dir: str) -> None:
+    """Chapter 05's grouped-query shape (32 query heads over 8 K/V heads, d = 128), 2K-16K, causal and not: one CTA
+    per (key tile, K/V head) walking the group's 4 query heads, against the group split over 2 and 4 CTAs
+    (``kv_split``, float32 dK and dV partials summed after): h200_backward_kv_split.json."""
+    alternating(out_dir, "h200_backward_kv_split.json", (), (2048, 4096, 8192, 16384),
+                lambda head_dim: {"one CTA a group": {}, "split in 2": {"kv_split": 2}, "split in 4": {"kv_split": 4}},
+                grouped_query=(128,))
+
+
 def plot(results_path: str, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -250,5 +260,7 @@ if __name__ == "__main__":
         head_groups(sys.argv[2])
     elif sys.argv[1] == "rows-ahead":
         rows_ahead(sys.argv[2])
+    elif sys.argv[1] == "kv-split":
+        kv_split(sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])

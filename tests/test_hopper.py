@@ -1193,6 +1193,42 @@ def test_gpu_gluon_backward_with_row_vectors_loaded_a_step_ahead(case, generator
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_split", [2, 4])
+@pytest.mark.parametrize("case", [case for case in GLUON_BACKWARD_CASES if case[1] // case[2] % 4 == 0] +
+                         [(1, 8, 2, 1000, 1000, 128, True, torch.bfloat16)], ids=str)
+def test_gpu_gluon_backward_with_the_group_split_across_ctas(case, kv_split, generator, monkeypatch):
+    """gluon_backward(kv_split=2 or 4): each CTA walks a part of its group's query heads and stores float32 partial
+    dK, dV, summed by the launcher; the rule holds (grouped K/V, causal and not, ragged tiles, d = 64 and 128)."""
+    _check_gluon_backward_with(dict(kv_split=kv_split), case, generator, monkeypatch)
+
+
+def test_the_group_split_must_divide_the_group():
+    """gluon_backward refuses a kv_split that does not divide the query heads per K/V head before anything runs
+    (CPU tensors: nothing is launched)."""
+    from fa_lab.kernels.hopper.attention import gluon_backward
+
+    q, k, v = make_qkv(1, 8, 64, 64, 64, torch.bfloat16, heads_kv=2, requires_grad=False)
+    lse = torch.zeros(1, 8, 64)
+    for bad in (3, 0, 8, 2.0, True):
+        with pytest.raises(ValueError, match="kv_split must be a divisor of the group of 4"):
+            gluon_backward(q, k, v, q, lse, q, True, 0.125, kv_split=bad)
+
+
+def test_the_group_split_builds_for_sm90_without_spills():
+    """With kv_split > 1 the kernel stores float32 dK, dV partials (8-byte stores, 16-bit ones otherwise); the
+    loops stay free of spills and the default build is the one the other offline tests hold."""
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job
+
+    configs = [(128, True, 2), (128, False, 4), (64, True, 2), (128, True, 1)]
+    builds = compile_all_for_sm90([fa3_backward_job(head_dim, causal, kv_split=split)
+                                   for head_dim, causal, split in configs])
+    for (head_dim, causal, split), build in zip(configs, builds):
+        assert build.kv_loop_spills == 0 and build.stack_bytes == 0, (head_dim, causal, split)
+        wide = build.sass.count("STG.E.64")
+        assert (wide >= head_dim) if split > 1 else (wide == 0), (head_dim, causal, split, wide)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gpu_rows_ahead_keeps_the_bits_of_dk_and_dv(varlen, generator):
     """rows_ahead moves the producer's loads, not the arithmetic: dK and dV bit for bit those of the default, dQ

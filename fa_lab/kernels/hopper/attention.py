@@ -367,7 +367,7 @@ DQ_MODES = ("turns", "partial", "split", "named")  # fa3_backward.DQ_SCHEMES's n
 
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str | None = None,
                    rows: int | None = None, rows_by_producer: bool = True, head_group: int | None = None,
-                   rows_ahead: bool = False):
+                   rows_ahead: bool = False, kv_split: int = 1):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
     dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns), "partial" (each consumer
@@ -378,19 +378,32 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     or (False) loaded by each consumer; rows_ahead: the producer loads them one step ahead (not timed yet);
     head_group: (batch, K/V head) pairs whose CTAs run key tile by key tile together
     (:func:`.fa3_backward.key_tile_of_cta`; None: :func:`.tile_schedule.heads_per_group` with a causal mask, 1
-    without)."""
+    without). kv_split: CTAs per (key tile, K/V head) of a grouped-query call, a divisor of the group (1: one CTA
+    walks every query head of its group). With kv_split > 1 each CTA walks group / kv_split of them: the kernel
+    runs on K and V repeated kv_split times along the heads (each copy a K/V head of its own, group / kv_split query
+    heads to a copy) and stores float32 partial dK, dV per copy, summed here. kv_split times as many CTAs, each
+    kv_split times shorter, for a copy of K and V and the partials' bytes (FA3 adds dK and dV of a grouped call
+    across CTAs in float32 too)."""
     from .fa3_backward import BWD_BLOCK_N
 
-    batch, heads, seqlen_q, _ = q.shape
+    batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    group = heads // heads_kv
+    if isinstance(kv_split, bool) or not isinstance(kv_split, int) or kv_split < 1 or group % kv_split:
+        raise ValueError(f"kv_split must be a divisor of the group of {group} query heads per K/V head, "
+                         f"got {kv_split!r}")
+    k_run, v_run = (t.repeat_interleave(kv_split, dim=1) for t in (k, v)) if kv_split > 1 else (k, v)
     key_tiles = cdiv(seqlen_k, BWD_BLOCK_N)
     if head_group is None:
-        head_group = heads_per_group(batch * heads_kv, key_tiles, sm_count(q.device)) if causal else 1
+        head_group = heads_per_group(batch * heads_kv * kv_split, key_tiles, sm_count(q.device)) if causal else 1
     grad_out = grad_out.contiguous()
     delta, lse2 = backward_preprocess(out, grad_out, lse)
-    dq, dk, dv = _backward_outputs(q, k, v)
-    _launch_backward((key_tiles * batch * heads_kv,), (q, k, v, grad_out, dq), dk, dv, lse2, delta, heads, seqlen_q,
-                     seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer, rows_ahead)
+    dq, dk, dv = _backward_outputs(q, k_run, v_run, torch.float32 if kv_split > 1 else None)
+    _launch_backward((key_tiles * batch * heads_kv * kv_split,), (q, k_run, v_run, grad_out, dq), dk, dv, lse2, delta,
+                     heads, seqlen_q, seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer,
+                     rows_ahead)
+    if kv_split > 1:  # the copies' partial sums, added in float32 and rounded once
+        dk, dv = (t.view(batch, heads_kv, kv_split, seqlen_k, head_dim).sum(2).to(k.dtype) for t in (dk, dv))
     return _scaled_dq(dq, scale, q.dtype), dk, dv
 
 
@@ -424,11 +437,11 @@ def _scaled_dq(dq_sum: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.
     return torch.mul(dq_sum, scale, out=torch.empty(dq_sum.shape, dtype=dtype, device=dq_sum.device))
 
 
-def _backward_outputs(q, k, v):
+def _backward_outputs(q, k, v, kv_dtype: torch.dtype | None = None):
     """(dq, dk, dv) of the Gluon backward: dq the float32 target of the reduce-adds, zeroed; dk, dv contiguous in
-    k's and v's dtype and shape, for the kernel's stores."""
+    k's and v's shape and dtype (or kv_dtype), for the kernel's stores."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    return dq, *(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+    return dq, *(torch.empty(t.shape, dtype=kv_dtype or t.dtype, device=t.device) for t in (k, v))
 
 
 def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, head_group, packing, causal,

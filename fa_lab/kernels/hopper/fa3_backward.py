@@ -434,8 +434,8 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
     else:
         offsets = ((batch * (heads // group) + kv_head) * seqlen_k + out_keys.to(gl.int64))[:, None] * HEAD_DIM
     mask = (out_keys < seqlen_k)[:, None]
-    gl.store(dk_ptr + offsets + cols[None, :], (dk * scale).to(dtype), mask=mask)
-    gl.store(dv_ptr + offsets + cols[None, :], dv.to(dtype), mask=mask)
+    gl.store(dk_ptr + offsets + cols[None, :], (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
+    gl.store(dv_ptr + offsets + cols[None, :], dv.to(dv_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -464,8 +464,9 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, rows, d) (rows: :func:`bwd_rows`); k/v_desc over
     (B, H // group, Nk, d), block (1, 1, 128, d); dq_desc over the float32 dQ (B, H, Nq, d), zeroed, block
     (1, 1, rows, dq_tile_columns(d)), which receives dQ / scale;
-    dk_ptr, dv_ptr: (B, H // group, Nk, d) contiguous; lse2_ptr (lse * log2 e, +inf for rows that see no
-    key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64 or 128.
+    dk_ptr, dv_ptr: (B, H // group, Nk, d) contiguous, in K's dtype or float32; lse2_ptr (lse * log2 e, +inf for
+    rows that see no key) and delta_ptr (rowsum(dO * O)): (B, H, Nq) float32; qk_scale = scale * log2(e); d = 64
+    or 128.
     STAGES: slots of the Q and dO rings. Grid: (cdiv(Nk, 128) * B * H // group,), the CTAs in the order of
     :func:`key_tile_of_cta` with head_group (batch, K/V head) pairs per group (a divisor of B * H // group).
     schedule_ptr, cu_seqlens_q/k are read only with VARLEN. DQ_SCHEME: DQ_TURNS, DQ_PARTIAL, DQ_SPLIT (d = 128) or

@@ -184,20 +184,22 @@ def census_row_job(row: dict) -> dict:
 
 def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False,
                      dq_mode: str | None = None, rows: int | None = None, rows_by_producer: bool = True,
-                     rows_ahead: bool = False) -> dict:
+                     rows_ahead: bool = False, kv_split: int = 1) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
     :func:`.attention.gluon_backward` (or, varlen, ``gluon_varlen_backward``) launches it with ``dq_mode`` (None:
     :func:`.attention.dq_mode_by_default`) and ``rows`` query rows per step (None: by head_dim),
-    ``rows_by_producer`` (both launchers' default: True) and ``rows_ahead``."""
+    ``rows_by_producer`` (both launchers' default: True), ``rows_ahead`` and ``kv_split`` (above 1: float32 dK, dV
+    partials)."""
     from .attention import dq_mode_by_default
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
     scheme = DQ_SCHEMES[dq_mode or dq_mode_by_default(head_dim)]
     row_block, keys, dq_rows = backward_blocks(head_dim, scheme, rows)
+    kv_out = "fp32" if kv_split > 1 else dtype
     signature = {"q_desc": descriptor_type(dtype, row_block), "k_desc": descriptor_type(dtype, keys),
                  "v_desc": descriptor_type(dtype, keys), "do_desc": descriptor_type(dtype, row_block),
-                 "dq_desc": descriptor_type("fp32", dq_rows), "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
+                 "dq_desc": descriptor_type("fp32", dq_rows), "dk_ptr": f"*{kv_out}", "dv_ptr": f"*{kv_out}",
                  "lse2_ptr": "*fp32", "delta_ptr": "*fp32", "heads": "i32", "group": "i32", "seqlen_q": "i32",
                  "seqlen_k": "i32", "head_group": "i32", "schedule_ptr": "*i32", "cu_seqlens_q": "*i32",
                  "cu_seqlens_k": "*i32", "qk_scale": "fp32", "scale": "fp32"}
