@@ -280,17 +280,66 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl
         return _masked_attention(q, expand_kv(k_cmp, heads), expand_kv(v_cmp, heads), ends[None, :] <= rows, scale)
     from . import attention
 
-    batch, heads, seqlen, head_dim = q.shape
-    steps = k_cmp.shape[2] + 1  # rows per residue: ceil((N + 1) / block_cmp) = N // block_cmp + 1
-    padded = torch.nn.functional.pad(q, (0, 0, 1, steps * block_cmp - seqlen - 1))
-    folded_q = padded.view(batch, heads, steps, block_cmp, head_dim).permute(0, 3, 1, 2, 4)
-    folded_q = folded_q.reshape(batch * block_cmp, heads, steps, head_dim)
+    batch, heads, seqlen, _ = q.shape
+    layout = _Folding(seqlen, block_cmp, k_cmp.shape[2] + 1, heads, q.device)
     folded_kv = [t.unsqueeze(1).expand(batch, block_cmp, *t.shape[1:]).reshape(batch * block_cmp, *t.shape[1:])
                  for t in (k_cmp.to(q.dtype), v_cmp.to(q.dtype))]
-    out, lse = attention(folded_q, *folded_kv, causal=True, scale=scale, impl="triton_hopper", return_lse=True)
-    out = out.view(batch, block_cmp, heads, steps, head_dim).permute(0, 2, 3, 1, 4).reshape(batch, heads, -1, head_dim)
-    lse = lse.view(batch, block_cmp, heads, steps).permute(0, 2, 3, 1).reshape(batch, heads, -1)
-    return out[:, :, 1:seqlen + 1], lse[:, :, 1:seqlen + 1]
+    out, lse = attention(_Fold.apply(q, layout), *folded_kv, causal=True, scale=scale, impl="triton_hopper",
+                         return_lse=True)
+    return _Unfold.apply(out, layout), layout.unfold(lse.unsqueeze(-1)).squeeze(-1)
+
+
+class _Folding:
+    """The compressed branch's folded layout (:func:`nsa_compressed_attention`): query i of (B, H, N, d) sits at
+    row r = i + 1 = step * block + residue, in (B * block, H, steps, d) at [b * block + residue, h, step]. Each
+    direction is one gather; the folded rows that hold no query (r = 0, r > N) repeat a query's row, and their
+    outputs are dropped (and get no gradient, so they add none to the keys' and values')."""
+
+    def __init__(self, seqlen: int, block: int, steps: int, heads: int, device):
+        rows = torch.arange(steps, device=device)[None, :] * block + torch.arange(block, device=device)[:, None]
+        self.source = (rows - 1).clamp(0, seqlen - 1)[:, None, :]  # (block, 1, steps): the query each row copies
+        self.heads = torch.arange(heads, device=device)
+        query_rows = torch.arange(1, seqlen + 1, device=device)
+        self.residue, self.step = (query_rows % block)[None, :], (query_rows // block)[None, :]  # (1, N)
+        self.block, self.steps = block, steps
+
+    def fold(self, t):
+        """(B, H, N, ...) -> (B * block, H, steps, ...)."""
+        folded = t[:, self.heads[None, :, None], self.source]  # (B, block, H, steps, ...)
+        return folded.view(-1, *folded.shape[2:])
+
+    def unfold(self, t):
+        """(B * block, H, steps, ...) -> (B, H, N, ...), the rows that hold no query dropped."""
+        t = t.view(-1, self.block, *t.shape[1:])
+        return t[:, self.residue, self.heads[:, None], self.step]
+
+    def unfold_backward(self, grad):
+        """The gradient of :meth:`unfold`: grad (B, H, N, ...) at its queries' rows, zeros at the others."""
+        folded = grad.new_zeros(grad.shape[0], self.block, grad.shape[1], self.steps, *grad.shape[3:])
+        folded[:, self.residue, self.heads[:, None], self.step] = grad
+        return folded.view(-1, *folded.shape[2:])
+
+
+class _Fold(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, layout):
+        ctx.layout = layout
+        return layout.fold(t)
+
+    @staticmethod
+    def backward(ctx, grad):  # the rows that hold no query get none (their outputs are dropped)
+        return ctx.layout.unfold(grad), None
+
+
+class _Unfold(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, layout):
+        ctx.layout = layout
+        return layout.unfold(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.layout.unfold_backward(grad), None
 
 
 def nsa_importance(q, k_cmp, block_cmp: int, block_sel: int, scale: float, impl: str = "torch", lse_cmp=None):
