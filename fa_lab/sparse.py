@@ -284,9 +284,10 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl
     layout = _Folding(seqlen, block_cmp, k_cmp.shape[2] + 1, heads, q.device)
     folded_kv = [t.unsqueeze(1).expand(batch, block_cmp, *t.shape[1:]).reshape(batch * block_cmp, *t.shape[1:])
                  for t in (k_cmp.to(q.dtype), v_cmp.to(q.dtype))]
-    out, lse = attention(_Fold.apply(q, layout), *folded_kv, causal=True, scale=scale, impl="triton_hopper",
-                         return_lse=True)
-    return _Unfold.apply(out, layout), layout.unfold(lse.unsqueeze(-1)).squeeze(-1)
+    # (fold's gradient is unfold: the rows that hold no query get none from unfold_backward, so give none back)
+    out, lse = attention(_Relayout.apply(q, layout.fold, layout.unfold), *folded_kv, causal=True, scale=scale,
+                         impl="triton_hopper", return_lse=True)
+    return _Relayout.apply(out, layout.unfold, layout.unfold_backward), layout.unfold(lse.unsqueeze(-1)).squeeze(-1)
 
 
 class _Folding:
@@ -320,26 +321,17 @@ class _Folding:
         return folded.view(-1, *folded.shape[2:])
 
 
-class _Fold(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, layout):
-        ctx.layout = layout
-        return layout.fold(t)
+class _Relayout(torch.autograd.Function):
+    """t through ``gather`` (one of :class:`_Folding`'s), its gradient through ``gather_backward``."""
 
     @staticmethod
-    def backward(ctx, grad):  # the rows that hold no query get none (their outputs are dropped)
-        return ctx.layout.unfold(grad), None
-
-
-class _Unfold(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, layout):
-        ctx.layout = layout
-        return layout.unfold(t)
+    def forward(ctx, t, gather, gather_backward):
+        ctx.gather_backward = gather_backward
+        return gather(t)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.layout.unfold_backward(grad), None
+        return ctx.gather_backward(grad), None, None
 
 
 def nsa_importance(q, k_cmp, block_cmp: int, block_sel: int, scale: float, impl: str = "torch", lse_cmp=None):
