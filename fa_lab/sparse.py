@@ -257,6 +257,12 @@ def _masked_attention(q, k, v, mask, scale):
     return torch.matmul(p, v.to(dtype)), lse
 
 
+def _compressed_seen(seqlen: int, blocks: int, block_cmp: int, device) -> torch.Tensor:
+    """(N, blocks) bool: compressed block j is wholly in query i's past, (j + 1) * block_cmp - 1 <= i."""
+    ends = (torch.arange(blocks, device=device) + 1) * block_cmp - 1  # the last token of each block
+    return ends[None, :] <= torch.arange(seqlen, device=device)[:, None]
+
+
 def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl: str = "torch"):
     """NSA's compressed branch: (out (B, H, N, d), lse (B, H, N) float32) of q (B, H, N, d) over the compressed
     keys and values (B, H_kv, N // block_cmp, d) of the blocks wholly in each query's past (compressed key j is
@@ -274,10 +280,9 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl
         out = torch.zeros(q.shape, dtype=q.dtype if impl == "triton" else _compute_dtype(q), device=q.device)
         return out, torch.full(q.shape[:3], float("-inf"), device=q.device)
     if impl == "torch":
-        rows = torch.arange(q.shape[2], device=q.device)[:, None]
-        ends = (torch.arange(k_cmp.shape[2], device=q.device) + 1) * block_cmp - 1
         heads = q.shape[1]
-        return _masked_attention(q, expand_kv(k_cmp, heads), expand_kv(v_cmp, heads), ends[None, :] <= rows, scale)
+        seen = _compressed_seen(q.shape[2], k_cmp.shape[2], block_cmp, q.device)
+        return _masked_attention(q, expand_kv(k_cmp, heads), expand_kv(v_cmp, heads), seen, scale)
     from . import attention
 
     batch, heads, seqlen, _ = q.shape
@@ -355,8 +360,7 @@ def nsa_importance(q, k_cmp, block_cmp: int, block_sel: int, scale: float, impl:
     batch, heads, seqlen, _ = q.shape
     heads_kv, group = k_cmp.shape[1], heads // k_cmp.shape[1]
     rows = torch.arange(seqlen, device=q.device)[:, None]
-    ends = (torch.arange(k_cmp.shape[2], device=q.device) + 1) * block_cmp - 1  # last token of each block
-    seen = ends[None, :] <= rows  # compressed blocks wholly in the query's past
+    seen = _compressed_seen(seqlen, k_cmp.shape[2], block_cmp, q.device)
     s = torch.matmul(q.to(_compute_dtype(q)), expand_kv(k_cmp, heads).to(_compute_dtype(q)).transpose(-2, -1))
     if k_cmp.shape[2]:
         p, _ = softmax_with_lse((s * scale).masked_fill(~seen, float("-inf")))  # (B, H, N, compressed blocks)

@@ -393,15 +393,14 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
         raise ValueError(f"kv_split must be a divisor of the group of {group} query heads per K/V head, "
                          f"got {kv_split!r}")
     k_run, v_run = (t.repeat_interleave(kv_split, dim=1) for t in (k, v)) if kv_split > 1 else (k, v)
-    key_tiles = cdiv(seqlen_k, BWD_BLOCK_N)
+    key_tiles, kv_pairs = cdiv(seqlen_k, BWD_BLOCK_N), batch * k_run.shape[1]  # (batch, K/V head of the run) pairs
     if head_group is None:
-        head_group = heads_per_group(batch * heads_kv * kv_split, key_tiles, sm_count(q.device)) if causal else 1
+        head_group = heads_per_group(kv_pairs, key_tiles, sm_count(q.device)) if causal else 1
     grad_out = grad_out.contiguous()
     delta, lse2 = backward_preprocess(out, grad_out, lse)
     dq, dk, dv = _backward_outputs(q, k_run, v_run, torch.float32 if kv_split > 1 else None)
-    _launch_backward((key_tiles * batch * heads_kv * kv_split,), (q, k_run, v_run, grad_out, dq), dk, dv, lse2, delta,
-                     heads, seqlen_q, seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer,
-                     rows_ahead)
+    _launch_backward((key_tiles * kv_pairs,), (q, k_run, v_run, grad_out, dq), dk, dv, lse2, delta, heads, seqlen_q,
+                     seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer, rows_ahead)
     if kv_split > 1:  # the copies' partial sums, added in float32 and rounded once
         dk, dv = (t.view(batch, heads_kv, kv_split, seqlen_k, head_dim).sum(2).to(k.dtype) for t in (dk, dv))
     return _scaled_dq(dq, scale, q.dtype), dk, dv

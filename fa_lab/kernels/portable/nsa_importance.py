@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import LOG2E, head_dim_bucket, on_device
+from ..common import LOG2E, cdiv, head_dim_bucket, on_device
 
 IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # BLOCK_M queries a program; BLOCK_N compressed keys a step (>= per)
 
@@ -81,7 +81,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
-    sel_blocks = -(-seqlen // block_sel)
+    sel_blocks = cdiv(seqlen, block_sel)
     out = torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device)
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
     with on_device(q):
