@@ -61,6 +61,8 @@
 #            (h200_moba_gate.json, by benchmarks/moba_gate_variants.py)
 #   nsa-dq-warps - NSA's selected-blocks backward with its dQ kernel at 8, 4 and 2 warps (h200_nsa_dq_warps.json,
 #            by benchmarks/nsa_dq_warps.py)
+#   nsa-importance - NSA's importance kernel at three packings of its tile, beside topk, the compressed branch and NSA's
+#            forward (h200_nsa_importance.json, by benchmarks/nsa_importance_tiles.py)
 #   decode-check-ab - the default call's value check read back first against decided on the device, and the
 #            unchecked call (h200_decode_check_ab.json, by benchmarks/decode_check_ab.py)
 #   gqa-mha-ab - grouped-query attention (32 / 8 heads) against MHA, triton_hopper forward and backward, in turn for
@@ -161,6 +163,7 @@ case "$step" in
            | tee "$out/rescale_early_fp8.log" ;;
   persistent-host) python3 benchmarks/persistent_host_bound.py 2>&1 | tee "$out/h200_persistent_host_bound.log" ;;
   moba-gate) python3 benchmarks/moba_gate_variants.py "$out/h200_moba_gate.json" ;;
+  nsa-importance) python3 benchmarks/nsa_importance_tiles.py "$out" 2>&1 | tee "$out/nsa_importance.log" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;
   window-variants) python3 benchmarks/window_variants.py "$out" 2>&1 | tee "$out/window_variants.log" ;;
@@ -179,5 +182,5 @@ case "$step" in
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -198,6 +198,31 @@ def test_nsa_importance_kernel_against_its_definition(dtype, batch, heads, heads
                          generator)
 
 
+@pytest.mark.parametrize("heads, heads_kv, rows, members", [
+    (6, 2, 16, None),  # a group of 3 in a tile of 4 members (one padding member): 4 queries a tile
+    (8, 1, 16, 4),  # the group walked 4 heads at a time, 4 queries a tile
+    (8, 2, 16, 1),  # one head at a time, 16 queries a tile
+    (4, 1, 2, None),  # a group wider than the tile: 2 members at a time, one query a tile
+])
+def test_nsa_importance_kernel_tiles_pack_the_group(heads, heads_kv, rows, members, generator):
+    """The importance kernel at other packings of the group into its tile (:func:`packed_tile`) against
+    nsa_importance's float64 definition: the same barred blocks, the others within float32 rounding."""
+    from fa_lab.kernels.portable.nsa_importance import triton_nsa_importance
+    from fa_lab.sparse import nsa_compressed_attention, nsa_importance
+
+    block_cmp, block_sel, seqlen, head_dim = 8, 16, 45, 32
+    q, k, _ = make_qkv(1, heads, seqlen, seqlen, head_dim, torch.bfloat16, DEVICE, generator, heads_kv=heads_kv,
+                       requires_grad=False)
+    k_cmp, scale = nsa_compress(k, block_cmp), head_dim ** -0.5
+    lse = nsa_compressed_attention(q, k_cmp, k_cmp, block_cmp, scale, "triton")[1]
+    got = triton_nsa_importance(q, k_cmp, lse, block_cmp, block_sel, scale, rows=rows, members=members,
+                                num_warps=1)
+    want = nsa_importance(q.double(), k_cmp.double(), block_cmp, block_sel, scale).to(got.device)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    allowed = torch.isfinite(want)
+    torch.testing.assert_close(got[allowed].double(), want[allowed], rtol=1e-5, atol=1e-5 * heads // heads_kv)
+
+
 def check_nsa_importance(dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel, top_n, device,
                          generator):
     """The importance kernel's scores against nsa_importance's PyTorch definition in float64: the same blocks
@@ -500,20 +525,23 @@ def test_mobas_gate_builds_for_sm90_on_tensor_cores_without_spills():
 
 
 def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
-    """nsa_importance_kernel at NSA's sizes (bf16, d = 128, compressed blocks of 32, selection blocks of 64)
-    compiles for sm_90, scores on the tensor cores and keeps its tiles in registers."""
+    """nsa_importance_kernel at NSA's sizes (bf16, d = 128, compressed blocks of 32, selection blocks of 64) and
+    the benchmark's group of 16 packed into its tile compiles for sm_90, scores on the tensor cores and keeps its
+    tiles in registers."""
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
 
     load_triton()
-    from fa_lab.kernels.portable.nsa_importance import IMPORTANCE_KEYS, IMPORTANCE_ROWS, nsa_importance_kernel
+    from fa_lab.kernels.portable import nsa_importance as importance
 
+    queries, members = importance.packed_tile(16)
     signature = {"q_ptr": "*bf16", "k_cmp_ptr": "*bf16", "lse_ptr": "*fp32", "out_ptr": "*fp32",
                  **{name: "i32" for name in ("seqlen", "blocks_cmp", "sel_blocks", "heads", "group", "head_dim")},
                  "qk_scale_log2": "fp32", "log2e": "fp32"}
-    (build,) = compile_all_for_sm90([dict(kernel=nsa_importance_kernel, signature=signature, num_warps=4,
-                                          constants=dict(BLOCK_CMP=32, PER=2, BLOCK_M=IMPORTANCE_ROWS,
-                                                         BLOCK_N=IMPORTANCE_KEYS, HEAD_DIM=128),
+    (build,) = compile_all_for_sm90([dict(kernel=importance.nsa_importance_kernel, signature=signature,
+                                          num_warps=importance.IMPORTANCE_WARPS,
+                                          constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members,
+                                                         BLOCK_N=importance.IMPORTANCE_KEYS, HEAD_DIM=128),
                                           aligned=("q_ptr", "k_cmp_ptr", "head_dim"))])
     assert "HMMA" in build.sass or "HGMMA" in build.sass, build.registers
     assert build.stack_bytes == 0, (build.registers, build.stack_bytes)
