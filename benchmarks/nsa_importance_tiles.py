@@ -1,7 +1,8 @@
 """NSA's importance kernel (fa_lab/kernels/portable/nsa_importance.py) at three packings of its tile, and what the
 rest of NSA's selection costs: the sparse benchmark's NSA case (bf16, d = 128, 64 query heads over 4 KV heads,
 compressed blocks of 32, selection blocks of 64) at 16K-64K. Each packing is timed in turn, two rounds (do_bench
-medians, ms), its scores checked against the first packing's; then torch.topk of 16 blocks over the scores, the
+medians, ms), its scores checked against the first packing's; then torch.topk of 16 blocks over the scores against
+the kernel keeping a running top 16 itself (nsa_select's path; its choice checked against topk's), the
 compressed branch (its folded dense call and lse), and nsa_attention's forward end to end beside dense attention's
 (the sparse benchmark's ``dense``).
 
@@ -16,8 +17,8 @@ import os
 import sys
 
 PACKINGS = {"one head a pass, 64 queries, 4 warps": dict(rows=64, members=1, num_warps=4),
-            "group packed, 4 queries, 4 warps": dict(rows=64, num_warps=4),
-            "group packed, 8 queries, 8 warps": dict(rows=128, num_warps=8)}
+            "group packed, 4 queries, 4 warps": dict(rows=64, members=None, num_warps=4),
+            "group packed, 8 queries, 8 warps": dict(rows=128, members=None, num_warps=8)}
 
 
 def main(out_dir: str) -> None:
@@ -56,8 +57,17 @@ def main(out_dir: str) -> None:
                 entry.setdefault(f"{name} ms", []).append(round(do_bench(call, return_mode="median"), 3))
         topk = functools.partial(first.topk, sparse.SELECTED, dim=-1)
         entry["topk ms"] = round(do_bench(topk, return_mode="median"), 3)
+        fused = functools.partial(triton_nsa_importance, q, k_cmp, lse, block_cmp, sparse.BLOCK_K, scale,
+                                  sparse.SELECTED)
+        chosen, kept = fused(), topk()
+        entry["running top: same selection"] = bool(torch.equal(chosen, torch.where(torch.isinf(kept.values), -1,
+                                                                                      kept.indices)))
+        chosen_sum = torch.where(chosen >= 0, first.gather(-1, chosen.clamp(min=0)), 0).sum(-1)
+        kept_sum = torch.where(torch.isinf(kept.values), 0, kept.values).sum(-1)
+        entry["running top: selected score sums' largest difference"] = float((chosen_sum - kept_sum).abs().max())
+        entry["running top in the importance kernel ms"] = round(do_bench(fused, return_mode="median"), 3)
         entry["compressed branch ms"] = round(do_bench(compressed, return_mode="median"), 3)
-        del first, scores, topk
+        del first, scores, topk, chosen, kept, chosen_sum, kept_sum
         with torch.no_grad():
             for name, make in (("nsa forward ms", sparse.ours_nsa), ("dense forward ms", sparse.dense)):
                 entry[name] = round(do_bench(make(q, k, v, None)[0], return_mode="median"), 3)

@@ -286,48 +286,64 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl
     from . import attention
 
     batch, heads, seqlen, _ = q.shape
-    layout = _Folding(seqlen, block_cmp, k_cmp.shape[2] + 1, heads, q.device)
+    layout = _Folding(seqlen, block_cmp, k_cmp.shape[2] + 1)
     folded_kv = [t.unsqueeze(1).expand(batch, block_cmp, *t.shape[1:]).reshape(batch * block_cmp, *t.shape[1:])
                  for t in (k_cmp.to(q.dtype), v_cmp.to(q.dtype))]
-    # (fold's gradient is unfold: the rows that hold no query get none from unfold_backward, so give none back)
+    # (each gather's gradient is the other: the rows that hold no query get a zero gradient, so give none back)
     out, lse = attention(_Relayout.apply(q, layout.fold, layout.unfold), *folded_kv, causal=True, scale=scale,
                          impl="triton_hopper", return_lse=True)
-    return _Relayout.apply(out, layout.unfold, layout.unfold_backward), layout.unfold(lse.unsqueeze(-1)).squeeze(-1)
+    return _Relayout.apply(out, layout.unfold, layout.fold), layout.unfold(lse.unsqueeze(-1)).squeeze(-1)
 
 
 class _Folding:
-    """The compressed branch's folded layout (:func:`nsa_compressed_attention`): query i of (B, H, N, d) sits at
-    row r = i + 1 = step * block + residue, in (B * block, H, steps, d) at [b * block + residue, h, step]. Each
-    direction is one gather; the folded rows that hold no query (r = 0, r > N) repeat a query's row, and their
-    outputs are dropped (and get no gradient, so they add none to the keys' and values')."""
+    """The compressed branch's folded layout (:func:`nsa_compressed_attention`): query i of (B, H, N, ...) sits at
+    row r = i + 1 = step * block + residue, in (B * block, H, steps, ...) at [b * block + residue, h, step]. Seen
+    as (B, H, steps, block, ...) (a view of the folded tensor), the queries fill at most three rectangles of
+    (steps, residues): the rest of step 0, the whole steps after it, the start of the last step. Each direction
+    is one strided copy per rectangle (whole rows of d elements); the folded rows that hold no query (r = 0,
+    r > N) are zeros, and their outputs are dropped, so fold is also unfold's gradient and unfold fold's."""
 
-    def __init__(self, seqlen: int, block: int, steps: int, heads: int, device):
-        rows = torch.arange(steps, device=device)[None, :] * block + torch.arange(block, device=device)[:, None]
-        self.source = (rows - 1).clamp(0, seqlen - 1)[:, None, :]  # (block, 1, steps): the query each row copies
-        self.heads = torch.arange(heads, device=device)
-        query_rows = torch.arange(1, seqlen + 1, device=device)
-        self.residue, self.step = (query_rows % block)[None, :], (query_rows // block)[None, :]  # (1, N)
-        self.block, self.steps = block, steps
+    def __init__(self, seqlen: int, block: int, steps: int):
+        whole = (seqlen + 1) // block  # rows 0 .. whole * block - 1 fill whole steps
+        tail = seqlen + 1 - whole * block  # rows of the last, partial step
+        # (first step, steps, first residue, residues, first query) of each rectangle
+        pieces = [(0, 1, 1, min(block, seqlen + 1) - 1, 0), (1, whole - 1, 0, block, block - 1)]
+        if whole:  # else the rows of step 0 are all of them
+            pieces.append((whole, 1, 0, tail, whole * block - 1))
+        self.pieces = [piece for piece in pieces if piece[1] > 0 and piece[3] > 0]
+        self.empty = [(0, 0, 1)] + ([(whole, tail, block)] if whole < steps else [])  # (step, residues from, to)
+        self.seqlen, self.block, self.steps = seqlen, block, steps
+
+    def _grid(self, folded):
+        """(B * block, H, steps, ...) -> its view (B, H, steps, block, ...)."""
+        return folded.view(-1, self.block, *folded.shape[1:]).movedim(1, 3)
 
     def fold(self, t):
-        """(B, H, N, ...) -> (B * block, H, steps, ...)."""
-        folded = t[:, self.heads[None, :, None], self.source]  # (B, block, H, steps, ...)
-        return folded.view(-1, *folded.shape[2:])
+        """(B, H, N, ...) -> (B * block, H, steps, ...), zeros in the rows that hold no query."""
+        batch, heads, _, *rest = t.shape
+        t = t.contiguous()
+        folded = t.new_empty(batch * self.block, heads, self.steps, *rest)
+        grid = self._grid(folded)
+        for step, steps, residue, residues, query in self.pieces:
+            grid[:, :, step:step + steps, residue:residue + residues] = \
+                t[:, :, query:query + steps * residues].view(batch, heads, steps, residues, *rest)
+        for step, first, last in self.empty:
+            grid[:, :, step, first:last] = 0
+        return folded
 
     def unfold(self, t):
         """(B * block, H, steps, ...) -> (B, H, N, ...), the rows that hold no query dropped."""
-        t = t.view(-1, self.block, *t.shape[1:])
-        return t[:, self.residue, self.heads[:, None], self.step]
-
-    def unfold_backward(self, grad):
-        """The gradient of :meth:`unfold`: grad (B, H, N, ...) at its queries' rows, zeros at the others."""
-        folded = grad.new_zeros(grad.shape[0], self.block, grad.shape[1], self.steps, *grad.shape[3:])
-        folded[:, self.residue, self.heads[:, None], self.step] = grad
-        return folded.view(-1, *folded.shape[2:])
+        grid = self._grid(t.contiguous())
+        batch, heads, _, _, *rest = grid.shape
+        out = t.new_empty(batch, heads, self.seqlen, *rest)
+        for step, steps, residue, residues, query in self.pieces:
+            out[:, :, query:query + steps * residues].view(batch, heads, steps, residues, *rest).copy_(
+                grid[:, :, step:step + steps, residue:residue + residues])
+        return out
 
 
 class _Relayout(torch.autograd.Function):
-    """t through ``gather`` (one of :class:`_Folding`'s), its gradient through ``gather_backward``."""
+    """t through ``gather`` (one of :class:`_Folding`'s copies), its gradient through ``gather_backward``."""
 
     @staticmethod
     def forward(ctx, t, gather, gather_backward):
@@ -337,6 +353,20 @@ class _Relayout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.gather_backward(grad), None, None
+
+
+def _check_importance(impl, block_cmp: int, block_sel: int) -> None:
+    check_impl(impl)
+    if block_sel % block_cmp:
+        raise ValueError(f"block_sel ({block_sel}) must be a multiple of block_cmp ({block_cmp})")
+
+
+def _importance_kernel(q, k_cmp, block_cmp: int, block_sel: int, scale: float, lse_cmp, top_n: int = 0):
+    """The importance kernel's scores, or with top_n > 0 its selection; lse_cmp computed when None."""
+    from .kernels import triton_nsa_importance
+    if lse_cmp is None:
+        lse_cmp = nsa_compressed_attention(q, k_cmp, k_cmp, block_cmp, scale, "triton")[1]
+    return triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale, top_n)
 
 
 def nsa_importance(q, k_cmp, block_cmp: int, block_sel: int, scale: float, impl: str = "torch", lse_cmp=None):
@@ -349,14 +379,9 @@ def nsa_importance(q, k_cmp, block_cmp: int, block_sel: int, scale: float, impl:
     tile in :mod:`fa_lab.kernels.portable.nsa_importance` from the compressed branch's lse (``lse_cmp``
     (B, H, N), computed here when not given) and returns float32.
     """
-    check_impl(impl)
-    if block_sel % block_cmp:
-        raise ValueError(f"block_sel ({block_sel}) must be a multiple of block_cmp ({block_cmp})")
+    _check_importance(impl, block_cmp, block_sel)
     if impl == "triton" and k_cmp.shape[2]:
-        from .kernels import triton_nsa_importance
-        if lse_cmp is None:
-            lse_cmp = nsa_compressed_attention(q, k_cmp, k_cmp, block_cmp, scale, impl)[1]
-        return triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale)
+        return _importance_kernel(q, k_cmp, block_cmp, block_sel, scale, lse_cmp)
     batch, heads, seqlen, _ = q.shape
     heads_kv, group = k_cmp.shape[1], heads // k_cmp.shape[1]
     rows = torch.arange(seqlen, device=q.device)[:, None]
@@ -378,8 +403,13 @@ def nsa_select(q, k_cmp, block_cmp: int, block_sel: int, top_n: int, scale: floa
                lse_cmp=None) -> torch.Tensor:
     """(B, H_kv, N, top_n) int64: the selection blocks (of ``block_sel`` tokens) each query keeps, the
     same for every query head of a GQA group (-1 where fewer blocks are in its past): the top_n blocks of
-    :func:`nsa_importance` (impl and lse_cmp as it takes them) that start at or before the query.
+    :func:`nsa_importance` (impl and lse_cmp as it takes them) that start at or before the query, best first.
+    impl="triton" keeps a running top in the importance kernel and never stores the scores.
     """
+    if impl == "triton" and k_cmp.shape[2] and top_n > 0:
+        _check_importance(impl, block_cmp, block_sel)
+        return _importance_kernel(q, k_cmp, block_cmp, block_sel, scale, lse_cmp,
+                                  min(top_n, cdiv(q.shape[2], block_sel)))
     importance = nsa_importance(q, k_cmp, block_cmp, block_sel, scale, impl, lse_cmp)
     best = importance.topk(min(top_n, importance.shape[-1]), dim=-1)
     return torch.where(torch.isinf(best.values), -1, best.indices)

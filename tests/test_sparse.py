@@ -212,3 +212,19 @@ def test_nsa_window_must_hold_the_query_itself(window):
     q, k, v = make_qkv(1, 2, 16, 16, 8)
     with pytest.raises(ValueError, match="window must be an int >= 1"):
         nsa_attention(q, k, v, torch.rand(1, 2, 16, 3), 4, 8, 2, window)
+
+
+@pytest.mark.parametrize("seqlen, block", [(31, 8), (32, 8), (40, 8), (47, 16), (16, 16), (9, 4)])
+def test_nsa_folding_places_each_query_at_its_row(seqlen, block, generator):
+    """The compressed branch's folded layout: query i at row r = i + 1 of its (B, H) sequence, that is at
+    [b * block + r % block, h, r // block]; every other row zero; unfold takes exactly the queries back."""
+    from fa_lab.sparse import _Folding
+
+    batch, heads, steps = 2, 3, seqlen // block + 1
+    t = torch.randn(batch, heads, seqlen, 5, generator=generator)
+    folded = _Folding(seqlen, block, steps).fold(t)
+    want = torch.zeros(batch, block, heads, steps, 5)
+    rows = torch.arange(1, seqlen + 1)
+    want[:, rows % block, :, rows // block] = t.permute(2, 0, 1, 3)  # (N, B, H, 5) at [b, residue, h, step]
+    assert torch.equal(folded, want.view(batch * block, heads, steps, 5))
+    assert torch.equal(_Folding(seqlen, block, steps).unfold(folded), t)

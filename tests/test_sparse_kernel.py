@@ -198,8 +198,15 @@ def test_nsa_importance_kernel_against_its_definition(dtype, batch, heads, heads
                          generator)
 
 
+@pytest.mark.parametrize("top_n", [3, 40])
+def test_nsa_selection_keeps_a_running_top_in_the_importance_kernel(top_n, generator):
+    """nsa_select(impl="triton") keeps its top_n in the importance kernel (a top of 4 slots for 3; for 40, more
+    than the 13 blocks of 16 tokens in 200, as many as the past holds): a best set by the float64 scores."""
+    check_nsa_importance(torch.bfloat16, 1, 4, 2, 200, 32, 8, 16, top_n, DEVICE, generator)
+
+
 @pytest.mark.parametrize("heads, heads_kv, rows, members", [
-    (6, 2, 16, None),  # a group of 3 in a tile of 4 members (one padding member): 4 queries a tile
+    (6, 2, 16, None),  # the group of 3 packed: 4 members (one padding member), 4 queries a tile
     (8, 1, 16, 4),  # the group walked 4 heads at a time, 4 queries a tile
     (8, 2, 16, 1),  # one head at a time, 16 queries a tile
     (4, 1, 2, None),  # a group wider than the tile: 2 members at a time, one query a tile
@@ -526,7 +533,8 @@ def test_mobas_gate_builds_for_sm90_on_tensor_cores_without_spills():
 
 def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
     """nsa_importance_kernel at NSA's sizes (bf16, d = 128, compressed blocks of 32, selection blocks of 64) and
-    the benchmark's group of 16 packed into its tile compiles for sm_90, scores on the tensor cores and keeps its
+    the benchmark's group of 16, at the default tile storing scores and keeping a running top 16, and with the
+    group packed into a tile of 128 rows at 8 warps, compiles for sm_90, scores on the tensor cores and keeps its
     tiles in registers."""
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
@@ -534,17 +542,23 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
     load_triton()
     from fa_lab.kernels.portable import nsa_importance as importance
 
-    queries, members = importance.packed_tile(16)
     signature = {"q_ptr": "*bf16", "k_cmp_ptr": "*bf16", "lse_ptr": "*fp32", "out_ptr": "*fp32",
-                 **{name: "i32" for name in ("seqlen", "blocks_cmp", "sel_blocks", "heads", "group", "head_dim")},
+                 **{name: "i32" for name in ("seqlen", "blocks_cmp", "sel_blocks", "heads", "group", "head_dim",
+                                             "top_n")},
                  "qk_scale_log2": "fp32", "log2e": "fp32"}
-    (build,) = compile_all_for_sm90([dict(kernel=importance.nsa_importance_kernel, signature=signature,
-                                          num_warps=importance.IMPORTANCE_WARPS,
-                                          constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members,
-                                                         BLOCK_N=importance.IMPORTANCE_KEYS, HEAD_DIM=128),
-                                          aligned=("q_ptr", "k_cmp_ptr", "head_dim"))])
-    assert "HMMA" in build.sass or "HGMMA" in build.sass, build.registers
-    assert build.stack_bytes == 0, (build.registers, build.stack_bytes)
+    default, packed = importance.packed_tile(16), importance.packed_tile(16, 128, None)
+    tiles = [(default, importance.IMPORTANCE_WARPS, 0), (default, importance.SELECTION_WARPS, 16), (packed, 8, 0)]
+    builds = compile_all_for_sm90([dict(kernel=importance.nsa_importance_kernel,
+                                        signature={**signature, "out_ptr": "*i64" if top else "*fp32"},
+                                        num_warps=warps,
+                                        constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members,
+                                                       BLOCK_N=importance.IMPORTANCE_KEYS, HEAD_DIM=128, TOP=top,
+                                                       SORT=64 if top else 1),
+                                        aligned=("q_ptr", "k_cmp_ptr", "head_dim"))
+                                   for (queries, members), warps, top in tiles])
+    for build in builds:
+        assert "HMMA" in build.sass or "HGMMA" in build.sass, build.registers
+        assert build.stack_bytes == 0, (build.registers, build.stack_bytes)
 
 
 def test_nsa_gate_mix_builds_for_sm90_with_wide_loads_and_stores():

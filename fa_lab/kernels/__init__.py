@@ -118,15 +118,16 @@ def triton_block_select_attention(q, k, v, block_indices, block_k, causal=False,
     return run(q, k, v, block_indices, block_k, causal, scale, block_q=block_q)
 
 
-def triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale):
+def triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale, top_n=0):
     """NSA's selection scores (:func:`fa_lab.sparse.nsa_importance`) from q (B, H, N, d), the compressed keys and
-    the compressed branch's lse, without materializing its probabilities: float32 (B, H_kv, N, selection blocks).
-    See :mod:`fa_lab.kernels.portable.nsa_importance`."""
+    the compressed branch's lse, without materializing its probabilities: float32 (B, H_kv, N, selection blocks);
+    with top_n > 0 the selection itself (:func:`fa_lab.sparse.nsa_select`), int64 (B, H_kv, N, top_n), the scores
+    never stored. See :mod:`fa_lab.kernels.portable.nsa_importance`."""
     load_triton()
     from .common import check_triton_inputs
     from .portable.nsa_importance import triton_nsa_importance as run
     check_triton_inputs(q)
-    return run(q, k_cmp, lse_cmp, block_cmp, block_sel, scale)
+    return run(q, k_cmp, lse_cmp, block_cmp, block_sel, scale, top_n)
 
 
 def triton_nsa_gate_mix(gates, out_cmp, out_sel, out_win):

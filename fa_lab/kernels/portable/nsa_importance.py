@@ -6,15 +6,17 @@ of the compressed blocks wholly in its past (compressed key ``j`` is visible iff
 a selection block of ``block_sel = per * block_cmp`` tokens scores the sum of those probabilities over its ``per``
 compressed keys and over the ``group`` query heads of its KV head. A block that starts after the query scores
 -inf (never selectable). In PyTorch that is a (B, H, N, N / block_cmp) tensor of probabilities, 34 GB at 64K
-tokens and 64 heads; here one program takes a tile of queries of one KV head with the group's query heads packed
-into its rows (``queries * members`` rows, query-major: packed row ``p`` is member ``p % members`` of query
-``p // members``, as the selected-blocks kernel packs its tile), walks the compressed keys BLOCK_N at a time,
-recomputes each row's probabilities from the compressed branch's LSE (p = 2^(s log2 e - lse log2 e), as the
-backward recomputes P), adds the rows of each query over its members in registers, and stores the tile's scores
-(B, H_kv, N, selection blocks) in float32. Q is read once per program where the group fits the tile
-(``members == group``); a larger group walks its heads ``members`` at a time at each step. Steps whose compressed
-keys all lie after the tile's last query store -inf or 0 without a product. Grid:
-``(cdiv(N, queries), B * H_kv)``, the tiles with the most keys first.
+tokens and 64 heads; here one program takes a tile of queries of one KV head, walks the compressed keys BLOCK_N
+at a time, recomputes each row's probabilities from the compressed branch's LSE (p = 2^(s log2 e - lse log2 e),
+as the backward recomputes P), adds them over the group's query heads in registers, and stores the tile's scores
+(B, H_kv, N, selection blocks) in float32. Steps whose compressed keys all lie after the tile's last query store
+-inf or 0 without a product. Grid: ``(cdiv(N, queries), B * H_kv)``, the tiles with the most keys first.
+
+The tile's rows are ``queries * members`` packed rows, query-major (packed row ``p`` is member ``p % members`` of
+query ``p // members``, as the selected-blocks kernel packs its tile): ``members`` heads of the group are scored
+per product and the group is walked ``members`` heads at a time. The default is one head a pass over 64 queries,
+Q read again at each step; packing the whole group (Q read once per program) measured slower (the record "NSA's
+importance kernel: the group packed into the tile" in docs/experiments/sparse_kernels.md).
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ import triton.language as tl
 
 from ..common import LOG2E, cdiv, head_dim_bucket, on_device
 
-IMPORTANCE_ROWS, IMPORTANCE_KEYS = 128, 64  # packed rows (queries x members) a program; compressed keys a step
-IMPORTANCE_WARPS = 8
+IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # packed rows (queries x members) a program; compressed keys a step
+IMPORTANCE_MEMBERS = 1  # group heads per product (None: the whole group)
+IMPORTANCE_WARPS, SELECTION_WARPS = 4, 8  # storing the scores; keeping a running top (its sort's registers)
+INDEX_MASK = tl.constexpr(0x7FFFFFFF)  # a top key's low word: INDEX_MASK - block (:func:`running_top`)
 
 
 def check_blocks_per_selection(block_cmp: int, block_sel: int) -> int:
@@ -38,21 +42,24 @@ def check_blocks_per_selection(block_cmp: int, block_sel: int) -> int:
     return per
 
 
-def packed_tile(group: int, rows: int = IMPORTANCE_ROWS, members: int | None = None) -> tuple[int, int]:
+def packed_tile(group: int, rows: int = IMPORTANCE_ROWS, members: int | None = IMPORTANCE_MEMBERS) -> tuple[int, int]:
     """(queries, members) of a program's tile of ``rows`` packed rows for a GQA group of ``group`` query heads:
-    members the group rounded up to a power of two, at most ``rows`` (a larger group is walked in chunks), unless
-    given (a power of two: ``members=1`` walks the group one head at a time, a tile of ``rows`` queries)."""
+    ``members`` a power of two (1: one head a pass, a tile of ``rows`` queries), or None for the group rounded up
+    to a power of two, at most ``rows`` (a larger group is walked in chunks)."""
     members = members or min(triton.next_power_of_2(group), rows)
     return rows // members, members
 
 
 @triton.jit
 def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp, sel_blocks, heads, group,
-                          head_dim, qk_scale_log2, log2e, BLOCK_CMP: tl.constexpr, PER: tl.constexpr,
+                          head_dim, top_n, qk_scale_log2, log2e, BLOCK_CMP: tl.constexpr, PER: tl.constexpr,
                           QUERIES: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HEAD_DIM: tl.constexpr):
-    """q (B, H, N, d), k_cmp (B, H_kv, blocks_cmp, d), lse (B, H, N) float32, out (B, H_kv, N, sel_blocks)
-    float32, all contiguous. A tile of QUERIES queries x MEMBERS group heads (:func:`packed_tile`)."""
+                          HEAD_DIM: tl.constexpr, TOP: tl.constexpr, SORT: tl.constexpr):
+    """q (B, H, N, d), k_cmp (B, H_kv, blocks_cmp, d), lse (B, H, N) float32, all contiguous. A tile of QUERIES
+    queries x MEMBERS group heads (:func:`packed_tile`). TOP = 0: out (B, H_kv, N, sel_blocks) float32, the
+    scores. TOP > 0 (a power of two >= top_n; SORT the power of two >= TOP + BLOCK_N // PER): out
+    (B, H_kv, N, top_n) int64, each query's top_n blocks (:func:`running_top`), best first, -1 past its last
+    selectable block; steps wholly after the tile are skipped."""
     pid_m, pid_bkv = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)  # most keys first
     heads_kv = heads // group
     batch, kv_head = pid_bkv // heads_kv, pid_bkv % heads_kv
@@ -65,10 +72,16 @@ def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp
     dim_ok = dims < head_dim
     last_row = tl.minimum(pid_m * QUERIES + QUERIES, seqlen) - 1
     k_base = k_cmp_ptr + pid_bkv.to(tl.int64) * blocks_cmp * head_dim
-    out_base = out_ptr + pid_bkv.to(tl.int64) * seqlen * sel_blocks
     first_head = batch * heads + kv_head * group
     SEL_STEP: tl.constexpr = BLOCK_N // PER
-    for start in range(0, sel_blocks * PER, BLOCK_N):
+    steps_end = sel_blocks * PER
+    if TOP > 0:  # only the blocks that start at or before the tile's last query can be chosen
+        out_base = out_ptr + pid_bkv.to(tl.int64) * seqlen * top_n
+        steps_end = tl.minimum(steps_end, (last_row // (PER * BLOCK_CMP) + 1) * PER)
+        best = tl.zeros((QUERIES, TOP), dtype=tl.int64)  # the running top, as keys (0: none)
+    else:
+        out_base = out_ptr + pid_bkv.to(tl.int64) * seqlen * sel_blocks
+    for start in range(0, steps_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)  # compressed keys of this step
         summed = tl.zeros((QUERIES, BLOCK_N), dtype=tl.float32)
         if (start + 1) * BLOCK_CMP - 1 <= last_row:  # some key of the step is in some row's past
@@ -88,28 +101,61 @@ def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp
         per_block = tl.sum(tl.reshape(summed, (QUERIES, SEL_STEP, PER)), axis=2)
         sel = start // PER + tl.arange(0, SEL_STEP)
         future = sel[None, :] * (PER * BLOCK_CMP) > queries[:, None]
-        per_block = tl.where(future, float("-inf"), per_block)
-        tl.store(out_base + queries[:, None] * sel_blocks + sel[None, :], per_block,
-                 mask=(queries[:, None] < seqlen) & (sel[None, :] < sel_blocks))
+        if TOP > 0:
+            best = running_top(best, per_block, sel, ~future & (sel[None, :] < sel_blocks), TOP=TOP, SORT=SORT)
+        else:
+            per_block = tl.where(future, float("-inf"), per_block)
+            tl.store(out_base + queries[:, None] * sel_blocks + sel[None, :], per_block,
+                     mask=(queries[:, None] < seqlen) & (sel[None, :] < sel_blocks))
+    if TOP > 0:
+        slots = tl.arange(0, TOP)
+        chosen = tl.where(best > 0, INDEX_MASK.value - (best & 0xFFFFFFFF), -1)
+        tl.store(out_base + queries[:, None] * top_n + slots[None, :], chosen,
+                 mask=(queries[:, None] < seqlen) & (slots[None, :] < top_n))
+
+
+@triton.jit
+def running_top(best, scores, blocks, selectable, TOP: tl.constexpr, SORT: tl.constexpr):
+    """best (Q, TOP) int64 keys, the top so far, sorted best first, after the step's (Q, S) float32 ``scores``
+    of ``blocks`` (S,) where ``selectable``. A key orders by score, then by the lower block: the score's bits
+    (non-negative floats order as their bit patterns) plus one in the high word, INDEX_MASK - block in the
+    low; 0 for none. The TOP keys and the step's S are laid side by side in a row of SORT and sorted."""
+    bits = scores.to(tl.int32, bitcast=True).to(tl.int64) + 1
+    keys = tl.where(selectable, (bits << 32) | (INDEX_MASK.value - blocks[None, :]).to(tl.int64), 0)
+    QUERIES: tl.constexpr = best.shape[0]
+    STEP: tl.constexpr = scores.shape[1]
+    column = tl.broadcast_to(tl.arange(0, SORT)[None, :], (QUERIES, SORT))
+    from_best = tl.gather(best, tl.minimum(column, TOP - 1), axis=1)
+    from_step = tl.gather(keys, tl.minimum(tl.maximum(column - TOP, 0), STEP - 1), axis=1)
+    row = tl.where(column < TOP, from_best, tl.where(column < TOP + STEP, from_step, 0))
+    ordered = tl.sort(row, dim=1, descending=True)
+    return tl.gather(ordered, tl.broadcast_to(tl.arange(0, TOP)[None, :], (QUERIES, TOP)), axis=1)
 
 
 def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, block_cmp: int,
-                          block_sel: int, scale: float, *, rows: int = IMPORTANCE_ROWS, members: int | None = None,
-                          num_warps: int = IMPORTANCE_WARPS) -> torch.Tensor:
+                          block_sel: int, scale: float, top_n: int = 0, *, rows: int = IMPORTANCE_ROWS,
+                          members: int | None = IMPORTANCE_MEMBERS, num_warps: int | None = None) -> torch.Tensor:
     """:func:`nsa_importance_kernel` on q (B, H, N, d) float16/bfloat16, the compressed keys k_cmp
     (B, H_kv, N // block_cmp, d) and the compressed branch's lse (B, H, N) (natural log, -inf where no
-    compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)). block_sel: see
-    :func:`check_blocks_per_selection`; rows, members: the tile (:func:`packed_tile`); num_warps its warps."""
+    compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)), or with ``top_n`` > 0 each query's
+    top_n selection blocks, int64 (B, H_kv, N, top_n), best first, -1 where fewer are in its past
+    (:func:`fa_lab.sparse.nsa_select`'s result, ties to the lower block). block_sel: see
+    :func:`check_blocks_per_selection`; rows, members: the tile (:func:`packed_tile`); num_warps its warps
+    (IMPORTANCE_WARPS or SELECTION_WARPS when None)."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
     queries, members = packed_tile(heads // heads_kv, rows, members)
     sel_blocks = cdiv(seqlen, block_sel)
-    out = torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device)
+    top = triton.next_power_of_2(top_n) if top_n > 0 else 0
+    out = (torch.empty((batch, heads_kv, seqlen, top_n), dtype=torch.int64, device=q.device) if top else
+           torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
     with on_device(q):
         nsa_importance_kernel[(triton.cdiv(seqlen, queries), batch * heads_kv)](
-            q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim,
+            q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
             scale * LOG2E, LOG2E, BLOCK_CMP=block_cmp, PER=per, QUERIES=queries, MEMBERS=members,
-            BLOCK_N=IMPORTANCE_KEYS, HEAD_DIM=head_dim_bucket(head_dim), num_warps=num_warps)
+            BLOCK_N=IMPORTANCE_KEYS, HEAD_DIM=head_dim_bucket(head_dim), TOP=top,
+            SORT=triton.next_power_of_2(top + IMPORTANCE_KEYS // per) if top else 1,
+            num_warps=num_warps or (SELECTION_WARPS if top else IMPORTANCE_WARPS))
     return out
