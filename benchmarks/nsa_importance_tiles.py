@@ -2,9 +2,9 @@
 rest of NSA's selection costs: the sparse benchmark's NSA case (bf16, d = 128, 64 query heads over 4 KV heads,
 compressed blocks of 32, selection blocks of 64) at 16K-64K. Each packing is timed in turn, two rounds (do_bench
 medians, ms), its scores checked against the first packing's; then torch.topk of 16 blocks over the scores against
-the kernel keeping a running top 16 itself (nsa_select's path; its choice checked against topk's), the
-compressed branch (its folded dense call and lse), and nsa_attention's forward end to end beside dense attention's
-(the sparse benchmark's ``dense``).
+the kernel keeping a running top 16 itself (nsa_select's path with fa_lab.sparse.NSA_TOP_IN_KERNEL; its choice
+checked against topk's), the compressed branch (its folded dense call and lse), and nsa_attention's forward end to
+end beside dense attention's (the sparse benchmark's ``dense``).
 
 Packings (:func:`fa_lab.kernels.portable.nsa_importance.packed_tile`): one head of the group at a time over 64
 queries (4 warps); the group's 16 heads packed with 4 queries (64 rows, 4 warps) or 8 queries (128 rows, 8 warps).

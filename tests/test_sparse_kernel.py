@@ -198,10 +198,14 @@ def test_nsa_importance_kernel_against_its_definition(dtype, batch, heads, heads
                          generator)
 
 
-@pytest.mark.parametrize("top_n", [3, 40])
-def test_nsa_selection_keeps_a_running_top_in_the_importance_kernel(top_n, generator):
-    """nsa_select(impl="triton") keeps its top_n in the importance kernel (a top of 4 slots for 3; for 40, more
-    than the 13 blocks of 16 tokens in 200, as many as the past holds): a best set by the float64 scores."""
+@pytest.mark.parametrize("top_n", [2, 3, 40])
+def test_nsa_selection_keeps_a_running_top_in_the_importance_kernel(top_n, generator, monkeypatch):
+    """nsa_select(impl="triton") with NSA_TOP_IN_KERNEL keeps its top_n in the importance kernel (a top of 4 slots
+    for 3; for 40, more than the 13 blocks of 16 tokens in 200, as many as the past holds): a best set by the
+    float64 scores."""
+    import fa_lab.sparse
+
+    monkeypatch.setattr(fa_lab.sparse, "NSA_TOP_IN_KERNEL", True)
     check_nsa_importance(torch.bfloat16, 1, 4, 2, 200, 32, 8, 16, top_n, DEVICE, generator)
 
 
@@ -606,8 +610,12 @@ def test_gpu_nsa_selection(heads, heads_kv, generator):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("top_in_kernel", [False, True])
 @pytest.mark.parametrize("heads, heads_kv, seqlen", [(16, 1, 2049), (8, 2, 1000)])
-def test_gpu_nsa_importance(heads, heads_kv, seqlen, generator):
+def test_gpu_nsa_importance(heads, heads_kv, seqlen, top_in_kernel, generator, monkeypatch):
+    import fa_lab.sparse
+
+    monkeypatch.setattr(fa_lab.sparse, "NSA_TOP_IN_KERNEL", top_in_kernel)
     check_nsa_importance(torch.bfloat16, 1, heads, heads_kv, seqlen, 128, 32, 64, 16, "cuda", generator)
 
 
