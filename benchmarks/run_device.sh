@@ -82,7 +82,8 @@
 #            arguments after OUTDIR go to pytest)
 # The machine has no `fa-lab` script installed: `python3 -m fa_lab.cli bench ...` is `fa-lab bench ...`.
 #   breakdown - every kernel's time per call, forward and backward: ours and fla's linear cases at 4K (after
-#            peers-warm on the same machine, or fla autotunes first), our NSA selection and MoBA at 64K
+#            peers-warm on the same machine, or fla autotunes first), our NSA selection, NSA and MoBA at 64K
+#            (arguments after OUTDIR: linear or sparse alone)
 #   linear-tune - our linear kernels at 2, 4 and 8 warps, every launch's time at 4K (h200_linear_tuning.json);
 #            the winners go into LAUNCH_WARPS in fa_lab/kernels/portable/linear_chunk.py
 #   gla-tiles - GLA's h pass and score kernel over tile widths, warps and stages (h200_gla_tile_sweep.json, by
@@ -125,8 +126,8 @@ case "$step" in
            2>&1 | tee "$out/linear.log" | grep -v "^bench" ;;
   linear-tune) $bench linear --tune "$out/h200_linear_tuning.json" 2>&1 | tee "$out/linear_tune.log" ;;
   linear-stages) $bench linear --tune "$out/h200_linear_stages.json" --stages 1 2 3 4 "$@" 2>&1 | tee "$out/linear_stages.log" ;;
-  breakdown) $bench linear --breakdown 2>&1 | tee "$out/linear_breakdown.log"
-         $bench sparse --breakdown 2>&1 | tee "$out/sparse_breakdown.log" ;;
+  breakdown) parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(linear sparse)
+         for part in "${parts[@]}"; do $bench "$part" --breakdown 2>&1 | tee "$out/${part}_breakdown.log"; done ;;
   gla-tiles) python3 benchmarks/gla_tile_sweep.py "$out/h200_gla_tile_sweep.json" 2>&1 | tee "$out/gla_tiles.log" ;;
   linear-bwd-sweep) python3 benchmarks/linear_bwd_sweep.py "$out/h200_linear_bwd_sweep.json" "$@" 2>&1 \
            | tee "$out/linear_bwd_sweep.log" ;;

@@ -16,7 +16,7 @@ The tile's rows are ``queries * members`` packed rows, query-major (packed row `
 query ``p // members``, as the selected-blocks kernel packs its tile): ``members`` heads of the group are scored
 per product and the group is walked ``members`` heads at a time. The default is one head a pass over 64 queries,
 Q read again at each step; packing the whole group (Q read once per program) measured slower (the record "NSA's
-importance kernel: the group packed into the tile" in docs/experiments/sparse_kernels.md).
+selection and compressed branch" in docs/experiments/sparse_kernels.md).
 """
 from __future__ import annotations
 
