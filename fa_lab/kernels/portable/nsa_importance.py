@@ -17,6 +17,9 @@ query ``p // members``, as the selected-blocks kernel packs its tile): ``members
 per product and the group is walked ``members`` heads at a time. The default is one head a pass over 64 queries,
 Q read again at each step; packing the whole group (Q read once per program) measured slower (the record "NSA's
 selection and compressed branch" in docs/experiments/sparse_kernels.md).
+
+With ``top_n`` the kernel returns the selection itself: each query's running top (:func:`running_top`), merged
+with every step's blocks by a sort, stored once at the end; the scores are never stored.
 """
 from __future__ import annotations
 
