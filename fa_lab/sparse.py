@@ -245,6 +245,7 @@ def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None, 
 # selection and compressed branch"); benchmarks/nsa_importance_tiles.py times both.
 NSA_TOP_IN_KERNEL = False
 
+
 def nsa_compress(t, block: int):
     """Mean-pool (B, H_kv, N, d) over non-overlapping blocks of ``block`` tokens: (B, H_kv, N // block, d).
     NSA learns this pooling (an MLP over the block with position encodings); the course's reference
@@ -294,7 +295,7 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl
     layout = _Folding(seqlen, block_cmp, k_cmp.shape[2] + 1)
     folded_kv = [t.unsqueeze(1).expand(batch, block_cmp, *t.shape[1:]).reshape(batch * block_cmp, *t.shape[1:])
                  for t in (k_cmp.to(q.dtype), v_cmp.to(q.dtype))]
-    # (each gather's gradient is the other: the rows that hold no query get a zero gradient, so give none back)
+    # (each relayout's gradient is the other: the rows that hold no query get a zero gradient, so give none back)
     out, lse = attention(_Relayout.apply(q, layout.fold, layout.unfold), *folded_kv, causal=True, scale=scale,
                          impl="triton_hopper", return_lse=True)
     return _Relayout.apply(out, layout.unfold, layout.fold), layout.unfold(lse.unsqueeze(-1)).squeeze(-1)
@@ -348,16 +349,16 @@ class _Folding:
 
 
 class _Relayout(torch.autograd.Function):
-    """t through ``gather`` (one of :class:`_Folding`'s copies), its gradient through ``gather_backward``."""
+    """t through ``relayout`` (:class:`_Folding`'s fold or unfold), its gradient through ``relayout_backward``."""
 
     @staticmethod
-    def forward(ctx, t, gather, gather_backward):
-        ctx.gather_backward = gather_backward
-        return gather(t)
+    def forward(ctx, t, relayout, relayout_backward):
+        ctx.relayout_backward = relayout_backward
+        return relayout(t)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.gather_backward(grad), None, None
+        return ctx.relayout_backward(grad), None, None
 
 
 def _check_importance(impl, block_cmp: int, block_sel: int) -> None:
