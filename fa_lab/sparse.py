@@ -240,10 +240,10 @@ def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None, 
 
 # ---------------------------------------------------------------- NSA
 
-# nsa_select(impl="triton") keeps its top in the importance kernel instead of torch.topk over the stored scores:
-# built and tested under the interpreter, not yet timed on a GPU (docs/experiments/sparse_kernels.md, "NSA's
-# selection and compressed branch"); benchmarks/nsa_importance_tiles.py times both.
-NSA_TOP_IN_KERNEL = False
+# nsa_select(impl="triton") keeps its top in the importance kernel instead of torch.topk over the stored scores
+# (False: topk): NSA's forward at 64K 39.7 ms against 45.6 on an H100 (docs/experiments/sparse_kernels.md, "The top
+# in the kernel, timed"; benchmarks/nsa_top_ab.py times both).
+NSA_TOP_IN_KERNEL = True
 
 
 def nsa_compress(t, block: int):
@@ -410,8 +410,8 @@ def nsa_select(q, k_cmp, block_cmp: int, block_sel: int, top_n: int, scale: floa
     """(B, H_kv, N, top_n) int64: the selection blocks (of ``block_sel`` tokens) each query keeps, the
     same for every query head of a GQA group (-1 where fewer blocks are in its past): the top_n blocks of
     :func:`nsa_importance` (impl and lse_cmp as it takes them) that start at or before the query, best first.
-    impl="triton" takes ``torch.topk`` of the importance kernel's scores, or with NSA_TOP_IN_KERNEL keeps a running
-    top in that kernel and never stores the scores.
+    impl="triton" keeps a running top in the importance kernel and never stores the scores (NSA_TOP_IN_KERNEL), or
+    when that is off takes ``torch.topk`` of the kernel's scores.
     """
     if impl == "triton" and NSA_TOP_IN_KERNEL and k_cmp.shape[2] and top_n > 0:
         _check_importance(impl, block_cmp, block_sel)
