@@ -63,6 +63,8 @@
 #            by benchmarks/nsa_dq_warps.py)
 #   nsa-importance - NSA's importance kernel at three packings of its tile, beside topk, the compressed branch and NSA's
 #            forward (h200_nsa_importance.json, by benchmarks/nsa_importance_tiles.py)
+#   nsa-importance-tiles - the importance kernel keeping its running top at other tiles, warps and stages
+#            (h200_nsa_importance_tiles.json, by benchmarks/nsa_importance_tiles.py --tiles)
 #   nsa-top - NSA's forward with its selection's top kept in the importance kernel against torch.topk, in turn, beside
 #            dense attention (h200_nsa_top_ab.json, by benchmarks/nsa_top_ab.py)
 #   decode-check-ab - the default call's value check read back first against decided on the device, and the
@@ -167,6 +169,7 @@ case "$step" in
   persistent-host) python3 benchmarks/persistent_host_bound.py 2>&1 | tee "$out/h200_persistent_host_bound.log" ;;
   moba-gate) python3 benchmarks/moba_gate_variants.py "$out/h200_moba_gate.json" ;;
   nsa-importance) python3 benchmarks/nsa_importance_tiles.py "$out" 2>&1 | tee "$out/nsa_importance.log" ;;
+  nsa-importance-tiles) python3 benchmarks/nsa_importance_tiles.py --tiles "$out" 2>&1 | tee "$out/nsa_importance_tiles.log" ;;
   nsa-top) python3 benchmarks/nsa_top_ab.py "$out" 2>&1 | tee "$out/nsa_top_ab.log" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;

@@ -209,6 +209,24 @@ def test_nsa_selection_keeps_a_running_top_in_the_importance_kernel(top_n, gener
     check_nsa_importance(torch.bfloat16, 1, 4, 2, 200, 32, 8, 16, top_n, DEVICE, generator)
 
 
+@pytest.mark.parametrize("top_n", [3, 6])
+def test_nsa_running_top_merges_across_the_kernels_steps(top_n, generator):
+    """The importance kernel's running top over 25 compressed keys taken 8 a step (4 selection blocks a step, so
+    the top is merged with 4 steps' blocks) keeps a best set by the float64 scores."""
+    from fa_lab.kernels.portable.nsa_importance import triton_nsa_importance
+    from fa_lab.sparse import nsa_compressed_attention, nsa_importance
+
+    block_cmp, block_sel, seqlen, head_dim = 8, 16, 200, 32
+    q, k, _ = make_qkv(1, 4, seqlen, seqlen, head_dim, torch.bfloat16, DEVICE, generator, heads_kv=2,
+                       requires_grad=False)
+    k_cmp, scale = nsa_compress(k, block_cmp), head_dim ** -0.5
+    lse = nsa_compressed_attention(q, k_cmp, k_cmp, block_cmp, scale, "triton")[1]
+    selected = triton_nsa_importance(q, k_cmp, lse, block_cmp, block_sel, scale, top_n, rows=16, keys=8,
+                                     num_warps=1)
+    want = nsa_importance(q.double(), k_cmp.double(), block_cmp, block_sel, scale).to(selected.device)
+    assert_best_set(selected, want, top_n)
+
+
 @pytest.mark.parametrize("heads, heads_kv, rows, members", [
     (6, 2, 16, None),  # the group of 3 packed: 4 members (one padding member), 4 queries a tile
     (8, 1, 16, 4),  # the group walked 4 heads at a time, 4 queries a tile
@@ -257,10 +275,15 @@ def check_nsa_importance(dtype, batch, heads, heads_kv, seqlen, head_dim, block_
     allowed = torch.isfinite(want)
     assert bool((want[allowed] >= 0).all()) and bool((got[allowed] >= 0).all())
     assert_importance_close(got, want, heads // heads_kv)
-    selected = nsa_select(q, k_cmp, block_cmp, block_sel, top_n, scale, "triton")
+    assert_best_set(nsa_select(q, k_cmp, block_cmp, block_sel, top_n, scale, "triton"), want, top_n)
+
+
+def assert_best_set(selected, want, top_n: int) -> None:
+    """selected (B, H_kv, N, top_n) blocks, -1 for none, keep a best set by the float64 scores ``want`` (equal up
+    to float32 rounding, so near-ties may choose either), as many blocks as the past holds up to top_n."""
     best = want.topk(min(top_n, want.shape[-1]), dim=-1).values
     kept = torch.where(selected >= 0, want.gather(-1, selected.clamp(min=0)), float("-inf"))
-    assert torch.equal(torch.isneginf(kept), torch.isneginf(best))  # as many blocks as the past holds, up to top_n
+    assert torch.equal(torch.isneginf(kept), torch.isneginf(best))
     torch.testing.assert_close(torch.where(torch.isneginf(kept), 0, kept).sum(-1),
                                torch.where(torch.isneginf(best), 0, best).sum(-1), rtol=0, atol=1e-4)
 
@@ -616,7 +639,7 @@ def test_gpu_nsa_selection(heads, heads_kv, generator):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("top_in_kernel", [False, True])
-@pytest.mark.parametrize("heads, heads_kv, seqlen", [(16, 1, 2049), (8, 2, 1000)])
+@pytest.mark.parametrize("heads, heads_kv, seqlen", [(16, 1, 2049), (8, 2, 1000), (8, 2, 4500)])
 def test_gpu_nsa_importance(heads, heads_kv, seqlen, top_in_kernel, generator, monkeypatch):
     import fa_lab.sparse
 

@@ -137,17 +137,21 @@ def running_top(best, scores, blocks, selectable, TOP: tl.constexpr, SORT: tl.co
 
 def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, block_cmp: int,
                           block_sel: int, scale: float, top_n: int = 0, *, rows: int = IMPORTANCE_ROWS,
-                          members: int | None = IMPORTANCE_MEMBERS, num_warps: int | None = None) -> torch.Tensor:
+                          members: int | None = IMPORTANCE_MEMBERS, keys: int = IMPORTANCE_KEYS,
+                          num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """:func:`nsa_importance_kernel` on q (B, H, N, d) float16/bfloat16, the compressed keys k_cmp
     (B, H_kv, N // block_cmp, d) and the compressed branch's lse (B, H, N) (natural log, -inf where no
     compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)), or with ``top_n`` > 0 each query's
     top_n selection blocks, int64 (B, H_kv, N, top_n), best first, -1 where fewer are in its past
     (:func:`fa_lab.sparse.nsa_select`'s result, ties to the lower block). block_sel: see
-    :func:`check_blocks_per_selection`; rows, members: the tile (:func:`packed_tile`); num_warps its warps
-    (IMPORTANCE_WARPS or SELECTION_WARPS when None)."""
+    :func:`check_blocks_per_selection`; rows, members: the tile (:func:`packed_tile`); keys: compressed keys a
+    step (a power of two, at least block_sel // block_cmp); num_warps its warps (IMPORTANCE_WARPS or
+    SELECTION_WARPS when None), num_stages Triton's (its default when None)."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
+    if keys < per or keys & (keys - 1):
+        raise ValueError(f"keys ({keys}) must be a power of two of at least {per} compressed blocks")
     queries, members = packed_tile(heads // heads_kv, rows, members)
     sel_blocks = cdiv(seqlen, block_sel)
     top = triton.next_power_of_2(top_n) if top_n > 0 else 0
@@ -158,7 +162,8 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
         nsa_importance_kernel[(triton.cdiv(seqlen, queries), batch * heads_kv)](
             q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
             scale * LOG2E, LOG2E, BLOCK_CMP=block_cmp, PER=per, QUERIES=queries, MEMBERS=members,
-            BLOCK_N=IMPORTANCE_KEYS, HEAD_DIM=head_dim_bucket(head_dim), TOP=top,
-            SORT=triton.next_power_of_2(top + IMPORTANCE_KEYS // per) if top else 1,
-            num_warps=num_warps or (SELECTION_WARPS if top else IMPORTANCE_WARPS))
+            BLOCK_N=keys, HEAD_DIM=head_dim_bucket(head_dim), TOP=top,
+            SORT=triton.next_power_of_2(top + keys // per) if top else 1,
+            num_warps=num_warps or (SELECTION_WARPS if top else IMPORTANCE_WARPS),
+            **({} if num_stages is None else {"num_stages": num_stages}))
     return out
