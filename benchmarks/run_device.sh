@@ -65,6 +65,8 @@
 #            forward (h200_nsa_importance.json, by benchmarks/nsa_importance_tiles.py)
 #   nsa-importance-tiles - the importance kernel keeping its running top at other tiles, warps and stages
 #            (h200_nsa_importance_tiles.json, by benchmarks/nsa_importance_tiles.py --tiles)
+#   nsa-select-tiles - NSA's selected-blocks forward at other warps and stages (h200_nsa_select_tiles.json, by
+#            benchmarks/nsa_select_tiles.py)
 #   nsa-top - NSA's forward with its selection's top kept in the importance kernel against torch.topk, in turn, beside
 #            dense attention (h200_nsa_top_ab.json, by benchmarks/nsa_top_ab.py)
 #   decode-check-ab - the default call's value check read back first against decided on the device, and the
@@ -170,6 +172,7 @@ case "$step" in
   moba-gate) python3 benchmarks/moba_gate_variants.py "$out/h200_moba_gate.json" ;;
   nsa-importance) python3 benchmarks/nsa_importance_tiles.py "$out" 2>&1 | tee "$out/nsa_importance.log" ;;
   nsa-importance-tiles) python3 benchmarks/nsa_importance_tiles.py --tiles "$out" 2>&1 | tee "$out/nsa_importance_tiles.log" ;;
+  nsa-select-tiles) python3 benchmarks/nsa_select_tiles.py "$out" 2>&1 | tee "$out/nsa_select_tiles.log" ;;
   nsa-top) python3 benchmarks/nsa_top_ab.py "$out" 2>&1 | tee "$out/nsa_top_ab.log" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;

@@ -365,14 +365,16 @@ def launch_meta(config: TileConfig, head_dim: int, causal: bool) -> dict:
                 num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: bool, scale: float):
-    """Forward on contiguous q (B, H, Nq, d), k, v (B, Hkv, Nk, d) and int32 indices (B, Hkv, R, S).
+def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: bool, scale: float, *,
+                         config: TileConfig | None = None):
+    """Forward on contiguous q (B, H, Nq, d), k, v (B, Hkv, Nk, d) and int32 indices (B, Hkv, R, S), at
+    ``config`` (:func:`tile_config`'s when None).
 
     Returns (out (B, H, Nq, d) in q.dtype, lse (B, H, Nq) float32).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
-    config = tile_config(group * block_q, block_k, head_dim, backward=False)
+    config = config or tile_config(group * block_q, block_k, head_dim, backward=False)
     out = torch.empty_like(q)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
