@@ -565,9 +565,9 @@ def test_mobas_gate_builds_for_sm90_on_tensor_cores_without_spills():
 
 def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
     """nsa_importance_kernel at NSA's sizes (bf16, d = 128, compressed blocks of 32, selection blocks of 64) and
-    the benchmark's group of 16, at the default tile storing scores and keeping a running top 16, and with the
-    group packed into a tile of 128 rows at 8 warps, compiles for sm_90, scores on the tensor cores and keeps its
-    tiles in registers."""
+    the benchmark's group of 16, at the default tiles storing scores (64 keys a step) and keeping a running top 16
+    (128 keys a step), and with the group packed into a tile of 128 rows at 8 warps, compiles for sm_90, scores on
+    the tensor cores and keeps its tiles in registers."""
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
 
@@ -580,12 +580,13 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
                  "qk_scale_log2": "fp32", "log2e": "fp32"}
     default, packed = importance.packed_tile(16), importance.packed_tile(16, 128, None)
     tiles = [(default, importance.IMPORTANCE_WARPS, 0), (default, importance.SELECTION_WARPS, 16), (packed, 8, 0)]
+    keys = {0: importance.IMPORTANCE_KEYS, 16: importance.SELECTION_KEYS}
     builds = compile_all_for_sm90([dict(kernel=importance.nsa_importance_kernel,
                                         signature={**signature, "out_ptr": "*i64" if top else "*fp32"},
                                         num_warps=warps,
                                         constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members,
-                                                       BLOCK_N=importance.IMPORTANCE_KEYS, HEAD_DIM=128, TOP=top,
-                                                       SORT=64 if top else 1),
+                                                       BLOCK_N=keys[top], HEAD_DIM=128, TOP=top,
+                                                       SORT=1 << (top + keys[top] // 2 - 1).bit_length() if top else 1),
                                         aligned=("q_ptr", "k_cmp_ptr", "head_dim"))
                                    for (queries, members), warps, top in tiles])
     for build in builds:

@@ -30,6 +30,7 @@ import triton.language as tl
 from ..common import LOG2E, cdiv, head_dim_bucket, on_device
 
 IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # packed rows (queries x members) a program; compressed keys a step
+SELECTION_KEYS = 128  # compressed keys a step when keeping a running top: a sort of 16 + 64 keys every other step
 IMPORTANCE_MEMBERS = 1  # group heads per product (None: the whole group)
 IMPORTANCE_WARPS, SELECTION_WARPS = 4, 8  # storing the scores; keeping a running top (its sort's registers)
 INDEX_MASK = tl.constexpr(0x7FFFFFFF)  # a top key's low word: INDEX_MASK - block (:func:`running_top`)
@@ -137,7 +138,7 @@ def running_top(best, scores, blocks, selectable, TOP: tl.constexpr, SORT: tl.co
 
 def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, block_cmp: int,
                           block_sel: int, scale: float, top_n: int = 0, *, rows: int = IMPORTANCE_ROWS,
-                          members: int | None = IMPORTANCE_MEMBERS, keys: int = IMPORTANCE_KEYS,
+                          members: int | None = IMPORTANCE_MEMBERS, keys: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """:func:`nsa_importance_kernel` on q (B, H, N, d) float16/bfloat16, the compressed keys k_cmp
     (B, H_kv, N // block_cmp, d) and the compressed branch's lse (B, H, N) (natural log, -inf where no
@@ -145,11 +146,12 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     top_n selection blocks, int64 (B, H_kv, N, top_n), best first, -1 where fewer are in its past
     (:func:`fa_lab.sparse.nsa_select`'s result, ties to the lower block). block_sel: see
     :func:`check_blocks_per_selection`; rows, members: the tile (:func:`packed_tile`); keys: compressed keys a
-    step (a power of two, at least block_sel // block_cmp); num_warps its warps (IMPORTANCE_WARPS or
+    step (a power of two, at least block_sel // block_cmp; IMPORTANCE_KEYS or SELECTION_KEYS when None); num_warps its warps (IMPORTANCE_WARPS or
     SELECTION_WARPS when None), num_stages Triton's (its default when None)."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
+    keys = keys or (SELECTION_KEYS if top_n > 0 else IMPORTANCE_KEYS)
     if keys < per or keys & (keys - 1):
         raise ValueError(f"keys ({keys}) must be a power of two of at least {per} compressed blocks")
     queries, members = packed_tile(heads // heads_kv, rows, members)
