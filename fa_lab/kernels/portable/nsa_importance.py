@@ -146,8 +146,9 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     top_n selection blocks, int64 (B, H_kv, N, top_n), best first, -1 where fewer are in its past
     (:func:`fa_lab.sparse.nsa_select`'s result, ties to the lower block). block_sel: see
     :func:`check_blocks_per_selection`; rows, members: the tile (:func:`packed_tile`); keys: compressed keys a
-    step (a power of two, at least block_sel // block_cmp; IMPORTANCE_KEYS or SELECTION_KEYS when None); num_warps its warps (IMPORTANCE_WARPS or
-    SELECTION_WARPS when None), num_stages Triton's (its default when None)."""
+    step (a power of two, at least block_sel // block_cmp; IMPORTANCE_KEYS or SELECTION_KEYS when None);
+    num_warps its warps (IMPORTANCE_WARPS or SELECTION_WARPS when None), num_stages Triton's (its default when
+    None)."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
