@@ -594,21 +594,52 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
         assert build.stack_bytes == 0, (build.registers, build.stack_bytes)
 
 
+def test_nsa_gate_mix_and_its_backward_against_their_float64_definitions(generator):
+    """Rows not a multiple of a program's, a head_dim the tile pads."""
+    check_gate_mix((1, 3, 45, 48), DEVICE, generator)
+
+
+def check_gate_mix(shape: tuple, device, generator) -> None:
+    """triton_nsa_gate_mix on branches of ``shape``: out = sum_i g_i o_i and, in its one-pass backward,
+    d o_i = g_i dO and d g_i = sum_d(o_i dO), against float64."""
+    from fa_lab.kernels import triton_nsa_gate_mix
+
+    branches = [torch.randn(shape, generator=generator).to(device, torch.bfloat16).requires_grad_() for _ in range(3)]
+    gates = torch.rand(*shape[:3], 3, generator=generator).to(device).requires_grad_()
+    grad_out = torch.randn(shape, generator=generator).to(device, torch.bfloat16)
+    out = triton_nsa_gate_mix(gates, *branches)
+    out.backward(grad_out)
+    wide = [t.detach().double() for t in branches]
+    want = sum(gates.detach().double()[..., i:i + 1] * branch for i, branch in enumerate(wide))
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -8, atol=0)  # one bf16 rounding
+    for i, branch in enumerate(branches):
+        want_grad = gates.detach().double()[..., i:i + 1] * grad_out.double()
+        torch.testing.assert_close(branch.grad.double(), want_grad, rtol=2 ** -8, atol=0)
+    want_gates = torch.stack([(branch * grad_out.double()).sum(-1) for branch in wide], dim=-1)
+    torch.testing.assert_close(gates.grad.double(), want_gates, rtol=1e-5, atol=1e-5)
+
+
 def test_nsa_gate_mix_builds_for_sm90_with_wide_loads_and_stores():
-    """nsa_gate_mix_kernel (bf16, d = 128) reads each branch and writes out 16 bytes at a time."""
+    """nsa_gate_mix_kernel and its backward (bf16, d = 128) read each branch and write each output 16 bytes at a
+    time, without spills."""
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
 
     load_triton()
-    from fa_lab.kernels.portable.nsa_gate import MIX_ROWS, nsa_gate_mix_kernel
+    from fa_lab.kernels.portable.nsa_gate import MIX_ROWS, nsa_gate_mix_bwd_kernel, nsa_gate_mix_kernel
 
-    signature = {**{name: "*bf16" for name in ("cmp_ptr", "sel_ptr", "win_ptr", "gates_ptr", "out_ptr")},
-                 "rows": "i32", "head_dim": "i32"}
-    (build,) = compile_all_for_sm90([dict(kernel=nsa_gate_mix_kernel, signature=signature, num_warps=4,
-                                          constants=dict(ROWS=MIX_ROWS, DIM=128),
-                                          aligned=("cmp_ptr", "sel_ptr", "win_ptr", "out_ptr", "head_dim"))])
-    assert build.sass.count("LDG.E.128") >= 3 and build.sass.count("STG.E.128") >= 1, build.registers
-    assert build.stack_bytes == 0
+    tensors = ("cmp_ptr", "sel_ptr", "win_ptr", "gates_ptr", "out_ptr")
+    signature = {**{name: "*bf16" for name in tensors}, "rows": "i32", "head_dim": "i32"}
+    grads = ("grad_ptr", "cmp_ptr", "sel_ptr", "win_ptr", "gates_ptr", "grad_cmp_ptr", "grad_sel_ptr", "grad_win_ptr")
+    backward = {**{name: "*bf16" for name in grads}, "grad_gates_ptr": "*fp32", "rows": "i32", "head_dim": "i32"}
+    forward, reverse = compile_all_for_sm90([
+        dict(kernel=nsa_gate_mix_kernel, signature=signature, num_warps=4, constants=dict(ROWS=MIX_ROWS, DIM=128),
+             aligned=("cmp_ptr", "sel_ptr", "win_ptr", "out_ptr", "head_dim")),
+        dict(kernel=nsa_gate_mix_bwd_kernel, signature=backward, num_warps=4, constants=dict(ROWS=MIX_ROWS, DIM=128),
+             aligned=(*(name for name in grads if name != "gates_ptr"), "head_dim"))])
+    assert forward.sass.count("LDG.E.128") >= 3 and forward.sass.count("STG.E.128") >= 1, forward.registers
+    assert reverse.sass.count("LDG.E.128") >= 4 and reverse.sass.count("STG.E.128") >= 3, reverse.registers
+    assert forward.stack_bytes == 0 and reverse.stack_bytes == 0
 
 
 # ---------------------------------------------------------------- GPU (device machine)
@@ -646,6 +677,11 @@ def test_gpu_nsa_importance(heads, heads_kv, seqlen, top_in_kernel, generator, m
 
     monkeypatch.setattr(fa_lab.sparse, "NSA_TOP_IN_KERNEL", top_in_kernel)
     check_nsa_importance(torch.bfloat16, 1, heads, heads_kv, seqlen, 128, 32, 64, 16, "cuda", generator)
+
+
+@pytest.mark.gpu
+def test_gpu_nsa_gate_mix(generator):
+    check_gate_mix((1, 16, 4500, 128), "cuda", generator)
 
 
 @pytest.mark.gpu

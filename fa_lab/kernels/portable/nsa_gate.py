@@ -4,7 +4,9 @@ In PyTorch the sum over float32 copies of the branches moves about 36 bytes per 
 temporaries (each branch widened, three products, two sums, the cast back): at 64K tokens, 64 heads and d = 128
 that is about 36 GB, several milliseconds against an NSA forward of about thirty. :func:`nsa_gate_mix_kernel`
 reads the three branches and the gates once, adds in float32 in registers and writes the output once: 8 bytes
-per element in 16-bit dtypes. The backward stays in PyTorch (d branch_i = g_i dO, d g_i = sum_d(o_i dO)).
+per element in 16-bit dtypes. The backward, d branch_i = g_i dO and d g_i = sum_d(o_i dO), is one pass too
+(:func:`nsa_gate_mix_bwd_kernel`): dO and the branches read once, the three branch gradients written once, where
+PyTorch's float32 temporaries moved about three times the bytes.
 """
 from __future__ import annotations
 
@@ -39,6 +41,31 @@ def _gated(branch_ptr, gates_ptr, row, index, offsets, row_ok, mask):
     return gate[:, None] * tl.load(branch_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def nsa_gate_mix_bwd_kernel(grad_ptr, cmp_ptr, sel_ptr, win_ptr, gates_ptr, grad_cmp_ptr, grad_sel_ptr,
+                            grad_win_ptr, grad_gates_ptr, rows, head_dim, ROWS: tl.constexpr, DIM: tl.constexpr):
+    """grad (dO), the branches and their gradients (rows, head_dim); gates (rows, 3); grad_gates (rows, 3)
+    float32; all contiguous."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    dim = tl.arange(0, DIM)
+    row_ok = row < rows
+    mask = row_ok[:, None] & (dim < head_dim)[None, :]
+    offsets = row[:, None] * head_dim + dim[None, :]
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    _branch_grads(grad, cmp_ptr, grad_cmp_ptr, gates_ptr, grad_gates_ptr, row, 0, offsets, row_ok, mask)
+    _branch_grads(grad, sel_ptr, grad_sel_ptr, gates_ptr, grad_gates_ptr, row, 1, offsets, row_ok, mask)
+    _branch_grads(grad, win_ptr, grad_win_ptr, gates_ptr, grad_gates_ptr, row, 2, offsets, row_ok, mask)
+
+
+@triton.jit
+def _branch_grads(grad, branch_ptr, grad_branch_ptr, gates_ptr, grad_gates_ptr, row, index, offsets, row_ok, mask):
+    """Branch ``index``'s gradient gates[row, index] * grad and its gate's, sum_d(branch * grad), in float32."""
+    gate = tl.load(gates_ptr + row * 3 + index, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(grad_branch_ptr + offsets, (gate[:, None] * grad).to(grad_branch_ptr.dtype.element_ty), mask=mask)
+    branch = tl.load(branch_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(grad_gates_ptr + row * 3 + index, tl.sum(branch * grad, axis=1), mask=row_ok)
+
+
 class GateMixFunction(torch.autograd.Function):
     """out = sum_i gates[..., i] * branches[i], the forward in :func:`nsa_gate_mix_kernel`."""
 
@@ -57,10 +84,15 @@ class GateMixFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gates, *branches = ctx.saved_tensors
-        grad = grad_out.float()
-        grad_gates = torch.stack([(branch.float() * grad).sum(-1) for branch in branches], dim=-1).to(gates.dtype)
-        grad_branches = [(gates[..., i:i + 1].float() * grad).to(branch.dtype) for i, branch in enumerate(branches)]
-        return grad_gates, *grad_branches
+        grad = grad_out.contiguous()
+        grad_branches = [torch.empty_like(branch) for branch in branches]
+        grad_gates = torch.empty(gates.shape, dtype=torch.float32, device=gates.device)
+        rows, head_dim = grad.numel() // grad.shape[-1], grad.shape[-1]
+        with on_device(grad):
+            nsa_gate_mix_bwd_kernel[(triton.cdiv(rows, MIX_ROWS),)](
+                grad, *branches, gates.contiguous(), *grad_branches, grad_gates, rows, head_dim, ROWS=MIX_ROWS,
+                DIM=head_dim_bucket(head_dim))
+        return grad_gates.to(gates.dtype), *grad_branches
 
 
 def triton_nsa_gate_mix(gates: torch.Tensor, out_cmp, out_sel, out_win) -> torch.Tensor:
