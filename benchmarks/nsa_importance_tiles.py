@@ -30,101 +30,89 @@ TOP_TILES = {"64 queries, 64 keys, 8 warps": dict(rows=64, keys=64, num_warps=8)
              "128 queries, 64 keys, 16 warps": dict(rows=128, keys=64, num_warps=16)}
 
 
-def main(out_dir: str) -> None:
+def selection_case(seqlen: int, generator) -> tuple:
+    """The sparse benchmark's NSA inputs at ``seqlen`` (q, k, v without grad), the compressed branch as a call (its
+    output and lse) and the importance kernel as a partial awaiting top_n and its tile."""
+    from fa_lab.bench import sparse
+    from fa_lab.kernels.portable.nsa_importance import triton_nsa_importance
+    from fa_lab.sparse import nsa_compress, nsa_compressed_attention
+
+    q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
+    scale, block_cmp = q.shape[-1] ** -0.5, sparse.NSA_BLOCK_CMP
+    k_cmp, v_cmp = nsa_compress(k, block_cmp), nsa_compress(v, block_cmp)
+    compressed = functools.partial(nsa_compressed_attention, q, k_cmp, v_cmp, block_cmp, scale, "triton")
+    importance = functools.partial(triton_nsa_importance, q, k_cmp, compressed()[1], block_cmp, sparse.BLOCK_K, scale)
+    return (q, k, v), compressed, importance
+
+
+def selected_sums(chosen, scores):
+    """Per query, the scores (B, H_kv, N, blocks) of the blocks ``chosen`` (B, H_kv, N, top_n), -1 for none, summed."""
+    import torch
+
+    return torch.where(chosen >= 0, scores.gather(-1, chosen.clamp(min=0)), 0).sum(-1)
+
+
+def packings(seqlen: int, generator) -> dict:
     import torch
     from triton.testing import do_bench
 
     from fa_lab.bench import sparse
-    from fa_lab.bench.schema import environment, write_log
-    from fa_lab.kernels import load_triton
-    from fa_lab.kernels.portable.nsa_importance import triton_nsa_importance
-    from fa_lab.sparse import nsa_compress, nsa_compressed_attention
 
-    load_triton()
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    log = []
-    for seqlen in sparse.SEQLENS:
-        entry = {"seqlen": seqlen}
-        q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
-        scale, block_cmp = q.shape[-1] ** -0.5, sparse.NSA_BLOCK_CMP
-        k_cmp, v_cmp = nsa_compress(k, block_cmp), nsa_compress(v, block_cmp)
-        compressed = functools.partial(nsa_compressed_attention, q, k_cmp, v_cmp, block_cmp, scale, "triton")
-        lse = compressed()[1]
-        calls = {name: functools.partial(triton_nsa_importance, q, k_cmp, lse, block_cmp, sparse.BLOCK_K, scale,
-                                         **packing) for name, packing in PACKINGS.items()}
-        first = None
-        for name, call in calls.items():
-            scores = call()
-            if first is None:
-                first = scores
-            else:
-                finite = torch.isfinite(first)
-                entry[f"{name} max difference"] = float((scores[finite] - first[finite]).abs().max())
-                entry[f"{name} same barred blocks"] = bool(torch.equal(torch.isinf(scores), torch.isinf(first)))
-        for _round in (1, 2):
-            for name, call in calls.items():
-                entry.setdefault(f"{name} ms", []).append(round(do_bench(call, return_mode="median"), 3))
-        topk = functools.partial(first.topk, sparse.SELECTED, dim=-1)
-        entry["topk ms"] = round(do_bench(topk, return_mode="median"), 3)
-        fused = functools.partial(triton_nsa_importance, q, k_cmp, lse, block_cmp, sparse.BLOCK_K, scale,
-                                  sparse.SELECTED)
-        chosen, kept = fused(), topk()
-        entry["running top: same selection"] = bool(torch.equal(chosen, torch.where(torch.isinf(kept.values), -1,
-                                                                                      kept.indices)))
-        chosen_sum = torch.where(chosen >= 0, first.gather(-1, chosen.clamp(min=0)), 0).sum(-1)
-        kept_sum = torch.where(torch.isinf(kept.values), 0, kept.values).sum(-1)
-        entry["running top: selected score sums' largest difference"] = float((chosen_sum - kept_sum).abs().max())
-        entry["running top in the importance kernel ms"] = round(do_bench(fused, return_mode="median"), 3)
-        entry["compressed branch ms"] = round(do_bench(compressed, return_mode="median"), 3)
-        del first, scores, topk, chosen, kept, chosen_sum, kept_sum
-        with torch.no_grad():
-            for name, make in (("nsa forward ms", sparse.ours_nsa), ("dense forward ms", sparse.dense)):
-                entry[name] = round(do_bench(make(q, k, v, None)[0], return_mode="median"), 3)
-        entry["dense / nsa forward"] = round(entry["dense forward ms"] / entry["nsa forward ms"], 3)
-        log.append(entry)
-        print(entry, flush=True)
-        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_nsa_importance.json"))
-        del q, k, v
-        torch.cuda.empty_cache()
+    (q, k, v), compressed, importance = selection_case(seqlen, generator)
+    entry, calls = {}, {name: functools.partial(importance, **packing) for name, packing in PACKINGS.items()}
+    first = None
+    for name, call in calls.items():
+        scores = call()
+        if first is None:
+            first = scores
+        else:
+            finite = torch.isfinite(first)
+            entry[f"{name} max difference"] = float((scores[finite] - first[finite]).abs().max())
+            entry[f"{name} same barred blocks"] = bool(torch.equal(torch.isinf(scores), torch.isinf(first)))
+    sparse.medians_in_turn(calls, entry)
+    topk = functools.partial(first.topk, sparse.SELECTED, dim=-1)
+    entry["topk ms"] = round(do_bench(topk, return_mode="median"), 3)
+    fused = functools.partial(importance, sparse.SELECTED)
+    chosen, kept = fused(), topk()
+    entry["running top: same selection"] = bool(torch.equal(chosen, torch.where(torch.isinf(kept.values), -1,
+                                                                                  kept.indices)))
+    kept_sum = torch.where(torch.isinf(kept.values), 0, kept.values).sum(-1)
+    entry["running top: selected score sums' largest difference"] = float(
+        (selected_sums(chosen, first) - kept_sum).abs().max())
+    entry["running top in the importance kernel ms"] = round(do_bench(fused, return_mode="median"), 3)
+    entry["compressed branch ms"] = round(do_bench(compressed, return_mode="median"), 3)
+    del first, scores, topk, chosen, kept, kept_sum
+    with torch.no_grad():
+        for name, make in (("nsa forward ms", sparse.ours_nsa), ("dense forward ms", sparse.dense)):
+            entry[name] = round(do_bench(make(q, k, v, None)[0], return_mode="median"), 3)
+    entry["dense / nsa forward"] = round(entry["dense forward ms"] / entry["nsa forward ms"], 3)
+    return entry
 
 
-def tiles(out_dir: str) -> None:
+def top_tiles(seqlen: int, generator) -> dict:
+    from fa_lab.bench import sparse
+
+    _, _, importance = selection_case(seqlen, generator)
+    scores = importance()
+    entry = {}
+    calls = {name: functools.partial(importance, sparse.SELECTED, **tile) for name, tile in TOP_TILES.items()}
+    sparse.checked_in_turn(calls, entry, lambda chosen: selected_sums(chosen, scores),
+                           "selected score sums' largest difference")
+    return entry
+
+
+def main(argv: list) -> None:
     import torch
-    from triton.testing import do_bench
 
     from fa_lab.bench import sparse
-    from fa_lab.bench.schema import environment, write_log
     from fa_lab.kernels import load_triton
-    from fa_lab.kernels.portable.nsa_importance import triton_nsa_importance
-    from fa_lab.sparse import nsa_compress, nsa_compressed_attention
 
     load_triton()
     generator = torch.Generator(device="cuda").manual_seed(0)
-    log = []
-    for seqlen in sparse.SEQLENS:
-        entry = {"seqlen": seqlen}
-        q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
-        scale, block_cmp = q.shape[-1] ** -0.5, sparse.NSA_BLOCK_CMP
-        k_cmp = nsa_compress(k, block_cmp)
-        lse = nsa_compressed_attention(q, k_cmp, nsa_compress(v, block_cmp), block_cmp, scale, "triton")[1]
-        scores = triton_nsa_importance(q, k_cmp, lse, block_cmp, sparse.BLOCK_K, scale)
-        calls = {name: functools.partial(triton_nsa_importance, q, k_cmp, lse, block_cmp, sparse.BLOCK_K, scale,
-                                         sparse.SELECTED, **tile) for name, tile in TOP_TILES.items()}
-        first_sum = None
-        for name, call in calls.items():
-            chosen = call()
-            chosen_sum = torch.where(chosen >= 0, scores.gather(-1, chosen.clamp(min=0)), 0).sum(-1)
-            first_sum = chosen_sum if first_sum is None else first_sum
-            entry[f"{name}: selected score sums' largest difference"] = float((chosen_sum - first_sum).abs().max())
-        for _round in (1, 2):
-            for name, call in calls.items():
-                entry.setdefault(f"{name} ms", []).append(round(do_bench(call, return_mode="median"), 3))
-        log.append(entry)
-        print(entry, flush=True)
-        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_nsa_importance_tiles.json"))
-        del q, k, v, scores, chosen, chosen_sum, first_sum
-        torch.cuda.empty_cache()
+    measure, name = (top_tiles, "h200_nsa_importance_tiles.json") if argv[0] == "--tiles" else \
+        (packings, "h200_nsa_importance.json")
+    sparse.log_by_length(os.path.join(argv[-1], name), functools.partial(measure, generator=generator))
 
 
 if __name__ == "__main__":
-    tiles(sys.argv[2]) if sys.argv[1] == "--tiles" else main(sys.argv[1])
+    main(sys.argv[1:])

@@ -14,41 +14,32 @@ SETTINGS = [(4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 2), (8, 3)]  # (warps, s
 SEQLENS = (16384, 65536)
 
 
-def main(out_dir: str) -> None:
-    import torch
-    from triton.testing import do_bench
-
+def settings(seqlen: int, generator) -> dict:
     from fa_lab.bench import sparse
-    from fa_lab.bench.schema import environment, write_log
-    from fa_lab.kernels import load_triton
     from fa_lab.kernels.portable.configs import TileConfig
     from fa_lab.kernels.portable.sparse_select import block_select_forward, tile_config
 
+    q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
+    indices = sparse.kernel_indices(sparse.nsa_selection(seqlen, generator), q, k)
+    shipped = tile_config(sparse.HEADS // sparse.HEADS_KV, sparse.BLOCK_K, q.shape[-1], backward=False)
+    entry = {"shipped": [shipped.block_m, shipped.block_n, shipped.num_warps, shipped.num_stages]}
+    calls = {f"{warps} warps, {stages} stages": functools.partial(
+        block_select_forward, q, k, v, indices, 1, sparse.BLOCK_K, True, q.shape[-1] ** -0.5,
+        config=TileConfig(shipped.block_m, shipped.block_n, warps, stages)) for warps, stages in SETTINGS}
+    sparse.checked_in_turn(calls, entry, lambda result: result[0].float(), "largest output difference")
+    return entry
+
+
+def main(out_dir: str) -> None:
+    import torch
+
+    from fa_lab.bench import sparse
+    from fa_lab.kernels import load_triton
+
     load_triton()
     generator = torch.Generator(device="cuda").manual_seed(0)
-    log = []
-    for seqlen in SEQLENS:
-        q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
-        indices = sparse.kernel_indices(sparse.nsa_selection(seqlen, generator), q, k)
-        shipped = tile_config(sparse.HEADS // sparse.HEADS_KV, sparse.BLOCK_K, q.shape[-1], backward=False)
-        entry = {"seqlen": seqlen, "shipped": [shipped.block_m, shipped.block_n, shipped.num_warps,
-                                               shipped.num_stages]}
-        calls = {f"{warps} warps, {stages} stages": functools.partial(
-            block_select_forward, q, k, v, indices, 1, sparse.BLOCK_K, True, q.shape[-1] ** -0.5,
-            config=TileConfig(shipped.block_m, shipped.block_n, warps, stages)) for warps, stages in SETTINGS}
-        first = None
-        for name, call in calls.items():
-            out, lse = call()
-            first = (out, lse) if first is None else first
-            entry[f"{name}: largest output difference"] = float((out.float() - first[0].float()).abs().max())
-        for _round in (1, 2):
-            for name, call in calls.items():
-                entry.setdefault(f"{name} ms", []).append(round(do_bench(call, return_mode="median"), 3))
-        log.append(entry)
-        print(entry, flush=True)
-        write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_nsa_select_tiles.json"))
-        del q, k, v, indices, first, out, lse
-        torch.cuda.empty_cache()
+    sparse.log_by_length(os.path.join(out_dir, "h200_nsa_select_tiles.json"),
+                         functools.partial(settings, generator=generator), SEQLENS)
 
 
 if __name__ == "__main__":

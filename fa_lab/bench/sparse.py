@@ -196,6 +196,40 @@ def measure(row: dict, make, tensors, selection, flops_fwd: float, timer) -> dic
     return row
 
 
+def log_by_length(path, measure, seqlens=SEQLENS) -> None:
+    """The A/B scripts' loop (benchmarks/nsa_*.py): ``measure(seqlen) -> dict`` at each length, each entry
+    printed and the log so far (the schema's header and ``log``, one entry a length) written to ``path``."""
+    from .schema import write_log
+
+    log = []
+    for seqlen in seqlens:
+        log.append({"seqlen": seqlen, **measure(seqlen)})
+        print(log[-1], flush=True)
+        write_log({**environment("cuda"), "log": log}, path)
+        torch.cuda.empty_cache()
+
+
+def checked_in_turn(calls: dict, entry: dict, value, label: str, rounds: int = 2) -> None:
+    """Each of ``calls`` run once and ``value(result)`` (a tensor) compared with the first call's: entry[f"{name}:
+    {label}"] the largest absolute difference; then each timed as :func:`medians_in_turn` says."""
+    first = None
+    for name, call in calls.items():
+        got = value(call())
+        first = got if first is None else first
+        entry[f"{name}: {label}"] = float((got - first).abs().max())
+    medians_in_turn(calls, entry, rounds)
+
+
+def medians_in_turn(calls: dict, entry: dict, rounds: int = 2) -> None:
+    """Time each of ``calls`` (name -> callable) in turn, ``rounds`` times over: entry[f"{name} ms"] lists its
+    do_bench medians, one a round (the A/B scripts' protocol, benchmarks/nsa_*.py)."""
+    from triton.testing import do_bench
+
+    for _round in range(rounds):
+        for name, call in calls.items():
+            entry.setdefault(f"{name} ms", []).append(round(do_bench(call, return_mode="median"), 3))
+
+
 def bf16_inputs(heads: int, heads_kv: int, seqlen: int, generator: torch.Generator):
     """q (1, heads, seqlen, d), k, v (1, heads_kv, seqlen, d), bf16 on the GPU, requiring grad."""
     def rand(h):
