@@ -225,6 +225,9 @@ def test_nsa_running_top_merges_across_the_kernels_steps(top_n, generator):
                                      num_warps=1)
     want = nsa_importance(q.double(), k_cmp.double(), block_cmp, block_sel, scale).to(selected.device)
     assert_best_set(selected, want, top_n)
+    for keys in (1, 12):  # fewer than a selection block's 2 compressed keys; not a power of two
+        with pytest.raises(ValueError, match="keys"):
+            triton_nsa_importance(q, k_cmp, lse, block_cmp, block_sel, scale, top_n, keys=keys)
 
 
 @pytest.mark.parametrize("heads, heads_kv, rows, members", [

@@ -30,7 +30,7 @@ import triton.language as tl
 from ..common import LOG2E, cdiv, head_dim_bucket, on_device
 
 IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # packed rows (queries x members) a program; compressed keys a step
-SELECTION_KEYS = 128  # compressed keys a step when keeping a running top: a sort of 16 + 64 keys every other step
+SELECTION_KEYS = 128  # compressed keys a step when keeping a running top (16 + 64 keys sorted a step, half the sorts)
 IMPORTANCE_MEMBERS = 1  # group heads per product (None: the whole group)
 IMPORTANCE_WARPS, SELECTION_WARPS = 4, 8  # storing the scores; keeping a running top (its sort's registers)
 INDEX_MASK = tl.constexpr(0x7FFFFFFF)  # a top key's low word: INDEX_MASK - block (:func:`running_top`)
