@@ -6,41 +6,43 @@ compressed blocks of 32, 16 selected blocks of 64, window 512) at 16K-64K, both 
 On the device: ``PYTHONPATH=. python3 benchmarks/nsa_top_ab.py $OUT`` writes $OUT/h200_nsa_top_ab.json (a log;
 committed as h100_* when the machine was an H100).
 """
+import functools
 import os
 import sys
 
 
-def main(out_dir: str) -> None:
+def both_ways(seqlen: int, generator) -> dict:
     import torch
     from triton.testing import do_bench
 
     from fa_lab import sparse as nsa
     from fa_lab.bench import sparse
-    from fa_lab.bench.schema import environment, write_log
+
+    q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
+    entry, default = {}, nsa.NSA_TOP_IN_KERNEL
+    try:
+        with torch.no_grad():
+            for _round in (1, 2):
+                for top_in_kernel in (False, True):
+                    nsa.NSA_TOP_IN_KERNEL = top_in_kernel
+                    entry.setdefault(f"nsa forward ms, top in kernel {top_in_kernel}", []).append(
+                        round(do_bench(sparse.ours_nsa(q, k, v, None)[0], return_mode="median"), 3))
+            entry["dense forward ms"] = round(do_bench(sparse.dense(q, k, v, None)[0], return_mode="median"), 3)
+    finally:
+        nsa.NSA_TOP_IN_KERNEL = default
+    return entry
+
+
+def main(out_dir: str) -> None:
+    import torch
+
+    from fa_lab.bench import sparse
     from fa_lab.kernels import load_triton
 
     load_triton()
     generator = torch.Generator(device="cuda").manual_seed(0)
-    default, log = nsa.NSA_TOP_IN_KERNEL, []
-    try:
-        for seqlen in sparse.SEQLENS:
-            q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
-            entry = {"seqlen": seqlen}
-            for _round in (1, 2):
-                for top_in_kernel in (False, True):
-                    nsa.NSA_TOP_IN_KERNEL = top_in_kernel
-                    with torch.no_grad():
-                        entry.setdefault(f"nsa forward ms, top in kernel {top_in_kernel}", []).append(
-                            round(do_bench(sparse.ours_nsa(q, k, v, None)[0], return_mode="median"), 3))
-            with torch.no_grad():
-                entry["dense forward ms"] = round(do_bench(sparse.dense(q, k, v, None)[0], return_mode="median"), 3)
-            print(entry, flush=True)
-            log.append(entry)
-            del q, k, v
-            torch.cuda.empty_cache()
-    finally:
-        nsa.NSA_TOP_IN_KERNEL = default
-    write_log({**environment("cuda"), "log": log}, os.path.join(out_dir, "h200_nsa_top_ab.json"))
+    sparse.log_by_length(os.path.join(out_dir, "h200_nsa_top_ab.json"),
+                         functools.partial(both_ways, generator=generator))
 
 
 if __name__ == "__main__":

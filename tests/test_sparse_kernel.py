@@ -588,8 +588,9 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
                                         signature={**signature, "out_ptr": "*i64" if top else "*fp32"},
                                         num_warps=warps,
                                         constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members,
-                                                       BLOCK_N=keys[top], HEAD_DIM=128, TOP=top,
-                                                       SORT=1 << (top + keys[top] // 2 - 1).bit_length() if top else 1),
+                                                       BLOCK_N=keys[top], HEAD_DIM=128,
+                                                       **dict(zip(("TOP", "SORT"),
+                                                                  importance.top_widths(top, keys[top], 2)))),
                                         aligned=("q_ptr", "k_cmp_ptr", "head_dim"))
                                    for (queries, members), warps, top in tiles])
     for build in builds:

@@ -46,6 +46,16 @@ def check_blocks_per_selection(block_cmp: int, block_sel: int) -> int:
     return per
 
 
+def top_widths(top_n: int, keys: int, per: int) -> tuple[int, int]:
+    """(TOP, SORT) of a launch keeping a running top_n over steps of ``keys`` compressed keys (``per`` a selection
+    block): the top's slots, a power of two >= top_n, and the sorted row's, a power of two holding them and a step's
+    keys // per blocks; (0, 1) when top_n is 0 (the scores stored)."""
+    if top_n <= 0:
+        return 0, 1
+    top = triton.next_power_of_2(top_n)
+    return top, triton.next_power_of_2(top + keys // per)
+
+
 def packed_tile(group: int, rows: int = IMPORTANCE_ROWS, members: int | None = IMPORTANCE_MEMBERS) -> tuple[int, int]:
     """(queries, members) of a program's tile of ``rows`` packed rows for a GQA group of ``group`` query heads:
     ``members`` a power of two (1: one head a pass, a tile of ``rows`` queries), or None for the group rounded up
@@ -157,7 +167,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
         raise ValueError(f"keys ({keys}) must be a power of two of at least {per} compressed blocks")
     queries, members = packed_tile(heads // heads_kv, rows, members)
     sel_blocks = cdiv(seqlen, block_sel)
-    top = triton.next_power_of_2(top_n) if top_n > 0 else 0
+    top, sort = top_widths(top_n, keys, per)
     out = (torch.empty((batch, heads_kv, seqlen, top_n), dtype=torch.int64, device=q.device) if top else
            torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
@@ -165,8 +175,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
         nsa_importance_kernel[(triton.cdiv(seqlen, queries), batch * heads_kv)](
             q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
             scale * LOG2E, LOG2E, BLOCK_CMP=block_cmp, PER=per, QUERIES=queries, MEMBERS=members,
-            BLOCK_N=keys, HEAD_DIM=head_dim_bucket(head_dim), TOP=top,
-            SORT=triton.next_power_of_2(top + keys // per) if top else 1,
+            BLOCK_N=keys, HEAD_DIM=head_dim_bucket(head_dim), TOP=top, SORT=sort,
             num_warps=num_warps or (SELECTION_WARPS if top else IMPORTANCE_WARPS),
             **({} if num_stages is None else {"num_stages": num_stages}))
     return out
