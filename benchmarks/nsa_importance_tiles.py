@@ -102,17 +102,11 @@ def top_tiles(seqlen: int, generator) -> dict:
 
 
 def main(argv: list) -> None:
-    import torch
-
     from fa_lab.bench import sparse
-    from fa_lab.kernels import load_triton
 
-    load_triton()
-    generator = torch.Generator(device="cuda").manual_seed(0)
     measure, name = (top_tiles, "h200_nsa_importance_tiles.json") if argv[0] == "--tiles" else \
         (packings, "h200_nsa_importance.json")
-    sparse.log_by_length(os.path.join(argv[-1], name), functools.partial(measure, generator=generator))
-
+    sparse.log_by_length(os.path.join(argv[-1], name), measure)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -31,16 +31,9 @@ def settings(seqlen: int, generator) -> dict:
 
 
 def main(out_dir: str) -> None:
-    import torch
-
     from fa_lab.bench import sparse
-    from fa_lab.kernels import load_triton
 
-    load_triton()
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    sparse.log_by_length(os.path.join(out_dir, "h200_nsa_select_tiles.json"),
-                         functools.partial(settings, generator=generator), SEQLENS)
-
+    sparse.log_by_length(os.path.join(out_dir, "h200_nsa_select_tiles.json"), settings, SEQLENS)
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -6,7 +6,6 @@ compressed blocks of 32, 16 selected blocks of 64, window 512) at 16K-64K, both 
 On the device: ``PYTHONPATH=. python3 benchmarks/nsa_top_ab.py $OUT`` writes $OUT/h200_nsa_top_ab.json (a log;
 committed as h100_* when the machine was an H100).
 """
-import functools
 import os
 import sys
 
@@ -34,16 +33,9 @@ def both_ways(seqlen: int, generator) -> dict:
 
 
 def main(out_dir: str) -> None:
-    import torch
-
     from fa_lab.bench import sparse
-    from fa_lab.kernels import load_triton
 
-    load_triton()
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    sparse.log_by_length(os.path.join(out_dir, "h200_nsa_top_ab.json"),
-                         functools.partial(both_ways, generator=generator))
-
+    sparse.log_by_length(os.path.join(out_dir, "h200_nsa_top_ab.json"), both_ways)
 
 if __name__ == "__main__":
     main(sys.argv[1])

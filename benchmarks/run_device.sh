@@ -69,6 +69,8 @@
 #            benchmarks/nsa_select_tiles.py)
 #   nsa-top - NSA's forward with its selection's top kept in the importance kernel against torch.topk, in turn, beside
 #            dense attention (h200_nsa_top_ab.json, by benchmarks/nsa_top_ab.py)
+#   nsa-fold - NSA's compressed-branch fold and unfold as one kernel each against the strided copies they replaced,
+#            alone and inside NSA's forward and backward, in turn (h200_nsa_fold_ab.json, by benchmarks/nsa_fold_ab.py)
 #   decode-check-ab - the default call's value check read back first against decided on the device, and the
 #            unchecked call (h200_decode_check_ab.json, by benchmarks/decode_check_ab.py)
 #   gqa-mha-ab - grouped-query attention (32 / 8 heads) against MHA, triton_hopper forward and backward, in turn for
@@ -174,6 +176,7 @@ case "$step" in
   nsa-importance-tiles) python3 benchmarks/nsa_importance_tiles.py --tiles "$out" 2>&1 | tee "$out/nsa_importance_tiles.log" ;;
   nsa-select-tiles) python3 benchmarks/nsa_select_tiles.py "$out" 2>&1 | tee "$out/nsa_select_tiles.log" ;;
   nsa-top) python3 benchmarks/nsa_top_ab.py "$out" 2>&1 | tee "$out/nsa_top_ab.log" ;;
+  nsa-fold) python3 benchmarks/nsa_fold_ab.py "$out" 2>&1 | tee "$out/nsa_fold_ab.log" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;
   window-variants) python3 benchmarks/window_variants.py "$out" 2>&1 | tee "$out/window_variants.log" ;;
@@ -192,5 +195,5 @@ case "$step" in
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-top|nsa-fold|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -303,49 +303,23 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl
 
 class _Folding:
     """The compressed branch's folded layout (:func:`nsa_compressed_attention`): query i of (B, H, N, ...) sits at
-    row r = i + 1 = step * block + residue, in (B * block, H, steps, ...) at [b * block + residue, h, step]. Seen
-    as (B, H, steps, block, ...) (a view of the folded tensor), the queries fill at most three rectangles of
-    (steps, residues): the rest of step 0, the whole steps after it, the start of the last step. Each direction
-    is one strided copy per rectangle (whole rows of d elements); the folded rows that hold no query (r = 0,
-    r > N) are zeros, and their outputs are dropped, so fold is also unfold's gradient and unfold fold's."""
+    row r = i + 1 = step * block + residue, in (B * block, H, steps, ...) at [b * block + residue, h, step]; the
+    folded rows that hold no query (r = 0, r > N) are zeros and their outputs are dropped, so fold is also
+    unfold's gradient and unfold fold's. Each direction is one gather of whole rows
+    (:mod:`fa_lab.kernels.portable.nsa_fold`)."""
 
     def __init__(self, seqlen: int, block: int, steps: int):
-        whole = (seqlen + 1) // block  # rows 0 .. whole * block - 1 fill whole steps
-        tail = seqlen + 1 - whole * block  # rows of the last, partial step
-        # (first step, steps, first residue, residues, first query) of each rectangle
-        pieces = [(0, 1, 1, min(block, seqlen + 1) - 1, 0), (1, whole - 1, 0, block, block - 1)]
-        if whole:  # else the rows of step 0 are all of them
-            pieces.append((whole, 1, 0, tail, whole * block - 1))
-        self.pieces = [piece for piece in pieces if piece[1] > 0 and piece[3] > 0]
-        self.empty = [(0, 0, 1)] + ([(whole, tail, block)] if whole < steps else [])  # (step, residues from, to)
         self.seqlen, self.block, self.steps = seqlen, block, steps
 
-    def _grid(self, folded):
-        """(B * block, H, steps, ...) -> its view (B, H, steps, block, ...)."""
-        return folded.view(-1, self.block, *folded.shape[1:]).movedim(1, 3)
-
     def fold(self, t):
-        """(B, H, N, ...) -> (B * block, H, steps, ...), zeros in the rows that hold no query."""
-        batch, heads, _, *rest = t.shape
-        t = t.contiguous()
-        folded = t.new_empty(batch * self.block, heads, self.steps, *rest)
-        grid = self._grid(folded)
-        for step, steps, residue, residues, query in self.pieces:
-            grid[:, :, step:step + steps, residue:residue + residues] = \
-                t[:, :, query:query + steps * residues].view(batch, heads, steps, residues, *rest)
-        for step, first, last in self.empty:
-            grid[:, :, step, first:last] = 0
-        return folded
+        """(B, H, N, d) -> (B * block, H, steps, d), zeros in the rows that hold no query."""
+        from .kernels import triton_nsa_fold
+        return triton_nsa_fold(t, self.block, self.steps)
 
     def unfold(self, t):
-        """(B * block, H, steps, ...) -> (B, H, N, ...), the rows that hold no query dropped."""
-        grid = self._grid(t.contiguous())
-        batch, heads, _, _, *rest = grid.shape
-        out = t.new_empty(batch, heads, self.seqlen, *rest)
-        for step, steps, residue, residues, query in self.pieces:
-            out[:, :, query:query + steps * residues].view(batch, heads, steps, residues, *rest).copy_(
-                grid[:, :, step:step + steps, residue:residue + residues])
-        return out
+        """(B * block, H, steps, d) -> (B, H, N, d), the rows that hold no query dropped."""
+        from .kernels import triton_nsa_fold
+        return triton_nsa_fold(t, self.block, self.seqlen, unfold=True)
 
 
 class _Relayout(torch.autograd.Function):

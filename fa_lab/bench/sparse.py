@@ -197,13 +197,17 @@ def measure(row: dict, make, tensors, selection, flops_fwd: float, timer) -> dic
 
 
 def log_by_length(path, measure, seqlens=SEQLENS) -> None:
-    """The A/B scripts' loop (benchmarks/nsa_*.py): ``measure(seqlen) -> dict`` at each length, each entry
-    printed and the log so far (the schema's header and ``log``, one entry a length) written to ``path``."""
+    """The A/B scripts' run (benchmarks/nsa_*.py): ``measure(seqlen, generator) -> dict`` at each length, one CUDA
+    generator seeded 0 for the run, each entry printed and the log so far (the schema's header and ``log``, one
+    entry a length) written to ``path``."""
+    from ..kernels import load_triton
     from .schema import write_log
 
+    load_triton()
+    generator = torch.Generator(device="cuda").manual_seed(0)
     log = []
     for seqlen in seqlens:
-        log.append({"seqlen": seqlen, **measure(seqlen)})
+        log.append({"seqlen": seqlen, **measure(seqlen, generator)})
         print(log[-1], flush=True)
         write_log({**environment("cuda"), "log": log}, path)
         torch.cuda.empty_cache()
