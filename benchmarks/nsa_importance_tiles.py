@@ -11,8 +11,9 @@ queries (4 warps); the group's 16 heads packed with 4 queries (64 rows, 4 warps)
 
 On the H200: ``PYTHONPATH=. python3 benchmarks/nsa_importance_tiles.py $OUT`` writes $OUT/h200_nsa_importance.json
 (a log). With ``--tiles`` it times the kernel keeping its running top 16 instead, at the tiles of TOP_TILES (queries,
-compressed keys a step, warps, Triton's stages), in turn for two rounds, each one's choice checked against the
-first's by the scores it selects: $OUT/h200_nsa_importance_tiles.json.
+compressed keys a step, warps, Triton's stages, the top by a sort or a merge), in turn for two rounds, each one's
+choice checked against the first's by the scores it selects, then NSA's forward with the top by a sort and by a
+merge, in turn, beside dense attention's: $OUT/h200_nsa_importance_tiles.json.
 """
 import functools
 import os
@@ -21,13 +22,13 @@ import sys
 PACKINGS = {"one head a pass, 64 queries, 4 warps": dict(rows=64, members=1, num_warps=4),
             "group packed, 4 queries, 4 warps": dict(rows=64, members=None, num_warps=4),
             "group packed, 8 queries, 8 warps": dict(rows=128, members=None, num_warps=8)}
-# The running top's tiles that build for sm_90 without spilling (64 queries, 128 keys a step, 8 warps: 225
-# registers); 128 queries spill at 8 warps.
-TOP_TILES = {"64 queries, 64 keys, 8 warps": dict(rows=64, keys=64, num_warps=8),
-             "64 queries, 128 keys, 8 warps": dict(rows=64, keys=128, num_warps=8),
-             "64 queries, 64 keys, 8 warps, 2 stages": dict(rows=64, keys=64, num_warps=8, num_stages=2),
-             "64 queries, 128 keys, 8 warps, 2 stages": dict(rows=64, keys=128, num_warps=8, num_stages=2),
-             "128 queries, 64 keys, 16 warps": dict(rows=128, keys=64, num_warps=16)}
+# The running top's tiles that build for sm_90 without spilling: sorting (running_top), 64 queries and 128 keys a
+# step at 8 warps (225 registers); merging (merged_top: a top-k of the step, then a merge), 128 keys at 4 warps (255)
+# or 256 keys at 8 (233).
+TOP_TILES = {"64 queries, 128 keys, 8 warps, sort": dict(rows=64, keys=128, num_warps=8, merge=False),
+             "64 queries, 128 keys, 4 warps, merge": dict(rows=64, keys=128, num_warps=4, merge=True),
+             "64 queries, 256 keys, 8 warps, merge": dict(rows=64, keys=256, num_warps=8, merge=True),
+             "64 queries, 64 keys, 4 warps, merge": dict(rows=64, keys=64, num_warps=4, merge=True)}
 
 
 def selection_case(seqlen: int, generator) -> tuple:
@@ -90,6 +91,9 @@ def packings(seqlen: int, generator) -> dict:
 
 
 def top_tiles(seqlen: int, generator) -> dict:
+    import torch
+    from triton.testing import do_bench
+
     from fa_lab.bench import sparse
 
     _, _, importance = selection_case(seqlen, generator)
@@ -98,7 +102,25 @@ def top_tiles(seqlen: int, generator) -> dict:
     calls = {name: functools.partial(importance, sparse.SELECTED, **tile) for name, tile in TOP_TILES.items()}
     sparse.checked_in_turn(calls, entry, lambda chosen: selected_sums(chosen, scores),
                            "selected score sums' largest difference")
+    q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
+    with torch.no_grad():
+        forward = sparse.ours_nsa(q, k, v, None)[0]
+        calls = {f"nsa forward, merge {merge}": functools.partial(_with_merge, merge, forward)
+                 for merge in (False, True)}
+        sparse.checked_in_turn(calls, entry, lambda out: out.float(), "largest output difference")
+        entry["dense forward ms"] = round(do_bench(sparse.dense(q, k, v, None)[0], return_mode="median"), 3)
     return entry
+
+
+def _with_merge(merge: bool, call):
+    """call() with the running top by merged_top (merge) or running_top, the default restored after."""
+    from fa_lab.kernels.portable import nsa_importance
+
+    default, nsa_importance.TOP_BY_MERGE = nsa_importance.TOP_BY_MERGE, merge
+    try:
+        return call()
+    finally:
+        nsa_importance.TOP_BY_MERGE = default
 
 
 def main(argv: list) -> None:

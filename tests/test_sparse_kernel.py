@@ -198,21 +198,26 @@ def test_nsa_importance_kernel_against_its_definition(dtype, batch, heads, heads
                          generator)
 
 
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("top_n", [2, 3, 40])
-def test_nsa_selection_keeps_a_running_top_in_the_importance_kernel(top_n, generator, monkeypatch):
+def test_nsa_selection_keeps_a_running_top_in_the_importance_kernel(top_n, merge, generator, monkeypatch):
     """nsa_select(impl="triton") with NSA_TOP_IN_KERNEL keeps its top_n in the importance kernel (a top of 4 slots
-    for 3; for 40, more than the 13 blocks of 16 tokens in 200, as many as the past holds): a best set by the
-    float64 scores."""
+    for 3; for 40, more than the 13 blocks of 16 tokens in 200, as many as the past holds), by a sort of both or by
+    a top-k and a merge: a best set by the float64 scores."""
     import fa_lab.sparse
+    from fa_lab.kernels.portable import nsa_importance
 
     monkeypatch.setattr(fa_lab.sparse, "NSA_TOP_IN_KERNEL", True)
+    monkeypatch.setattr(nsa_importance, "TOP_BY_MERGE", merge)
     check_nsa_importance(torch.bfloat16, 1, 4, 2, 200, 32, 8, 16, top_n, DEVICE, generator)
 
 
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("top_n", [3, 6])
-def test_nsa_running_top_merges_across_the_kernels_steps(top_n, generator):
+def test_nsa_running_top_merges_across_the_kernels_steps(top_n, merge, generator):
     """The importance kernel's running top over 25 compressed keys taken 8 a step (4 selection blocks a step, so
-    the top is merged with 4 steps' blocks) keeps a best set by the float64 scores."""
+    the top is merged with 4 steps' blocks; with top_n 6, a top of 8 slots, wider than a step) keeps a best set by
+    the float64 scores, by a sort of both or by a top-k and a merge."""
     from fa_lab.kernels.portable.nsa_importance import triton_nsa_importance
     from fa_lab.sparse import nsa_compressed_attention, nsa_importance
 
@@ -222,7 +227,7 @@ def test_nsa_running_top_merges_across_the_kernels_steps(top_n, generator):
     k_cmp, scale = nsa_compress(k, block_cmp), head_dim ** -0.5
     lse = nsa_compressed_attention(q, k_cmp, k_cmp, block_cmp, scale, "triton")[1]
     selected = triton_nsa_importance(q, k_cmp, lse, block_cmp, block_sel, scale, top_n, rows=16, keys=8,
-                                     num_warps=1)
+                                     num_warps=1, merge=merge)
     want = nsa_importance(q.double(), k_cmp.double(), block_cmp, block_sel, scale).to(selected.device)
     assert_best_set(selected, want, top_n)
     for keys in (1, 12):  # fewer than a selection block's 2 compressed keys; not a power of two
@@ -582,17 +587,18 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
                                              "top_n")},
                  "qk_scale_log2": "fp32", "log2e": "fp32"}
     default, packed = importance.packed_tile(16), importance.packed_tile(16, 128, None)
-    tiles = [(default, importance.IMPORTANCE_WARPS, 0), (default, importance.SELECTION_WARPS, 16), (packed, 8, 0)]
+    tiles = [(default, importance.IMPORTANCE_WARPS, 0, False), (default, importance.SELECTION_WARPS, 16, False),
+             (default, importance.MERGE_WARPS, 16, True), (packed, 8, 0, False)]
     keys = {0: importance.IMPORTANCE_KEYS, 16: importance.SELECTION_KEYS}
     builds = compile_all_for_sm90([dict(kernel=importance.nsa_importance_kernel,
                                         signature={**signature, "out_ptr": "*i64" if top else "*fp32"},
                                         num_warps=warps,
                                         constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members,
-                                                       BLOCK_N=keys[top], HEAD_DIM=128,
+                                                       BLOCK_N=keys[top], HEAD_DIM=128, MERGE=merge,
                                                        **dict(zip(("TOP", "SORT"),
                                                                   importance.top_widths(top, keys[top], 2)))),
                                         aligned=("q_ptr", "k_cmp_ptr", "head_dim"))
-                                   for (queries, members), warps, top in tiles])
+                                   for (queries, members), warps, top, merge in tiles])
     for build in builds:
         assert "HMMA" in build.sass or "HGMMA" in build.sass, build.registers
         assert build.stack_bytes == 0, (build.registers, build.stack_bytes)
@@ -699,12 +705,14 @@ def test_gpu_nsa_selection(heads, heads_kv, generator):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("top_in_kernel", [False, True])
+@pytest.mark.parametrize("top_in_kernel, merge", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("heads, heads_kv, seqlen", [(16, 1, 2049), (8, 2, 1000), (8, 2, 4500)])
-def test_gpu_nsa_importance(heads, heads_kv, seqlen, top_in_kernel, generator, monkeypatch):
+def test_gpu_nsa_importance(heads, heads_kv, seqlen, top_in_kernel, merge, generator, monkeypatch):
     import fa_lab.sparse
+    from fa_lab.kernels.portable import nsa_importance
 
     monkeypatch.setattr(fa_lab.sparse, "NSA_TOP_IN_KERNEL", top_in_kernel)
+    monkeypatch.setattr(nsa_importance, "TOP_BY_MERGE", merge)
     check_nsa_importance(torch.bfloat16, 1, heads, heads_kv, seqlen, 128, 32, 64, 16, "cuda", generator)
 
 

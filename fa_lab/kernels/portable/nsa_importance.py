@@ -18,8 +18,10 @@ per product and the group is walked ``members`` heads at a time. The default is 
 Q read again at each step; packing the whole group (Q read once per program) measured slower (the record "NSA's
 selection and compressed branch" in docs/experiments/sparse_kernels.md).
 
-With ``top_n`` the kernel returns the selection itself: each query's running top (:func:`running_top`), merged
-with every step's blocks by a sort, stored once at the end; the scores are never stored.
+With ``top_n`` the kernel returns the selection itself: each query's running top, merged with every step's blocks
+and stored once at the end; the scores are never stored. By default (TOP_BY_MERGE) the step's best top_n come from a
+bitonic top-k and one bitonic merge joins them to the top (:func:`merged_top`); :func:`running_top` sorts the top
+and the step's blocks together instead, about three times the kernel's code at NSA's sizes.
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ from ..common import LOG2E, cdiv, head_dim_bucket, on_device
 IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # packed rows (queries x members) a program; compressed keys a step
 SELECTION_KEYS = 128  # compressed keys a step when keeping a running top (16 + 64 keys sorted a step, half the sorts)
 IMPORTANCE_MEMBERS = 1  # group heads per product (None: the whole group)
-IMPORTANCE_WARPS, SELECTION_WARPS = 4, 8  # storing the scores; keeping a running top (its sort's registers)
+# warps storing the scores; keeping a running top by running_top's sort (its registers: 4 warps spill), by merged_top
+IMPORTANCE_WARPS, SELECTION_WARPS, MERGE_WARPS = 4, 8, 4
+TOP_BY_MERGE = True  # the running top by merged_top (a top-k of the step, then a merge) rather than one sort of both
 INDEX_MASK = tl.constexpr(0x7FFFFFFF)  # a top key's low word: INDEX_MASK - block (:func:`running_top`)
 
 
@@ -68,12 +72,12 @@ def packed_tile(group: int, rows: int = IMPORTANCE_ROWS, members: int | None = I
 def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp, sel_blocks, heads, group,
                           head_dim, top_n, qk_scale_log2, log2e, BLOCK_CMP: tl.constexpr, PER: tl.constexpr,
                           QUERIES: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, TOP: tl.constexpr, SORT: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, TOP: tl.constexpr, SORT: tl.constexpr, MERGE: tl.constexpr):
     """q (B, H, N, d), k_cmp (B, H_kv, blocks_cmp, d), lse (B, H, N) float32, all contiguous. A tile of QUERIES
     queries x MEMBERS group heads (:func:`packed_tile`). TOP = 0: out (B, H_kv, N, sel_blocks) float32, the
     scores. TOP > 0 (a power of two >= top_n; SORT the power of two >= TOP + BLOCK_N // PER): out
-    (B, H_kv, N, top_n) int64, each query's top_n blocks (:func:`running_top`), best first, -1 past its last
-    selectable block; steps wholly after the tile are skipped."""
+    (B, H_kv, N, top_n) int64, each query's top_n blocks (:func:`running_top`, or :func:`merged_top` with MERGE),
+    best first, -1 past its last selectable block; steps wholly after the tile are skipped."""
     pid_m, pid_bkv = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)  # most keys first
     heads_kv = heads // group
     batch, kv_head = pid_bkv // heads_kv, pid_bkv % heads_kv
@@ -116,7 +120,11 @@ def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp
         sel = start // PER + tl.arange(0, SEL_STEP)
         future = sel[None, :] * (PER * BLOCK_CMP) > queries[:, None]
         if TOP > 0:
-            best = running_top(best, per_block, sel, ~future & (sel[None, :] < sel_blocks), TOP=TOP, SORT=SORT)
+            selectable = ~future & (sel[None, :] < sel_blocks)
+            if MERGE:
+                best = merged_top(best, per_block, sel, selectable, TOP=TOP)
+            else:
+                best = running_top(best, per_block, sel, selectable, TOP=TOP, SORT=SORT)
         else:
             per_block = tl.where(future, float("-inf"), per_block)
             tl.store(out_base + queries[:, None] * sel_blocks + sel[None, :], per_block,
@@ -129,13 +137,35 @@ def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp
 
 
 @triton.jit
-def running_top(best, scores, blocks, selectable, TOP: tl.constexpr, SORT: tl.constexpr):
-    """best (Q, TOP) int64 keys, the top so far, sorted best first, after the step's (Q, S) float32 ``scores``
-    of ``blocks`` (S,) where ``selectable``. A key orders by score, then by the lower block: the score's bits
-    (non-negative floats order as their bit patterns) plus one in the high word, INDEX_MASK - block in the
-    low; 0 for none. The TOP keys and the step's S are laid side by side in a row of SORT and sorted."""
+def top_keys(scores, blocks, selectable):
+    """(Q, S) int64 keys of the step's float32 ``scores`` of ``blocks`` (S,) where ``selectable``: a key orders by
+    score, then by the lower block: the score's bits (non-negative floats order as their bit patterns) plus one in
+    the high word, INDEX_MASK - block in the low; 0 for none."""
     bits = scores.to(tl.int32, bitcast=True).to(tl.int64) + 1
-    keys = tl.where(selectable, (bits << 32) | (INDEX_MASK.value - blocks[None, :]).to(tl.int64), 0)
+    return tl.where(selectable, (bits << 32) | (INDEX_MASK.value - blocks[None, :]).to(tl.int64), 0)
+
+
+@triton.jit
+def merged_top(best, scores, blocks, selectable, TOP: tl.constexpr):
+    """:func:`running_top` by a merge instead of a sort of both: the step's best TOP keys by ``tl.topk`` (a bitonic
+    top-k of the step's S keys, padded with none to TOP when S < TOP), then the TOP best of the two lists, both
+    sorted best first: max(best[i], step[TOP - 1 - i]) holds them as a bitonic sequence, which one bitonic merge
+    of log2(TOP) rounds sorts."""
+    keys = top_keys(scores, blocks, selectable)
+    STEP: tl.constexpr = scores.shape[1]
+    if STEP < TOP:
+        column = tl.broadcast_to(tl.arange(0, TOP)[None, :], (best.shape[0], TOP))
+        keys = tl.where(column < STEP, tl.gather(keys, tl.minimum(column, STEP - 1), axis=1), 0)
+    step_best = tl.topk(keys, TOP)
+    return tl.bitonic_merge(tl.maximum(best, tl.flip(step_best, 1)), descending=True)
+
+
+@triton.jit
+def running_top(best, scores, blocks, selectable, TOP: tl.constexpr, SORT: tl.constexpr):
+    """best (Q, TOP) int64 keys (:func:`top_keys`), the top so far, sorted best first, after the step's (Q, S)
+    float32 ``scores`` of ``blocks`` (S,) where ``selectable``. The TOP keys and the step's S are laid side by side
+    in a row of SORT and sorted."""
+    keys = top_keys(scores, blocks, selectable)
     QUERIES: tl.constexpr = best.shape[0]
     STEP: tl.constexpr = scores.shape[1]
     column = tl.broadcast_to(tl.arange(0, SORT)[None, :], (QUERIES, SORT))
@@ -149,7 +179,8 @@ def running_top(best, scores, blocks, selectable, TOP: tl.constexpr, SORT: tl.co
 def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, block_cmp: int,
                           block_sel: int, scale: float, top_n: int = 0, *, rows: int = IMPORTANCE_ROWS,
                           members: int | None = IMPORTANCE_MEMBERS, keys: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                          num_warps: int | None = None, num_stages: int | None = None,
+                          merge: bool | None = None) -> torch.Tensor:
     """:func:`nsa_importance_kernel` on q (B, H, N, d) float16/bfloat16, the compressed keys k_cmp
     (B, H_kv, N // block_cmp, d) and the compressed branch's lse (B, H, N) (natural log, -inf where no
     compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)), or with ``top_n`` > 0 each query's
@@ -157,8 +188,9 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     (:func:`fa_lab.sparse.nsa_select`'s result, ties to the lower block). block_sel: see
     :func:`check_blocks_per_selection`; rows, members: the tile (:func:`packed_tile`); keys: compressed keys a
     step (a power of two, at least block_sel // block_cmp; IMPORTANCE_KEYS or SELECTION_KEYS when None);
-    num_warps its warps (IMPORTANCE_WARPS or SELECTION_WARPS when None), num_stages Triton's (its default when
-    None)."""
+    num_warps its warps (IMPORTANCE_WARPS, MERGE_WARPS or SELECTION_WARPS when None), num_stages Triton's (its
+    default when None); merge: the running top by :func:`merged_top` rather than :func:`running_top`
+    (TOP_BY_MERGE when None)."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
@@ -168,6 +200,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     queries, members = packed_tile(heads // heads_kv, rows, members)
     sel_blocks = cdiv(seqlen, block_sel)
     top, sort = top_widths(top_n, keys, per)
+    merge = TOP_BY_MERGE if merge is None else merge
     out = (torch.empty((batch, heads_kv, seqlen, top_n), dtype=torch.int64, device=q.device) if top else
            torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
@@ -176,6 +209,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
             q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
             scale * LOG2E, LOG2E, BLOCK_CMP=block_cmp, PER=per, QUERIES=queries, MEMBERS=members,
             BLOCK_N=keys, HEAD_DIM=head_dim_bucket(head_dim), TOP=top, SORT=sort,
-            num_warps=num_warps or (SELECTION_WARPS if top else IMPORTANCE_WARPS),
+            MERGE=merge,
+            num_warps=num_warps or (IMPORTANCE_WARPS if not top else MERGE_WARPS if merge else SELECTION_WARPS),
             **({} if num_stages is None else {"num_stages": num_stages}))
     return out
