@@ -67,7 +67,7 @@ def both_ways(seqlen: int, generator) -> dict:
 
     from fa_lab import sparse as nsa
     from fa_lab.bench import sparse
-    from fa_lab.kernels import triton_nsa_fold
+    from fa_lab.kernels import triton_nsa_fold, triton_nsa_unfold
 
     q, k, v = sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator)
     block, steps = sparse.NSA_BLOCK_CMP, seqlen // sparse.NSA_BLOCK_CMP + 1
@@ -76,7 +76,7 @@ def both_ways(seqlen: int, generator) -> dict:
     sparse.checked_in_turn({"fold, kernel": lambda: triton_nsa_fold(q.detach(), block, steps),
                             "fold, strided copies": lambda: strided.fold(q.detach())}, entry, lambda t: t.float(),
                            "max difference")
-    sparse.checked_in_turn({"unfold, kernel": lambda: triton_nsa_fold(folded, block, seqlen, unfold=True),
+    sparse.checked_in_turn({"unfold, kernel": lambda: triton_nsa_unfold(folded, block, seqlen),
                             "unfold, strided copies": lambda: strided.unfold(folded)}, entry, lambda t: t.float(),
                            "max difference")
     run, _ = sparse.ours_nsa(q, k, v, None)
@@ -87,29 +87,19 @@ def both_ways(seqlen: int, generator) -> dict:
         q_grad, = torch.autograd.grad(out, q, grad)
         return q_grad
 
-    default = nsa._Folding
-    try:
-        for label, call, value in (("nsa forward", run, lambda t: t.float()),
-                                   ("nsa forward + backward", forward_backward, lambda t: t.float())):
-            calls = {}
-            for name, layout in (("kernel", default), ("strided copies", StridedCopies)):
-                calls[f"{label}, {name}"] = functools.partial(_with_layout, nsa, layout, call)
-            sparse.checked_in_turn(calls, entry, value, "max difference (out or dq)")
-        entry["dense forward ms"] = round(do_bench(sparse.dense(q, k, v, None)[0], return_mode="median"), 3)
-    finally:
-        nsa._Folding = default
+    for label, call in (("nsa forward", run), ("nsa forward + backward", forward_backward)):
+        calls = {f"{label}, {name}": functools.partial(sparse.called_with, nsa, "_Folding", layout, call)
+                 for name, layout in (("kernel", nsa._Folding), ("strided copies", StridedCopies))}
+        sparse.checked_in_turn(calls, entry, lambda t: t.float(), "max difference (out or dq)")
+    entry["dense forward ms"] = round(do_bench(sparse.dense(q, k, v, None)[0], return_mode="median"), 3)
     return entry
-
-
-def _with_layout(nsa, layout, call):
-    nsa._Folding = layout
-    return call()
 
 
 def main(out_dir: str) -> None:
     from fa_lab.bench import sparse
 
     sparse.log_by_length(os.path.join(out_dir, "h200_nsa_fold_ab.json"), both_ways)
+
 
 if __name__ == "__main__":
     main(sys.argv[1])

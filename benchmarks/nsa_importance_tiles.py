@@ -95,6 +95,7 @@ def top_tiles(seqlen: int, generator) -> dict:
     from triton.testing import do_bench
 
     from fa_lab.bench import sparse
+    from fa_lab.kernels.portable import nsa_importance
 
     _, _, importance = selection_case(seqlen, generator)
     scores = importance()
@@ -105,22 +106,11 @@ def top_tiles(seqlen: int, generator) -> dict:
     q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
     with torch.no_grad():
         forward = sparse.ours_nsa(q, k, v, None)[0]
-        calls = {f"nsa forward, merge {merge}": functools.partial(_with_merge, merge, forward)
-                 for merge in (False, True)}
+        calls = {f"nsa forward, merge {merge}": functools.partial(sparse.called_with, nsa_importance, "TOP_BY_MERGE",
+                                                                  merge, forward) for merge in (False, True)}
         sparse.checked_in_turn(calls, entry, lambda out: out.float(), "largest output difference")
         entry["dense forward ms"] = round(do_bench(sparse.dense(q, k, v, None)[0], return_mode="median"), 3)
     return entry
-
-
-def _with_merge(merge: bool, call):
-    """call() with the running top by merged_top (merge) or running_top, the default restored after."""
-    from fa_lab.kernels.portable import nsa_importance
-
-    default, nsa_importance.TOP_BY_MERGE = nsa_importance.TOP_BY_MERGE, merge
-    try:
-        return call()
-    finally:
-        nsa_importance.TOP_BY_MERGE = default
 
 
 def main(argv: list) -> None:
@@ -129,6 +119,7 @@ def main(argv: list) -> None:
     measure, name = (top_tiles, "h200_nsa_importance_tiles.json") if argv[0] == "--tiles" else \
         (packings, "h200_nsa_importance.json")
     sparse.log_by_length(os.path.join(argv[-1], name), measure)
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

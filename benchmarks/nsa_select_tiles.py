@@ -35,5 +35,6 @@ def main(out_dir: str) -> None:
 
     sparse.log_by_length(os.path.join(out_dir, "h200_nsa_select_tiles.json"), settings, SEQLENS)
 
+
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -318,8 +318,8 @@ class _Folding:
 
     def unfold(self, t):
         """(B * block, H, steps, d) -> (B, H, N, d), the rows that hold no query dropped."""
-        from .kernels import triton_nsa_fold
-        return triton_nsa_fold(t, self.block, self.seqlen, unfold=True)
+        from .kernels import triton_nsa_unfold
+        return triton_nsa_unfold(t, self.block, self.seqlen)
 
 
 class _Relayout(torch.autograd.Function):

@@ -234,6 +234,17 @@ def medians_in_turn(calls: dict, entry: dict, rounds: int = 2) -> None:
             entry.setdefault(f"{name} ms", []).append(round(do_bench(call, return_mode="median"), 3))
 
 
+def called_with(module, name: str, value, call):
+    """call() with ``module.name`` set to ``value`` (an A/B script's switch), the module's own value restored
+    after."""
+    default = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return call()
+    finally:
+        setattr(module, name, default)
+
+
 def bf16_inputs(heads: int, heads_kv: int, seqlen: int, generator: torch.Generator):
     """q (1, heads, seqlen, d), k, v (1, heads_kv, seqlen, d), bf16 on the GPU, requiring grad."""
     def rand(h):

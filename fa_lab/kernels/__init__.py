@@ -130,12 +130,19 @@ def triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale, top_n=
     return run(q, k_cmp, lse_cmp, block_cmp, block_sel, scale, top_n)
 
 
-def triton_nsa_fold(t, block, steps_or_seqlen, unfold=False):
-    """NSA's compressed branch's folded layout: t (B, H, N, d) into (B * block, H, steps, d), or with ``unfold`` t
-    (B * block, H, steps, d) back to (B, H, seqlen, d). See :mod:`fa_lab.kernels.portable.nsa_fold`."""
+def triton_nsa_fold(t, block, steps):
+    """NSA's compressed branch's folded layout: t (B, H, N, d) into (B * block, H, steps, d). See
+    :mod:`fa_lab.kernels.portable.nsa_fold`."""
     load_triton()
-    from .portable.nsa_fold import fold_rows, unfold_rows
-    return (unfold_rows if unfold else fold_rows)(t, block, steps_or_seqlen)
+    from .portable.nsa_fold import fold_rows
+    return fold_rows(t, block, steps)
+
+
+def triton_nsa_unfold(t, block, seqlen):
+    """:func:`triton_nsa_fold`'s inverse: t (B * block, H, steps, d) back to (B, H, seqlen, d)."""
+    load_triton()
+    from .portable.nsa_fold import unfold_rows
+    return unfold_rows(t, block, seqlen)
 
 
 def triton_nsa_gate_mix(gates, out_cmp, out_sel, out_win):

@@ -78,7 +78,7 @@ class GateMixFunction(torch.autograd.Function):
         with on_device(out):
             nsa_gate_mix_kernel[(triton.cdiv(rows, MIX_ROWS),)](*branches, gates_rows, out, rows, head_dim,
                                                                 ROWS=MIX_ROWS, DIM=head_dim_bucket(head_dim))
-        ctx.save_for_backward(gates, *branches)
+        ctx.save_for_backward(gates_rows, *branches)
         return out
 
     @staticmethod
@@ -90,7 +90,7 @@ class GateMixFunction(torch.autograd.Function):
         rows, head_dim = grad.numel() // grad.shape[-1], grad.shape[-1]
         with on_device(grad):
             nsa_gate_mix_bwd_kernel[(triton.cdiv(rows, MIX_ROWS),)](
-                grad, *branches, gates.contiguous(), *grad_branches, grad_gates, rows, head_dim, ROWS=MIX_ROWS,
+                grad, *branches, gates, *grad_branches, grad_gates, rows, head_dim, ROWS=MIX_ROWS,
                 DIM=head_dim_bucket(head_dim))
         return grad_gates.to(gates.dtype), *grad_branches
 

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..common import LOG2E, cdiv, head_dim_bucket, on_device
 
 IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # packed rows (queries x members) a program; compressed keys a step
-SELECTION_KEYS = 128  # compressed keys a step when keeping a running top (16 + 64 keys sorted a step, half the sorts)
+SELECTION_KEYS = 128  # compressed keys a step when keeping a running top (64 blocks: half the merges of 64 keys)
 IMPORTANCE_MEMBERS = 1  # group heads per product (None: the whole group)
 # warps storing the scores; keeping a running top by running_top's sort (its registers: 4 warps spill), by merged_top
 IMPORTANCE_WARPS, SELECTION_WARPS, MERGE_WARPS = 4, 8, 4
@@ -208,8 +208,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
         nsa_importance_kernel[(triton.cdiv(seqlen, queries), batch * heads_kv)](
             q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
             scale * LOG2E, LOG2E, BLOCK_CMP=block_cmp, PER=per, QUERIES=queries, MEMBERS=members,
-            BLOCK_N=keys, HEAD_DIM=head_dim_bucket(head_dim), TOP=top, SORT=sort,
-            MERGE=merge,
+            BLOCK_N=keys, HEAD_DIM=head_dim_bucket(head_dim), TOP=top, SORT=sort, MERGE=merge,
             num_warps=num_warps or (IMPORTANCE_WARPS if not top else MERGE_WARPS if merge else SELECTION_WARPS),
             **({} if num_stages is None else {"num_stages": num_stages}))
     return out
