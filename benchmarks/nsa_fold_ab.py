@@ -63,7 +63,6 @@ class StridedCopies:
 
 
 def both_ways(seqlen: int, generator) -> dict:
-    from triton.testing import do_bench
 
     from fa_lab import sparse as nsa
     from fa_lab.bench import sparse
@@ -91,7 +90,7 @@ def both_ways(seqlen: int, generator) -> dict:
         calls = {f"{label}, {name}": functools.partial(sparse.called_with, nsa, "_Folding", layout, call)
                  for name, layout in (("kernel", nsa._Folding), ("strided copies", StridedCopies))}
         sparse.checked_in_turn(calls, entry, lambda t: t.float(), "max difference (out or dq)")
-    entry["dense forward ms"] = round(do_bench(sparse.dense(q, k, v, None)[0], return_mode="median"), 3)
+    entry["dense forward ms"] = sparse.dense_forward_ms(q, k, v)
     return entry
 
 

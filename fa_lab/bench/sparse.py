@@ -234,6 +234,13 @@ def medians_in_turn(calls: dict, entry: dict, rounds: int = 2) -> None:
             entry.setdefault(f"{name} ms", []).append(round(do_bench(call, return_mode="median"), 3))
 
 
+def dense_forward_ms(q, k, v) -> float:
+    """The A/B scripts' peer: dense attention's forward (:func:`dense`) on q, k, v, its do_bench median in ms."""
+    from triton.testing import do_bench
+
+    return round(do_bench(dense(q, k, v, None)[0], return_mode="median"), 3)
+
+
 def called_with(module, name: str, value, call):
     """call() with ``module.name`` set to ``value`` (an A/B script's switch), the module's own value restored
     after."""
