@@ -1,7 +1,6 @@
 """A switch of the Gluon FA3 forward off and on, timed in turn: ``split_loops`` (each consumer's K/V steps in one loop
-against three, one per kind of mask, flash-attn-4's structure), ``rescale_early`` (O rescaled just before the next
-P V product against at the end of the step, flash-attn-4's place) or ``half_tiles`` (an edge K/V tile of which a
-consumer's rows see one half computed whole or as that half). On the FA3-paper shapes (16K tokens, hidden 2048,
+against three, one per kind of mask, flash-attn-4's structure) or ``rescale_early`` (O rescaled just before the next
+P V product against at the end of the step, flash-attn-4's place). On the FA3-paper shapes (16K tokens, hidden 2048,
 bf16, d = 64 and 128, causal and not, 1K-16K) and chapter 05's window (1024, 0) at 16K (d = 128, TFLOP/s counted on
 the pairs inside the band) and soft cap 30 at 8K (d = 128; h200_split_loops.json predates this case), the forward
 alone, three rounds (do_bench medians, TFLOP/s). Each shape first checks that both give the same O and lse bit for
@@ -10,8 +9,8 @@ bit.
 On the H200: ``PYTHONPATH=. python3 benchmarks/forward_switch_ab.py $OUT`` writes $OUT/h200_split_loops.json (a log);
 ``... forward_switch_ab.py $OUT --fp8`` times the FP8 kernel alone (its default, persistent, on operands quantized once)
 the same way, d = 128 and 64, 4K-16K, into $OUT/h200_split_loops_fp8.json; ``--switch rescale_early`` times that
-switch instead (h200_rescale_early.json, h200_rescale_early_fp8.json), the other switches at their defaults;
-``--switch half_tiles`` likewise (bf16 only). On an H100 the files are named h100_*.
+switch instead (h200_rescale_early.json, h200_rescale_early_fp8.json), the other switches at their defaults. On an
+H100 the files are named h100_*.
 """
 import argparse
 import dataclasses
@@ -21,8 +20,7 @@ import os
 ROUNDS = 3
 WINDOW = (1024, 0)
 SOFTCAP = 30.0  # chapter 05's soft-cap case (d = 128, 8K, no mask)
-RUN_NAMES = {"split_loops": ("one_loop", "split_loops"), "rescale_early": ("rescale_late", "rescale_early"),
-             "half_tiles": ("whole_tiles", "half_tiles")}  # off, on
+RUN_NAMES = {"split_loops": ("one_loop", "split_loops"), "rescale_early": ("rescale_late", "rescale_early")}  # off, on
 
 
 def main(out_dir: str, fp8: bool = False, switch: str = "split_loops") -> None:

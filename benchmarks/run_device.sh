@@ -55,7 +55,6 @@
 #            edit, d = 128 (<h100|h200>_fp8_loop_variants.json, by benchmarks/fp8_loop_variants_ab.py)
 #   rescale-early, rescale-early-fp8 - the same two A/Bs for HopperOptions(rescale_early=True) against the default
 #            (h200_rescale_early.json, h200_rescale_early_fp8.json)
-#   half-tiles - the same A/B for HopperOptions(half_tiles=True), bf16 (<h100|h200>_half_tiles.json)
 #   persistent-host - the bf16 forward at 1K-4K one tile per CTA and persistent: do_bench's time, the kernel's and
 #            the host's per call (h200_persistent_host_bound.log, by benchmarks/persistent_host_bound.py)
 #   moba-gate - MoBA's gate, PyTorch's against the kernel's, and the kernel at two tile heights and warp counts
@@ -168,7 +167,6 @@ case "$step" in
   split-loops) python3 benchmarks/forward_switch_ab.py "$out" 2>&1 | tee "$out/split_loops.log" ;;
   split-loops-fp8) python3 benchmarks/forward_switch_ab.py "$out" --fp8 2>&1 | tee "$out/split_loops_fp8.log" ;;
   rescale-early) python3 benchmarks/forward_switch_ab.py "$out" --switch rescale_early 2>&1 | tee "$out/rescale_early.log" ;;
-  half-tiles) python3 benchmarks/forward_switch_ab.py "$out" --switch half_tiles 2>&1 | tee "$out/half_tiles.log" ;;
   fp8-loop-variants) python3 benchmarks/fp8_loop_variants_ab.py "$out" ;;
   rescale-early-fp8) python3 benchmarks/forward_switch_ab.py "$out" --fp8 --switch rescale_early 2>&1 \
            | tee "$out/rescale_early_fp8.log" ;;

@@ -170,31 +170,6 @@ def test_split_loops_give_the_full_tiles_a_loop_without_a_mask(head_dim, causal,
         assert max(masked) < min(loop["instructions"] for loop in single.loop_census)
 
 
-@pytest.mark.parametrize("head_dim, causal, persistent, window, pingpong, alibi",
-                         [(128, False, True, True, False, False), (128, True, True, False, False, False),
-                          (64, False, True, True, False, False), (128, True, False, False, False, False),
-                          (128, False, True, True, True, False), (128, True, False, True, False, True)])
-def test_half_tiles_leave_the_kv_loops_as_they_were(head_dim, causal, persistent, window, pingpong, alibi):
-    """HopperOptions(half_tiles=True) adds a half step before and after the three K/V loops (64 keys through Q K^T,
-    the softmax and, at the end, P V), with the 16-bit operand layouts it needs: the loops keep their instructions
-    but for a few moves and scalar ops, nothing spills, the half tile's WGMMAs are m64n64, and no layout conversion goes
-    through shared memory (the kernel's shared stores stay its O tiles' and barriers'). With ping-pong and in ALiBi's
-    single loop, where the half steps cost the loops 40-70 instructions a step, the switch changes nothing."""
-    options = dict(split_loops=True, alibi=alibi, varlen=alibi, softcap=alibi)  # (ALiBi as its build test has it)
-    half = _check_sm90_build(head_dim, False, causal, 2, pingpong, persistent, window, half_tiles=True, **options)
-    whole = _check_sm90_build(head_dim, False, causal, 2, pingpong, persistent, window, **options)
-    if pingpong or alibi:
-        assert half.sass == whole.sass
-        return
-    assert len(half.loop_bodies) == len(whole.loop_bodies)
-    for with_halves, without in zip(half.loop_census, whole.loop_census):
-        assert abs(with_halves["instructions"] - without["instructions"]) <= 12
-        for opcode in ("HGMMA", "MUFU", "FSEL", "SHFL"):
-            assert with_halves["opcodes"].get(opcode) == without["opcodes"].get(opcode), opcode
-    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in half.ptx
-    assert half.sass.count(" STS") == whole.sass.count(" STS")
-
-
 @pytest.mark.parametrize("head_dim, causal, persistent, fp8, split_loops, pingpong",
                          [(128, False, False, False, True, False), (128, True, True, False, True, False),
                           (128, False, True, True, False, False), (64, False, False, False, True, False),
@@ -556,8 +531,7 @@ def test_gluon_forward_launches_what_its_plan_resolves(monkeypatch):
                                   PINGPONG=False, FP8=False, PERSISTENT=persistent,
                                   CONSUMER_REGS=CONSUMER_REGS[consumers], WINDOW=banded, VARLEN=False, SOFTCAP=False,
                                   ALIBI=False, SPLIT_LOOPS=split_loops, RESCALE_EARLY=options.rescale_early,
-                                  CONVERT_P_LATE=False, HALF_TILES=False, num_warps=4,
-                                  maxnreg=launch_maxnreg(consumers))
+                                  CONVERT_P_LATE=False, num_warps=4, maxnreg=launch_maxnreg(consumers))
             descriptors, (o_ptr, lse_ptr) = args[:4], args[4:6]
             assert all(d.base is t for d, t in zip(descriptors, (q, k, v, out))) and o_ptr is out and lse_ptr is lse
             assert [d.block_shape[2] for d in descriptors] == [64, 128, 128, 64]
@@ -1083,19 +1057,17 @@ def test_gpu_gluon_window(window, seqlen_q, seqlen_k, head_dim, causal, persiste
                                                                  (2048, 4096, 64, torch.bfloat16)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("switch, other",
-                         [(switch, other) for switch in ("split_loops", "rescale_early", "convert_p_late", "half_tiles")
+                         [(switch, other) for switch in ("split_loops", "rescale_early", "convert_p_late")
                           for other in ("one_tile_per_cta", "persistent", "defaults", "one_loop")
                           if (switch, other) != ("split_loops", "one_loop")])
 def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype, causal, switch, other, generator):
     """A switch that reorders the Gluon forward's work but not its arithmetic leaves O and lse the same bit for bit:
-    split_loops (three K/V loops against one; P rounded the same way whether carried packed or not), rescale_early (O
-    meets the same multiplications in the same order), convert_p_late (P packed after S_j's issue) and half_tiles
-    (an edge tile a consumer sees half of computed as that half: the other half's scores were -inf, its probabilities
-    exact zeros, which add nothing to l or to P V). Beside ``other``: one tile per CTA, persistent, the defaults (three
-    consumers at d = 64 from 4K keys), and for the last three switches one loop; no window, windows wider and narrower
-    than a tile, a soft cap, and ALiBi (one loop in the kernel); with the defaults, rescale_early and convert_p_late
-    also in the FP8 kernel, one loop and three. (One item per ``other``, so that each compiles a few kernels and workers
-    share the rest.)"""
+    split_loops (three K/V loops against one; P rounded the same way whether carried packed or not),
+    rescale_early (O meets the same multiplications in the same order) and convert_p_late (P packed after S_j's
+    issue). Beside ``other``: one tile per CTA, persistent, the defaults (three consumers at d = 64 from 4K keys), and
+    for the last two switches one loop; no window, windows wider and narrower than a tile, a soft cap, and ALiBi (one
+    loop in the kernel); with the defaults, rescale_early and convert_p_late also in the FP8 kernel, one loop and
+    three. (One item per ``other``, so that each compiles a few kernels and workers share the rest.)"""
     from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
     from fa_lab.kernels.hopper.attention import FP8_OPTIONS
     from fa_lab.kernels.hopper.fp8_attention import triton_hopper_fp8_attention
@@ -1113,8 +1085,7 @@ def test_gpu_forward_switches_keep_the_bits(seqlen_q, seqlen_k, head_dim, dtype,
         for name, a, b in zip(("out", "lse"), off, on):
             assert torch.equal(a, b), (name, given)
     # FP8 once per switch and shape (its own tests have no one-key rows)
-    if other == "defaults" and switch in ("rescale_early", "convert_p_late") and dtype == torch.bfloat16 \
-            and seqlen_k > 1:
+    if other == "defaults" and switch != "split_loops" and dtype == torch.bfloat16 and seqlen_k > 1:
         k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))  # (FP8 takes one K/V head per query head)
         for split_loops in (False, True):
             off, on = (triton_hopper_fp8_attention(q, k, v, causal, None, options=dataclasses.replace(

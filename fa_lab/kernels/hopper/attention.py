@@ -70,7 +70,6 @@ class HopperOptions:
     split_loops: bool | None = None  # Gluon: K/V steps in 3 loops, one per kind of mask (flash-attn-4); None: auto
     rescale_early: bool = False  # Gluon: O rescaled at the end of each K/V step (flash-attn-4's place), same bits
     convert_p_late: bool = False  # Gluon FP8: P packed to e4m3 after the step's Q K^T is issued, not before; same bits
-    half_tiles: bool = False  # Gluon bf16/fp16: an edge K/V tile a consumer sees one half of computed as that half
     consumers: int | None = None  # Gluon: 2 or 3 consumer warpgroups (128- or 192-row tiles); None: auto
     persistent: bool | None = None  # Gluon: one CTA per SM, each looping over its tiles (tile_schedule); None: auto
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
@@ -275,8 +274,7 @@ def fa3_launch_constants(options: HopperOptions, causal: bool, banded: bool, per
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
         PERSISTENT=persistent, CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=banded, VARLEN=varlen,
         SOFTCAP=softcap, ALIBI=alibi, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
-        CONVERT_P_LATE=options.convert_p_late, HALF_TILES=options.half_tiles, num_warps=4,
-        maxnreg=launch_maxnreg(options.consumers)))
+        CONVERT_P_LATE=options.convert_p_late, num_warps=4, maxnreg=launch_maxnreg(options.consumers)))
 
 
 def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: ScoreOptions,

@@ -9,12 +9,6 @@ P_{j-1} becomes the e4m3 operand before S_j is issued or, with ``state.convert_p
 epilogue writes O through shared memory with one TMA copy, which also drops the rows past seqlen_q; in a
 packed batch a sequence's last, partial rows go out with a masked store instead (past them lies the next
 sequence).
-
-With ``state.half_tiles`` a consumer computes an edge K/V tile of which its 64 rows see one half only as that half:
-Q K^T over 64 keys, their softmax and P V over them (:func:`_half_first_step`, :func:`_half_last_step`). A work tile
-of 128 rows under the window (1024, 0) spans nine tiles of 128 keys; its first consumer sees only the left half of
-the last one (the diagonal) and its second only the right half of the first one (the band's lower edge), so each
-computes 8.5 tiles instead of 9. Causal, the first consumer's diagonal tile is such a half too.
 """
 from __future__ import annotations
 
@@ -30,7 +24,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .block_range import visible_key_end, visible_key_start, window_key_end
 from .fa3_config import LN2, LOG2E, P_SCALE, Q_QUANT_ROWS, ROWS_PER_CONSUMER
 from .fa3_softmax import (
-    MASK_BOTH,
     MASK_BY_TILE,
     MASK_LOWER,
     MASK_NONE,
@@ -133,60 +126,41 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         qk_scale = qk_scale * gl.load(state.q_descale_ptr + q_tile)
         v_descale_max = gl.load(state.v_descale_max_ptr + tile.pid_bh)
 
-    # Which edge tiles this consumer computes as a half (HALF): the band's first tile when its rows see none of its
-    # left half (the prologue), the last tile when they see none of its right half (then the loops stop at
-    # j_end = n_iter - 1; the prologue's tile stays whole). 16-bit types in the three loops without ping-pong only:
-    # offline, the single loop (ALiBi's) and ping-pong's gained 40-70 instructions a step beside the half steps.
-    HALF: gl.constexpr = state.half_tiles and SPLIT and not (FP8 or PINGPONG)
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    j_end = tile.n_iter
-    if HALF:
-        offset = seqlen_k - seqlen_q
-        if WINDOW:  # row0 sees the consumer's first key
-            half_first = row0 + offset - state.work.left >= tile.first * BLOCK_N + HALF_N
-        last_row = gl.maximum(gl.minimum(row0 + ROWS_PER_CONSUMER, seqlen_q) - 1, row0)
-        if WINDOW:
-            end_max = gl.minimum(last_row + offset + state.work.right + 1, seqlen_k)
-        elif CAUSAL:
-            end_max = gl.minimum(last_row + offset + 1, seqlen_k)
-        else:
-            end_max = seqlen_k
-        half_last = (end_max <= (tile.first + tile.n_iter - 1) * BLOCK_N + HALF_N) & (tile.n_iter >= 2)
-        j_end = tile.n_iter - half_last.to(gl.int32)
-
-    # Prologue: scores and probabilities of tile 0 (or of its right half).
+    # Prologue: scores and probabilities of tile 0.
+    k_first = state.k.at(kv_count)  # K_0's place in the K ring
     state.q.wait_ready(local)
-    if HALF and WINDOW:
-        if half_first:
-            s, p, o, alpha, m_i, l_i = _half_first_step(state, tile, kv_count, q_smem, s, o, m_i, l_i, tile_scale,
-                                                        key_start, key_end, mods, CONSUMER, PINGPONG, SOFTCAP, ALIBI,
-                                                        SPLIT, row_layout, s_layout, o_layout, p_layout)
-        else:
-            s, p, o, alpha, m_i, l_i = _first_step(state, tile, kv_count, q_smem, s, o, m_i, l_i, tile_scale,
-                                                   log2_p_scale, qk_scale, key_start, key_end, mods, CONSUMER,
-                                                   PINGPONG, FP8, WINDOW, SOFTCAP, ALIBI, SPLIT, s_layout, o_layout,
-                                                   p_layout)
-    else:
-        s, p, o, alpha, m_i, l_i = _first_step(state, tile, kv_count, q_smem, s, o, m_i, l_i, tile_scale,
-                                               log2_p_scale, qk_scale, key_start, key_end, mods, CONSUMER, PINGPONG,
-                                               FP8, WINDOW, SOFTCAP, ALIBI, SPLIT, s_layout, o_layout, p_layout)
-    if FP8:  # tile 0's (the loop takes each tile's own)
+    k_first.wait_ready()
+    if PINGPONG:
+        state.turns.wait(CONSUMER)
+    s = warpgroup_mma(q_smem, k_first.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
+                      is_async=True)
+    if PINGPONG:
+        state.turns.pass_on(CONSUMER)
+    if FP8:
         tile_scale, log2_p_scale = fp8_tile_scales(qk_scale, state.k_descale_ptr, state.v_exponent_ptr,
                                                    tile.pid_bh * kv_tiles)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    k_first.release()
+    p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, tile.first,
+                                      tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+                                      ALIBI=ALIBI, s_layout=s_layout)
+    p = carried_p(p, dtype, p_layout, FP8=FP8, PACKED=SPLIT)
+    if state.rescale_early:
+        o = _rescaled(o, alpha, o_layout)
 
-    # Steps 1 .. j_end - 1. With state.split_loops in up to three loops, as flash-attn-4 walks them: the band's
+    # Steps 1 .. n_iter - 1. With state.split_loops in up to three loops, as flash-attn-4 walks them: the band's
     # lower edge (a window), the full tiles, and the masked end (causal diagonal, ragged end, the band's upper edge),
     # each with its mask fixed at compile time, so that an edge tests one bound (BlockInfo.key_tile_edges states
     # when that holds: the work tile has a full tile). Otherwise, and with ALiBi (whose three loops spill registers
     # at d = 128), one loop deciding each tile's mask at run time.
     if (not SPLIT) or (WINDOW and (tile.first_masked <= tile.full_begin)):
-        s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, 1, j_end, s, p, o, alpha, m_i, l_i,
+        s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, 1, tile.n_iter, s, p, o, alpha, m_i, l_i,
                                              tile_scale, log2_p_scale, qk_scale, key_start, key_end, mods, q_smem,
                                              CONSUMER, PINGPONG, FP8, WINDOW, SOFTCAP, ALIBI, MASK_BY_TILE,
                                              SPLIT, s_layout, o_layout, p_layout)
     else:
-        full_from = gl.minimum(gl.maximum(tile.full_begin - tile.first, 1), j_end)
-        masked_from = gl.minimum(gl.maximum(tile.first_masked - tile.first, full_from), j_end)
+        full_from = gl.minimum(gl.maximum(tile.full_begin - tile.first, 1), tile.n_iter)
+        masked_from = gl.minimum(gl.maximum(tile.first_masked - tile.first, full_from), tile.n_iter)
         if WINDOW:  # (without one, full_begin is the first tile)
             s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, 1, full_from, s, p, o, alpha, m_i, l_i,
                                                  tile_scale, log2_p_scale, qk_scale, key_start, key_end, mods,
@@ -196,22 +170,21 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
                                              l_i, tile_scale, log2_p_scale, qk_scale, key_start, key_end, mods,
                                              q_smem, CONSUMER, PINGPONG, FP8, WINDOW, SOFTCAP, ALIBI, MASK_NONE,
                                              SPLIT, s_layout, o_layout, p_layout)
-        s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, masked_from, j_end, s, p, o, alpha, m_i,
+        s, p, o, alpha, m_i, l_i = _kv_steps(state, tile, kv_count, masked_from, tile.n_iter, s, p, o, alpha, m_i,
                                              l_i, tile_scale, log2_p_scale, qk_scale, key_start, key_end, mods,
                                              q_smem, CONSUMER, PINGPONG, FP8, WINDOW, SOFTCAP, ALIBI, MASK_UPPER,
                                              SPLIT, s_layout, o_layout, p_layout)
 
-    if HALF:
-        if j_end < tile.n_iter:
-            o, m_i, l_i = _half_last_step(state, tile, kv_count, q_smem, p, o, alpha, m_i, l_i, tile_scale, key_start,
-                                          key_end, mods, CONSUMER, PINGPONG, WINDOW, SOFTCAP, ALIBI, row_layout,
-                                          o_layout, p_layout)
-            if PERSISTENT and SEPARATE_O:
-                state.q.release()
-        else:
-            o = _last_product(state, tile, kv_count, p, o, alpha, FP8, PERSISTENT, SEPARATE_O, o_layout, p_layout)
-    else:
-        o = _last_product(state, tile, kv_count, p, o, alpha, FP8, PERSISTENT, SEPARATE_O, o_layout, p_layout)
+    if PERSISTENT and SEPARATE_O:  # every Q K^T of this tile is done: the producer may load the next tile's Q
+        state.q.release()
+    v_last = state.v.at(kv_count + tile.n_iter - 1)
+    v_last.wait_ready()
+    if not state.rescale_early:
+        o = _rescaled(o, alpha, o_layout)
+    o = warpgroup_mma(p_operand(p, dtype, p_layout, FP8=FP8), v_operand(v_last.buf(), FP8=FP8), o,
+                      is_async=True)
+    o = warpgroup_mma_wait(0, deps=(o,))
+    v_last.release()
 
     # Epilogue (FA2's deferred normalization): O / l once; lse = ln 2 * (m + log2 l).
     l_i = gl.convert_layout(gl.sum(l_i, axis=1), row_layout)  # the four threads' partial sums of each row
@@ -287,161 +260,6 @@ def _kv_steps(state, tile, kv_count, j_begin, j_end, s, p, o, alpha, m_i, l_i, t
         v_tile.release()
         p = carried_p(p, dtype, p_layout, FP8=FP8, PACKED=PACKED)
     return s, p, o, alpha, m_i, l_i
-
-
-@gluon.jit
-def _last_product(state, tile, kv_count, p, o, alpha, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
-                  SEPARATE_O: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """O += P V of the work tile's last K/V tile, after its last step (every Q K^T done: in a persistent CTA with
-    O buffers of its own the producer may load the next tile's Q)."""
-    if PERSISTENT and SEPARATE_O:
-        state.q.release()
-    v_last = state.v.at(kv_count + tile.n_iter - 1)
-    v_last.wait_ready()
-    if not state.rescale_early:
-        o = _rescaled(o, alpha, o_layout)
-    o = warpgroup_mma(p_operand(p, state.k.bufs.dtype, p_layout, FP8=FP8), v_operand(v_last.buf(), FP8=FP8), o,
-                      is_async=True)
-    o = warpgroup_mma_wait(0, deps=(o,))
-    v_last.release()
-    return o
-
-
-@gluon.constexpr_function
-def _half_score_layout(block_n, dtype):
-    """The WGMMA accumulator layout of a half tile's scores (64, block_n // 2) of operands of this dtype."""
-    block_n, dtype = getattr(block_n, "value", block_n), getattr(dtype, "value", dtype)
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, block_n // 2, 256 // dtype.primitive_bitwidth])
-
-
-@gluon.jit
-def _half_softmax(s, m_i, l_i, tile_scale, key_start, key_end, j, tile, mods, WINDOW: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
-    """:func:`.fa3_softmax.softmax_tile` of half tile j (in units of half tiles) with this consumer's row vectors
-    moved into the half tile's row layout (the same threads hold the same rows: no data moves); m comes back in
-    it, l in l_i's layout."""
-    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    half_mods = ScoreMods(mods.softcap_scale, mods.slope, gl.convert_layout(mods.alibi_rows, rows))
-    return softmax_tile(s, gl.convert_layout(m_i, rows), l_i, tile_scale, 0.0, gl.convert_layout(key_start, rows),
-                        gl.convert_layout(key_end, rows), j, tile, half_mods, BLOCK_N=s.shape[1], FP8=False,
-                        WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI, s_layout=s_layout, MASK=MASK)
-
-
-@gluon.jit
-def _first_step(state, tile, kv_count, q_smem, s, o, m_i, l_i, tile_scale, log2_p_scale, qk_scale, key_start, key_end,
-                mods, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, WINDOW: gl.constexpr,
-                SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SPLIT: gl.constexpr, s_layout: gl.constexpr,
-                o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """The prologue: scores and probabilities of the work tile's first K/V tile (ring tile kv_count), P as the loop
-    carries it. Returns (s, p, o, alpha, m_i, l_i)."""
-    BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
-    HEAD_DIM: gl.constexpr = state.k.bufs.type.shape[4]
-    k_first = state.k.at(kv_count)  # K_0's place in the K ring
-    k_first.wait_ready()
-    if PINGPONG:
-        state.turns.wait(CONSUMER)
-    s = warpgroup_mma(q_smem, k_first.buf().reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s, use_acc=False,
-                      is_async=True)
-    if PINGPONG:
-        state.turns.pass_on(CONSUMER)
-    if FP8:
-        tile_scale, log2_p_scale = fp8_tile_scales(qk_scale, state.k_descale_ptr, state.v_exponent_ptr,
-                                                   tile.pid_bh * gl.cdiv(tile.seqlen_k, BLOCK_N))
-    s = warpgroup_mma_wait(0, deps=(s,))
-    k_first.release()
-    p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, tile.first, tile,
-                                      mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
-                                      s_layout=s_layout)
-    p = carried_p(p, state.k.bufs.dtype, p_layout, FP8=FP8, PACKED=SPLIT)
-    if state.rescale_early:
-        o = _rescaled(o, alpha, o_layout)
-    return s, p, o, alpha, m_i, l_i
-
-
-@gluon.jit
-def _half_first_step(state, tile, kv_count, q_smem, s, o, m_i, l_i, tile_scale, key_start, key_end, mods,
-                     CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                     SPLIT: gl.constexpr, row_layout: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                     p_layout: gl.constexpr):
-    """The prologue when this consumer sees only the right half of the band's first K/V tile: Q K^T over that
-    half's BLOCK_N / 2 keys and their softmax (both of the band's bounds); P goes on as the whole tile's, zeros on
-    the left, so that the first loop step's P V takes it as any other. Returns what :func:`_first_step` returns."""
-    BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
-    HEAD_DIM: gl.constexpr = state.k.bufs.type.shape[4]
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    dtype: gl.constexpr = state.k.bufs.dtype
-    half_layout: gl.constexpr = _half_score_layout(BLOCK_N, dtype)
-    k_first = state.k.at(kv_count)
-    k_first.wait_ready()
-    if PINGPONG:
-        state.turns.wait(CONSUMER)
-    k_half = k_first.buf().reshape([BLOCK_N, HEAD_DIM]).slice(HALF_N, HALF_N, dim=0)
-    s_half = warpgroup_mma(q_smem, k_half.permute((1, 0)), gl.zeros([o.shape[0], HALF_N], gl.float32, half_layout),
-                           use_acc=False, is_async=True)
-    if PINGPONG:
-        state.turns.pass_on(CONSUMER)
-    s_half = warpgroup_mma_wait(0, deps=(s_half,))
-    k_first.release()
-    p_half, alpha, m_i, l_i = _half_softmax(s_half, m_i, l_i, tile_scale, key_start, key_end, 2 * tile.first + 1,
-                                            tile, mods, True, SOFTCAP, ALIBI, MASK_BOTH, half_layout)
-    # The whole tile's P, zeros on the left: a thread holds the right half's columns as it holds the half's.
-    p = gl.join(gl.zeros_like(p_half), p_half).permute((0, 2, 1)).reshape([o.shape[0], BLOCK_N])
-    p = carried_p(gl.convert_layout(p, s_layout), dtype, p_layout, FP8=False, PACKED=SPLIT)
-    alpha = gl.convert_layout(alpha, row_layout)
-    if state.rescale_early:
-        o = _rescaled(o, alpha, o_layout)
-    return s, p, o, alpha, gl.convert_layout(m_i, row_layout), l_i
-
-
-@gluon.jit
-def _half_last_step(state, tile, kv_count, q_smem, p, o, alpha, m_i, l_i, tile_scale, key_start, key_end, mods,
-                    CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                    ALIBI: gl.constexpr, row_layout: gl.constexpr, o_layout: gl.constexpr,
-                    p_layout: gl.constexpr):
-    """The work tile's last K/V step as its left half: Q K^T over the last tile's first BLOCK_N / 2 keys issued
-    beside P_{j-1} V_{j-1} (as :func:`_kv_steps` does), their softmax (the upper bound, and with a WINDOW the lower
-    too), then their P V. Returns (o, m_i, l_i) with O complete but not normalized."""
-    BLOCK_N: gl.constexpr = state.k.bufs.type.shape[3]
-    HEAD_DIM: gl.constexpr = state.k.bufs.type.shape[4]
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    dtype: gl.constexpr = state.k.bufs.dtype
-    s_layout: gl.constexpr = _half_score_layout(BLOCK_N, dtype)
-    j = tile.n_iter - 1
-    k_tile = state.k.at(kv_count + j)
-    v_prev = state.v.at(kv_count + j - 1)
-    p_op = p_operand(p, dtype, p_layout, FP8=False)
-    k_tile.wait_ready()
-    v_prev.wait_ready()
-    if PINGPONG:
-        state.turns.wait(CONSUMER)
-    k_half = k_tile.buf().reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF_N, dim=0)
-    s = warpgroup_mma(q_smem, k_half.permute((1, 0)), gl.zeros([o.shape[0], HALF_N], gl.float32, s_layout),
-                      use_acc=False, is_async=True)
-    if not state.rescale_early:
-        o = _rescaled(o, alpha, o_layout)
-    o = warpgroup_mma(p_op, v_operand(v_prev.buf(), FP8=False), o, is_async=True)
-    if PINGPONG:
-        state.turns.pass_on(CONSUMER)
-    s = warpgroup_mma_wait(1, deps=(s,))
-    k_tile.release()
-    if WINDOW:
-        p, alpha, m_i, l_i = _half_softmax(s, m_i, l_i, tile_scale, key_start, key_end, 2 * (tile.first + j), tile,
-                                           mods, WINDOW, SOFTCAP, ALIBI, MASK_BOTH, s_layout)
-    else:
-        p, alpha, m_i, l_i = _half_softmax(s, m_i, l_i, tile_scale, key_start, key_end, 2 * (tile.first + j), tile,
-                                           mods, WINDOW, SOFTCAP, ALIBI, MASK_UPPER, s_layout)
-    o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
-    v_prev.release()
-    v_last = state.v.at(kv_count + j)
-    v_last.wait_ready()
-    o = _rescaled(o, alpha, o_layout)
-    p_half = p_operand(p, dtype, p_layout, FP8=False)
-    v_half = v_last.buf().reshape([BLOCK_N, HEAD_DIM]).slice(0, HALF_N, dim=0)
-    o = warpgroup_mma(p_half, v_half, o, is_async=True)
-    o = warpgroup_mma_wait(0, deps=(o,))
-    v_last.release()
-    return o, gl.convert_layout(m_i, row_layout), l_i
 
 
 @gluon.jit

@@ -16,22 +16,18 @@ from .fa3_config import LOG2_P_SCALE
 # How softmax_tile masks a score tile (its MASK): MASK_BY_TILE decides at run time from the tile's index (the
 # WorkTile's full_begin and first_masked, testing both of a window's bounds); the others are fixed at compile time,
 # one per loop of the consumer (.fa3_consumer._consumer_tile): nothing, the key_start bound only (a window's lower
-# edge), the key_end bound only (the causal diagonal, the ragged end, a window's upper edge), or both (a window's
-# half tile, whose band may be narrower than the half).
+# edge), or the key_end bound only (the causal diagonal, the ragged end, a window's upper edge).
 MASK_BY_TILE = gl.constexpr(0)
 MASK_NONE = gl.constexpr(1)
 MASK_LOWER = gl.constexpr(2)
 MASK_UPPER = gl.constexpr(3)
-MASK_BOTH = gl.constexpr(4)
 
 
 @gluon.jit
 def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, tile, mods, BLOCK_N: gl.constexpr,
                  FP8: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                  s_layout: gl.constexpr, MASK: gl.constexpr = MASK_BY_TILE):
-    """Online-softmax update with raw scores s = Q K_j^T of K/V tile j of the sequence: (64, BLOCK_N) fp32 (a
-    half tile is tile j of BLOCK_N = half the width; m_i, key_start, key_end and mods come in s's row layout, l_i in
-    the full tile's, which the returned l keeps).
+    """Online-softmax update with raw scores s = Q K_j^T of K/V tile j of the sequence: (64, BLOCK_N) fp32.
 
     Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
     the Q and K descales in FP8). l is kept as each thread's partial sums (64, 4) (:func:`thread_row_sums`),
@@ -64,10 +60,6 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
         s = gl.where(cols[None, :] >= (key_start - j * BLOCK_N)[:, None], s, float("-inf"))
     elif MASK == MASK_UPPER:
         s = gl.where(cols[None, :] < (key_end - j * BLOCK_N)[:, None], s, float("-inf"))
-    elif MASK == MASK_BOTH:
-        visible = ((cols[None, :] < (key_end - j * BLOCK_N)[:, None])
-                   & (cols[None, :] >= (key_start - j * BLOCK_N)[:, None]))
-        s = gl.where(visible, s, float("-inf"))
     elif MASK == MASK_BY_TILE:
         if WINDOW:
             if (j < tile.full_begin) | (j >= tile.first_masked):
@@ -81,28 +73,23 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_sub)
     alpha_rows = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None]  # (moves no data)
-    l_layout: gl.constexpr = l_i.type.layout
     if FP8:
         p = gl.exp2(s * tile_scale - (m_sub - log2_p_scale)[:, None])
-        l_new = l_i * alpha_rows + thread_row_sums(p, l_layout) * gl.exp2(-log2_p_scale)
+        l_new = l_i * alpha_rows + thread_row_sums(p) * gl.exp2(-log2_p_scale)
     else:
         p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
-        l_new = l_i * alpha_rows + thread_row_sums(p, l_layout)
+        l_new = l_i * alpha_rows + thread_row_sums(p)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
-def thread_row_sums(x, layout: gl.constexpr = None):
+def thread_row_sums(x):
     """x (64, N) in the WGMMA accumulator layout -> (64, 4): each thread's sum of its own values of a row. A row's
     columns 8 j + 2 t + b (b = 0, 1) sit with lane t of the row's four lanes, so the sums over j and b stay in
-    registers: no shuffle between threads. layout: the result's, where it is carried with sums of tiles of another
-    width (the same threads hold the same sums, so the conversion moves no data)."""
+    registers: no shuffle between threads."""
     rows: gl.constexpr = x.shape[0]
     cols: gl.constexpr = x.shape[1]
-    sums = gl.sum(gl.sum(x.reshape([rows, cols // 8, 4, 2]), axis=3), axis=1)
-    if layout is not None:
-        sums = gl.convert_layout(sums, layout)
-    return sums
+    return gl.sum(gl.sum(x.reshape([rows, cols // 8, 4, 2]), axis=3), axis=1)
 
 
 @aggregate
