@@ -69,6 +69,8 @@
 #            benchmarks/nsa_select_tiles.py)
 #   nsa-top - NSA's forward with its selection's top kept in the importance kernel against torch.topk, in turn, beside
 #            dense attention (h200_nsa_top_ab.json, by benchmarks/nsa_top_ab.py)
+#   nsa-read-probe - NSA's selected blocks read and summed by bare pointer loads and by TMA copies, beside the
+#            selected-blocks forward, in TB/s (<h100|h200>_nsa_read_probe.json, by benchmarks/nsa_read_probe.py)
 #   nsa-fold - NSA's compressed-branch fold and unfold as one kernel each against the strided copies they replaced,
 #            alone and inside NSA's forward and backward, in turn (h200_nsa_fold_ab.json, by benchmarks/nsa_fold_ab.py)
 #   decode-check-ab - the default call's value check read back first against decided on the device, and the
@@ -177,6 +179,7 @@ case "$step" in
   nsa-select-tiles) python3 benchmarks/nsa_select_tiles.py "$out" 2>&1 | tee "$out/nsa_select_tiles.log" ;;
   nsa-top) python3 benchmarks/nsa_top_ab.py "$out" 2>&1 | tee "$out/nsa_top_ab.log" ;;
   nsa-fold) python3 benchmarks/nsa_fold_ab.py "$out" 2>&1 | tee "$out/nsa_fold_ab.log" ;;
+  nsa-read-probe) python3 benchmarks/nsa_read_probe.py "$out" 2>&1 | tee "$out/nsa_read_probe.log" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;
   window-variants) python3 benchmarks/window_variants.py "$out" 2>&1 | tee "$out/window_variants.log" ;;
