@@ -29,7 +29,7 @@ def main(out_dir: str, fp8: bool = False, switch: str = "split_loops") -> None:
 
     from fa_lab.bench.gpu import protocol_shapes, random_inputs
     from fa_lab.bench.hopper import HOPPER_SEQLENS
-    from fa_lab.bench.schema import environment, write_log
+    from fa_lab.bench.schema import device_prefix, environment, write_log
     from fa_lab.block_info import BlockInfo
     from fa_lab.iomodel import AttentionShape, attention_flops
     from fa_lab.kernels import load_triton
@@ -57,7 +57,7 @@ def main(out_dir: str, fp8: bool = False, switch: str = "split_loops") -> None:
         cases.append((AttentionShape(2, 16, 8192, 128, causal=False, dtype="bf16"), (-1, -1), SOFTCAP))
     runs = {name: make_run(dataclasses.replace(base, **{switch: flag}))
             for name, flag in zip(RUN_NAMES[switch], (False, True))}
-    prefix = "h100" if "H100" in environment("cuda")["device"] else "h200"
+    prefix = device_prefix(environment("cuda")["device"])
     out_path = os.path.join(out_dir, f"{prefix}_{switch}{'_fp8' if fp8 else ''}.json")
     log = []
     for shape, window, softcap in cases:

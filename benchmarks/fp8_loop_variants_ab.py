@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fa_lab.bench.schema import environment, write_log
+from fa_lab.bench.schema import device_prefix, environment, write_log
 from fa_lab.kernels import load_triton
 
 load_triton()
@@ -92,7 +92,7 @@ def main(out_dir: str, head_dims: list[int]) -> None:
             base.attention_fwd_fa3_kernel = default_kernel
 
     result = {**environment("cuda"), "rounds": ROUNDS, "tflops": {}, "same_bits": {}}
-    prefix = "h100" if "H100" in result["device"] else "h200"
+    prefix = device_prefix(result["device"])
     torch.manual_seed(0)
     for head_dim in head_dims:
         heads = 2048 // head_dim

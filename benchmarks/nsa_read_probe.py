@@ -64,7 +64,7 @@ def main(out_dir: str) -> None:
     from triton.testing import do_bench
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fa_lab.bench.schema import environment
+    from fa_lab.bench.schema import device_prefix, environment
     from fa_lab.bench.sparse import BLOCK_K, HEAD_DIM, HEADS, HEADS_KV, bf16_inputs, log_by_length, nsa_selection
     from fa_lab.kernels import triton_block_select_attention
 
@@ -98,7 +98,7 @@ def main(out_dir: str) -> None:
                 entry.setdefault(f"{name} TB/s", []).append(round(nbytes / ms * 1e-9, 2))
         return entry
 
-    prefix = "h100" if "H100" in environment("cuda")["device"] else "h200"
+    prefix = device_prefix(environment("cuda")["device"])
     log_by_length(os.path.join(out_dir, f"{prefix}_nsa_read_probe.json"), measure)
 
 

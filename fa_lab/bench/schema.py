@@ -109,6 +109,12 @@ def environment(device: str) -> dict:
             "date": datetime.date.today().isoformat()}
 
 
+def device_prefix(device: str) -> str:
+    """The file-name prefix of a device machine's results: "h100" for an H100 run (named in ``device``, a header's
+    device field), else "h200" (the machine the bars are set on)."""
+    return "h100" if "H100" in device else "h200"
+
+
 def _cpu_model() -> str:
     """The CPU's model name: from /proc/cpuinfo on Linux, else whatever ``platform`` knows."""
     try:
