@@ -188,8 +188,9 @@ def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
 
 
 def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions(), fp8_scales=None,
-                  out_dtype=None, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
-    """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse).
+                  out_dtype=None, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, out=None):
+    """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse). out: where to write
+    O (a view shaped like q that a descriptor can describe, :func:`fa_lab.kernels.common.tma_readable`), or None.
 
     window: flash-attn's (left, right), bottom-right aligned (:class:`fa_lab.block_info.BlockInfo`); the
     kernel visits only the K/V tiles of each work tile's band. softcap (0: off) and alibi_slopes ((B, H)
@@ -203,7 +204,8 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     fp8 = fp8_scales is not None
     plan = _forward_plan(tuple(q.shape), tuple(k.shape), q.device, causal, tuple(window), fp8,
                          alibi_slopes is not None, bool(softcap), options)
-    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     schedule = lse if plan.schedule is None else plan.schedule  # (lse: a placeholder pointer, not read)
     heads, seqlen_q, seqlen_k = q.shape[1], q.shape[2], k.shape[2]
@@ -324,20 +326,22 @@ def _launch_fa3(descriptors, out, lse, grid, work, window_bounds, scale, softcap
 
 
 def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),
-                   score_options: ScoreOptions = NO_OPTIONS):
+                   score_options: ScoreOptions = NO_OPTIONS, out=None):
     """bf16/fp16 forward on prepared operands (as :func:`fa_lab.kernels.portable.attention.triton_forward`,
-    k and v with heads_kv heads): (out, lse). The Gluon kernel reads grouped K/V in place and takes every
-    score option; elsewhere a call with options goes to the portable kernel (:func:`triton_forward`), and
-    the portable pipelined kernel gets grouped K/V expanded to one head per query head."""
+    k and v with heads_kv heads, out where to write O or None): (out, lse). The Gluon kernel reads grouped K/V in
+    place and takes every score option; elsewhere a call with options goes to the portable kernel
+    (:func:`triton_forward`), and the portable pipelined kernel gets grouped K/V expanded to one head per query
+    head."""
     if uses_gluon(q, options):
         return gluon_forward(q, k, v, causal, scale, options, window=score_options.window,
-                             softcap=score_options.softcap, alibi_slopes=score_options.alibi_slopes)
+                             softcap=score_options.softcap, alibi_slopes=score_options.alibi_slopes, out=out)
     if has_score_options(q.shape[2], k.shape[2], causal, score_options.window, score_options.softcap,
                          score_options.alibi_slopes):
-        return triton_forward(q, k, v, causal, scale, options=score_options)
+        return triton_forward(q, k, v, causal, scale, options=score_options, out=out)
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     config = config or forward_config(q.shape[-1], causal, interpreting())
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     dummy = lse  # the descale pointers are not read outside FP8
     pipelined_forward(q, k, v, out, lse, (dummy, dummy, dummy), causal, scale, config, pipeline=options.pipeline,
@@ -367,9 +371,10 @@ DQ_MODES = ("turns", "partial", "split", "named")  # fa3_backward.DQ_SCHEMES's n
 
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str | None = None,
                    rows: int | None = None, rows_by_producer: bool = True, head_group: int | None = None,
-                   rows_ahead: bool = False, kv_split: int = 1):
+                   rows_ahead: bool = False, kv_split: int = 1, row_vectors=None, dq=None):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
+    row_vectors, dq: as :func:`fa_lab.kernels.portable.attention.triton_backward` takes them.
     dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns), "partial" (each consumer
     adds a partial dQ tile over its own keys), "split" or "named" (:mod:`.fa3_backward`; None:
     :func:`dq_mode_by_default`); rows: query rows per step
@@ -396,14 +401,16 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     key_tiles, kv_pairs = cdiv(seqlen_k, BWD_BLOCK_N), batch * k_run.shape[1]  # (batch, K/V head of the run) pairs
     if head_group is None:
         head_group = heads_per_group(kv_pairs, key_tiles, sm_count(q.device)) if causal else 1
-    grad_out = grad_out.contiguous()
-    delta, lse2 = backward_preprocess(out, grad_out, lse)
-    dq, dk, dv = _backward_outputs(q, k_run, v_run, torch.float32 if kv_split > 1 else None)
-    _launch_backward((key_tiles * kv_pairs,), (q, k_run, v_run, grad_out, dq), dk, dv, lse2, delta, heads, seqlen_q,
-                     seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer, rows_ahead)
+    if row_vectors is None:
+        grad_out = grad_out.contiguous()
+        row_vectors = backward_preprocess(out, grad_out, lse)
+    delta, lse2 = row_vectors
+    dq_sum, dk, dv = _backward_outputs(q, k_run, v_run, torch.float32 if kv_split > 1 else None)
+    _launch_backward((key_tiles * kv_pairs,), (q, k_run, v_run, grad_out, dq_sum), dk, dv, lse2, delta, heads,
+                     seqlen_q, seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer, rows_ahead)
     if kv_split > 1:  # the copies' partial sums, added in float32 and rounded once
         dk, dv = (t.view(batch, heads_kv, kv_split, seqlen_k, head_dim).sum(2).to(k.dtype) for t in (dk, dv))
-    return _scaled_dq(dq, scale, q.dtype), dk, dv
+    return _scaled_dq(dq_sum, scale, q.dtype, dq), dk, dv
 
 
 def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
@@ -430,10 +437,12 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     return _scaled_dq(dq, scale, q.dtype), dk, dv
 
 
-def _scaled_dq(dq_sum: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def _scaled_dq(dq_sum: torch.Tensor, scale: float, dtype: torch.dtype, dq=None) -> torch.Tensor:
     """dQ in ``dtype`` from the float32 sum of dS K the Gluon backward adds (dQ / scale: the kernel leaves the
-    softmax scale to this cast), in one pass."""
-    return torch.mul(dq_sum, scale, out=torch.empty(dq_sum.shape, dtype=dtype, device=dq_sum.device))
+    softmax scale to this cast), in one pass, into ``dq`` (a view shaped like dq_sum) or a new tensor."""
+    if dq is None:
+        dq = torch.empty(dq_sum.shape, dtype=dtype, device=dq_sum.device)
+    return torch.mul(dq_sum, scale, out=dq)
 
 
 def _backward_outputs(q, k, v, kv_dtype: torch.dtype | None = None):
@@ -502,15 +511,18 @@ def hopper_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, caus
 
 
 def hopper_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, config: TileConfig | None = None,
-                    options: ScoreOptions = NO_OPTIONS, hopper: HopperOptions = HopperOptions()):
+                    options: ScoreOptions = NO_OPTIONS, hopper: HopperOptions = HopperOptions(), row_vectors=None,
+                    dq=None):
     """impl="triton_hopper"'s backward (arguments as :func:`triton_backward`): the Gluon FA3 backward where
     :func:`uses_gluon_backward` and ``hopper.backward`` asks for it ("auto": :func:`gluon_backward_is_faster`),
     else the portable kernels."""
     wanted = hopper.backward == "gluon" or (hopper.backward == "auto"
                                             and gluon_backward_is_faster(q.shape[-1], causal, k.shape[2]))
     if wanted and config is None and uses_gluon_backward(q, k, causal, options):
-        return gluon_backward(q, k, v, out, lse, grad_out, causal, scale, hopper.backward_dq)
-    return triton_backward(q, k, v, out, lse, grad_out, causal, scale, config, options)
+        return gluon_backward(q, k, v, out, lse, grad_out, causal, scale, hopper.backward_dq,
+                              row_vectors=row_vectors, dq=dq)
+    return triton_backward(q, k, v, out, lse, grad_out, causal, scale, config, options, row_vectors=row_vectors,
+                           dq=dq)
 
 
 def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),

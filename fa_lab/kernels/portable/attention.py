@@ -46,11 +46,12 @@ NO_OPTIONS = ScoreOptions()
 
 
 def triton_forward(q, k, v, causal: bool, scale: float, config: TileConfig | None = None,
-                   options: ScoreOptions = NO_OPTIONS, seqused_k=None):
+                   options: ScoreOptions = NO_OPTIONS, seqused_k=None, out=None):
     """Forward on prepared operands q: (B, H, Nq, d8), k, v: (B, Hkv, Nk, d8).
 
     seqused_k: int32 (B,) on q's device, or None: k and v are a KV cache of Nk slots of which sequence
-    b uses the first seqused_k[b] (flash-attn's name; causal and windows align to them).
+    b uses the first seqused_k[b] (flash-attn's name; causal and windows align to them). out: where to write O, a
+    view shaped like q that a descriptor can describe (:func:`fa_lab.kernels.common.tma_readable`), or None.
     Returns (out: (B, H, Nq, d8) in q.dtype, lse: (B, H, Nq) float32).
     """
     from .forward import attention_fwd_kernel
@@ -58,7 +59,8 @@ def triton_forward(q, k, v, causal: bool, scale: float, config: TileConfig | Non
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     config = config or forward_config(head_dim, causal, interpreting())
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     grid = (cdiv(seqlen_q, config.block_m), batch * heads)
     option_args, constexprs = options.kernel_args(q, k, causal, scale)
@@ -116,11 +118,13 @@ def backward_preprocess(out, grad_out, lse):
 
 
 def triton_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, config: TileConfig | None = None,
-                    options: ScoreOptions = NO_OPTIONS, atomic_dq: bool = False):
+                    options: ScoreOptions = NO_OPTIONS, atomic_dq: bool = False, row_vectors=None, dq=None):
     """Backward on prepared operands (as :func:`triton_forward`); grad_out like out.
 
     atomic_dq: one kernel adds each tile pair's dQ share into a float32 buffer (5 tile products, not
     deterministic) instead of a second kernel recomputing S and dP per Q tile (7, deterministic).
+    row_vectors: (delta, lse2) of :func:`backward_preprocess` where the caller has them (out and lse are then not
+    read, and grad_out may be any view a descriptor can describe); dq: where to write dQ (such a view), or None.
     Returns (dq, dk, dv) in q.dtype, shaped like q, k, v (dk, dv summed over each group of query heads).
     """
     from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
@@ -128,9 +132,13 @@ def triton_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
     batch, heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     config = config or backward_config(head_dim, interpreting())
-    grad_out = grad_out.contiguous()
-    delta, lse2 = backward_preprocess(out, grad_out, lse)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if row_vectors is None:
+        grad_out = grad_out.contiguous()
+        row_vectors = backward_preprocess(out, grad_out, lse)
+    delta, lse2 = row_vectors
+    dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+    if dq is None:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     option_args, constexprs = options.kernel_args(q, k, causal, scale)
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim_bucket(head_dim),
                 VARLEN=False, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
@@ -140,12 +148,12 @@ def triton_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
     attention_bwd_dkdv_kernel[(cdiv(seqlen_k, config.block_n), batch * k.shape[1])](
         desc_q, desc_k, desc_v, desc_do, descriptor(dk, config.block_n), descriptor(dv, config.block_n),
         descriptor(dq32, config.block_m), lse2, delta, heads, seqlen_q, seqlen_k, scale * LOG2E, scale,
-        *option_args, *_no_varlen(lse, 2), ATOMIC_DQ=atomic_dq, **meta)
+        *option_args, *_no_varlen(lse2, 2), ATOMIC_DQ=atomic_dq, **meta)
     if atomic_dq:
-        return dq32.to(q.dtype), dk, dv
+        return dq.copy_(dq32), dk, dv
     attention_bwd_dq_kernel[(cdiv(seqlen_q, config.block_m), batch * heads)](
         desc_q, desc_k, desc_v, desc_do, descriptor(dq, config.block_m), lse2, delta, heads, seqlen_q,
-        seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse, 1), **meta)
+        seqlen_k, scale * LOG2E, scale, *option_args, *_no_varlen(lse2, 1), **meta)
     return dq, dk, dv
 
 
