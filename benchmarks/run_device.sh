@@ -71,8 +71,9 @@
 #            dense attention (h200_nsa_top_ab.json, by benchmarks/nsa_top_ab.py)
 #   nsa-read-probe - NSA's selected blocks read and summed by bare pointer loads and by TMA copies, beside the
 #            selected-blocks forward, in TB/s (<h100|h200>_nsa_read_probe.json, by benchmarks/nsa_read_probe.py)
-#   nsa-fold - NSA's compressed-branch fold and unfold as one kernel each against the strided copies they replaced,
-#            alone and inside NSA's forward and backward, in turn (h200_nsa_fold_ab.json, by benchmarks/nsa_fold_ab.py)
+#   nsa-compressed - NSA's compressed branch through residue views against the folded layout it replaced: two trees
+#            of the code in alternating processes, two rounds (nsa_compressed_ab.json, by benchmarks/nsa_compressed_ab.py);
+#            the argument after OUTDIR is the old tree, a directory holding `git archive 4a36a68 fa_lab` unpacked
 #   decode-check-ab - the default call's value check read back first against decided on the device, and the
 #            unchecked call (h200_decode_check_ab.json, by benchmarks/decode_check_ab.py)
 #   gqa-mha-ab - grouped-query attention (32 / 8 heads) against MHA, triton_hopper forward and backward, in turn for
@@ -178,7 +179,9 @@ case "$step" in
   nsa-importance-tiles) python3 benchmarks/nsa_importance_tiles.py --tiles "$out" 2>&1 | tee "$out/nsa_importance_tiles.log" ;;
   nsa-select-tiles) python3 benchmarks/nsa_select_tiles.py "$out" 2>&1 | tee "$out/nsa_select_tiles.log" ;;
   nsa-top) python3 benchmarks/nsa_top_ab.py "$out" 2>&1 | tee "$out/nsa_top_ab.log" ;;
-  nsa-fold) python3 benchmarks/nsa_fold_ab.py "$out" 2>&1 | tee "$out/nsa_fold_ab.log" ;;
+  nsa-compressed) for round in 1 2; do for tree in "$1" .; do
+                    PYTHONPATH="$tree:$PYTHONPATH" python3 benchmarks/nsa_compressed_ab.py "$out"; done; done \
+                  2>&1 | tee "$out/nsa_compressed_ab.log" ;;
   nsa-read-probe) python3 benchmarks/nsa_read_probe.py "$out" 2>&1 | tee "$out/nsa_read_probe.log" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;

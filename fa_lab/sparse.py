@@ -270,17 +270,16 @@ def _compressed_seen(seqlen: int, blocks: int, block_cmp: int, device) -> torch.
 
 
 def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl: str = "torch"):
-    """NSA's compressed branch: (out (B, H, N, d), lse (B, H, N) float32) of q (B, H, N, d) over the compressed
-    keys and values (B, H_kv, N // block_cmp, d) of the blocks wholly in each query's past (compressed key j is
-    visible to query i iff (j + 1) * block_cmp - 1 <= i); rows that see none (i < block_cmp - 1) give zeros and
-    lse = -inf.
+    """NSA's compressed branch: (out (B, H, N, d), lse (B, H, N) float32) of q (B, H, N, d) over the compressed keys and
+    values (B, H_kv, N // block_cmp, d) of the blocks wholly in each query's past (compressed key j is visible to
+    query i iff (j + 1) * block_cmp - 1 <= i); rows that see none (i < block_cmp - 1) give zeros and lse = -inf.
 
-    impl="torch": the masked dense reference. impl="triton": one call of the dense kernels
-    (``fa_lab.attention(impl="triton_hopper")``: the Gluon forward on sm_90, the portable kernels elsewhere) on a
-    folded layout. With query i moved to position i + 1 (one row of padding in front), the rule reads "row r sees
-    j <= r // block_cmp - 1" for every row, so rows with the same r % block_cmp form a sequence of
-    N // block_cmp + 1 queries over the N // block_cmp compressed keys under the course's bottom-right causal
-    mask (query m sees j <= m - 1). The block_cmp residues become a batch dimension: no kernel of its own.
+    impl="torch": the masked dense reference. impl="triton": the dense kernels of
+    ``fa_lab.attention(impl="triton_hopper")`` (the Gluon forward and backward on sm_90, the portable kernels
+    elsewhere), no kernel of its own. With i = step * block_cmp + residue, query i sees the compressed keys before
+    its step, and its own step's too at the last residue: the queries of one residue are a causal sequence over the
+    compressed keys, a strided view of q, and a range of residues stands where the heads do. At most three launches
+    read q and write O in place (:mod:`fa_lab.kernels.hopper.nsa_compressed`).
     """
     if k_cmp.shape[2] == 0:  # no whole block yet: every row sees nothing
         out = torch.zeros(q.shape, dtype=q.dtype if impl == "triton" else _compute_dtype(q), device=q.device)
@@ -289,50 +288,8 @@ def nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp: int, scale: float, impl
         heads = q.shape[1]
         seen = _compressed_seen(q.shape[2], k_cmp.shape[2], block_cmp, q.device)
         return _masked_attention(q, expand_kv(k_cmp, heads), expand_kv(v_cmp, heads), seen, scale)
-    from . import attention
-
-    batch, heads, seqlen, _ = q.shape
-    layout = _Folding(seqlen, block_cmp, k_cmp.shape[2] + 1)
-    folded_kv = [t.unsqueeze(1).expand(batch, block_cmp, *t.shape[1:]).reshape(batch * block_cmp, *t.shape[1:])
-                 for t in (k_cmp.to(q.dtype), v_cmp.to(q.dtype))]
-    # (each relayout's gradient is the other: the rows that hold no query get a zero gradient, so give none back)
-    out, lse = attention(_Relayout.apply(q, layout.fold, layout.unfold), *folded_kv, causal=True, scale=scale,
-                         impl="triton_hopper", return_lse=True)
-    return _Relayout.apply(out, layout.unfold, layout.fold), layout.unfold(lse.unsqueeze(-1)).squeeze(-1)
-
-
-class _Folding:
-    """The compressed branch's folded layout (:func:`nsa_compressed_attention`): query i of (B, H, N, ...) sits at
-    row r = i + 1 = step * block + residue, in (B * block, H, steps, ...) at [b * block + residue, h, step]; the
-    folded rows that hold no query (r = 0, r > N) are zeros and their outputs are dropped, so fold is also
-    unfold's gradient and unfold fold's. Each direction is one gather of whole rows
-    (:mod:`fa_lab.kernels.portable.nsa_fold`)."""
-
-    def __init__(self, seqlen: int, block: int, steps: int):
-        self.seqlen, self.block, self.steps = seqlen, block, steps
-
-    def fold(self, t):
-        """(B, H, N, d) -> (B * block, H, steps, d), zeros in the rows that hold no query."""
-        from .kernels import triton_nsa_fold
-        return triton_nsa_fold(t, self.block, self.steps)
-
-    def unfold(self, t):
-        """(B * block, H, steps, d) -> (B, H, N, d), the rows that hold no query dropped."""
-        from .kernels import triton_nsa_unfold
-        return triton_nsa_unfold(t, self.block, self.seqlen)
-
-
-class _Relayout(torch.autograd.Function):
-    """t through ``relayout`` (:class:`_Folding`'s fold or unfold), its gradient through ``relayout_backward``."""
-
-    @staticmethod
-    def forward(ctx, t, relayout, relayout_backward):
-        ctx.relayout_backward = relayout_backward
-        return relayout(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.relayout_backward(grad), None, None
+    from .kernels import triton_nsa_compressed
+    return triton_nsa_compressed(q, k_cmp, v_cmp, block_cmp, scale)
 
 
 def _check_importance(impl, block_cmp: int, block_sel: int) -> None:

@@ -214,17 +214,27 @@ def test_nsa_window_must_hold_the_query_itself(window):
         nsa_attention(q, k, v, torch.rand(1, 2, 16, 3), 4, 8, 2, window)
 
 
-@pytest.mark.parametrize("seqlen, block", [(31, 8), (32, 8), (40, 8), (47, 16), (16, 16), (9, 4)])
-def test_nsa_folding_places_each_query_at_its_row(seqlen, block, generator):
-    """The compressed branch's folded layout: query i at row r = i + 1 of its (B, H) sequence, that is at
-    [b * block + r % block, h, r // block]; every other row zero; unfold takes exactly the queries back."""
-    from fa_lab.sparse import _Folding
+@pytest.mark.parametrize("seqlen, block", [(31, 8), (32, 8), (40, 8), (47, 16), (16, 16), (9, 4), (3, 4)])
+def test_nsa_residue_views_hold_each_query_once_under_its_mask(seqlen, block, generator):
+    """The compressed branch's launches (fa_lab.kernels.hopper.nsa_compressed): every query of (B, H, N) is in
+    exactly one residue view, at [b * H + h, r, s] = query s * block + first + r, and the launch's bottom-right
+    causal mask over its first ``keys`` compressed keys shows it exactly the blocks wholly in its past."""
+    from fa_lab.kernels.hopper.nsa_compressed import residue_groups, residue_rows
 
-    batch, heads, steps = 2, 3, seqlen // block + 1
+    batch, heads = 2, 3
     t = torch.randn(batch, heads, seqlen, 5, generator=generator)
-    folded = _Folding(seqlen, block, steps).fold(t)
-    want = torch.zeros(batch, block, heads, steps, 5)
-    rows = torch.arange(1, seqlen + 1)
-    want[:, rows % block, :, rows // block] = t.permute(2, 0, 1, 3)  # (N, B, H, 5) at [b, residue, h, step]
-    assert torch.equal(folded, want.view(batch * block, heads, steps, 5))
-    assert torch.equal(_Folding(seqlen, block, steps).unfold(folded), t)
+    seen_at = {}  # query -> (group, step)
+    for group in residue_groups(seqlen, block):
+        rows = residue_rows(t, group, block)
+        assert rows.shape == (batch * heads, group.residues, group.queries, 5)
+        for r in range(group.residues):
+            for s in range(group.queries):
+                query = s * block + group.first + r
+                assert query < seqlen and query not in seen_at
+                seen_at[query] = (group, s)
+                assert torch.equal(rows[:, r, s], t[:, :, query].reshape(batch * heads, 5))
+    assert sorted(seen_at) == list(range(seqlen))
+    blocks = seqlen // block
+    for query, (group, s) in seen_at.items():
+        visible = {j for j in range(group.keys) if j <= s + group.keys - group.queries}
+        assert visible == {j for j in range(blocks) if (j + 1) * block - 1 <= query}, (query, group)

@@ -169,24 +169,29 @@ NSA_CASES = [  # (dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, bl
     (torch.float16, 2, 4, 2, 130, 64, 8, 32),  # four compressed blocks to a selection block
     (torch.bfloat16, 1, 2, 2, 200, 32, 16, 16),  # a selection block per compressed block, no grouping
     (torch.bfloat16, 1, 4, 2, 11, 32, 16, 32),  # shorter than a compressed block: nothing compressed yet
+    (torch.bfloat16, 1, 4, 2, 27, 32, 16, 32),  # one compressed block: only residue 15 of step 0 sees a key
 ]
 
 
 @pytest.mark.parametrize("dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel", NSA_CASES)
 def test_nsa_compressed_branch_on_the_dense_kernels(dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp,
                                                    block_sel, generator):
-    """The compressed branch folded into one dense causal call (impl="triton") against the masked float64
-    reference under the tolerance rule, out and lse, and its gradients to q and the compressed k, v."""
+    """The compressed branch on the dense kernels, q and O through residue views (impl="triton"), against the masked
+    float64 reference under the tolerance rule, out and lse, and its gradients to q and the compressed k, v."""
+    check_compressed_branch(dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, DEVICE, generator)
+
+
+def check_compressed_branch(dtype, batch, heads, heads_kv, seqlen, head_dim, block_cmp, device, generator):
     from fa_lab.sparse import nsa_compressed_attention
 
-    q, k, v = make_qkv(batch, heads, seqlen, seqlen, head_dim, dtype, DEVICE, generator, heads_kv=heads_kv)
+    q, k, v = make_qkv(batch, heads, seqlen, seqlen, head_dim, dtype, device, generator, heads_kv=heads_kv)
     k_cmp, v_cmp = (nsa_compress(t.detach(), block_cmp) for t in (k, v))
     if k_cmp.shape[2] == 0:
         out, lse = nsa_compressed_attention(q, k_cmp, v_cmp, block_cmp, head_dim ** -0.5, "triton")
         assert out.dtype == dtype and bool((out == 0).all()) and bool(torch.isneginf(lse).all())
         return
     rows = torch.arange(seqlen)[:, None]
-    mask = ((torch.arange(k_cmp.shape[2]) + 1) * block_cmp - 1 <= rows).expand(batch, heads, -1, -1).to(DEVICE)
+    mask = ((torch.arange(k_cmp.shape[2]) + 1) * block_cmp - 1 <= rows).expand(batch, heads, -1, -1).to(device)
     check_against_dense(lambda *t: nsa_compressed_attention(*t, block_cmp, head_dim ** -0.5, "triton"),
                         q, k_cmp, v_cmp, mask, generator)
 
@@ -658,25 +663,6 @@ def test_nsa_gate_mix_builds_for_sm90_with_wide_loads_and_stores():
     assert forward.stack_bytes == 0 and reverse.stack_bytes == 0
 
 
-def test_nsa_fold_builds_for_sm90_with_wide_loads_and_stores():
-    """nsa_fold_kernel (bf16, d = 128, both directions) moves each row 16 bytes a load and a store, without
-    spills."""
-    from fa_lab.kernels import load_triton
-    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
-
-    load_triton()
-    from fa_lab.kernels.portable.nsa_fold import FOLD_ROWS, nsa_fold_kernel
-
-    signature = {"src_ptr": "*bf16", "dst_ptr": "*bf16", "seqlen": "i32", "heads": "i32", "steps": "i32",
-                 "head_dim": "i32", "chunks": "i32"}
-    builds = compile_all_for_sm90([
-        dict(kernel=nsa_fold_kernel, signature=signature, num_warps=4, aligned=("src_ptr", "dst_ptr", "head_dim"),
-             constants=dict(BLOCK=32, ROWS=FOLD_ROWS, DIM=128, UNFOLD=unfold)) for unfold in (False, True)])
-    for build in builds:
-        assert build.sass.count("LDG.E.128") >= 1 and build.sass.count("STG.E.128") >= 1, build.registers
-        assert build.stack_bytes == 0
-
-
 # ---------------------------------------------------------------- GPU (device machine)
 
 @pytest.mark.gpu
@@ -714,6 +700,13 @@ def test_gpu_nsa_importance(heads, heads_kv, seqlen, top_in_kernel, merge, gener
     monkeypatch.setattr(fa_lab.sparse, "NSA_TOP_IN_KERNEL", top_in_kernel)
     monkeypatch.setattr(nsa_importance, "TOP_BY_MERGE", merge)
     check_nsa_importance(torch.bfloat16, 1, heads, heads_kv, seqlen, 128, 32, 64, 16, "cuda", generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, heads, heads_kv, seqlen", [(2, 8, 2, 2049), (1, 16, 1, 4500), (1, 4, 4, 4096)])
+def test_gpu_nsa_compressed_branch(batch, heads, heads_kv, seqlen, generator):
+    """Through the Gluon forward and backward on sm_90: three residue groups (2049 and 4500 tokens) or two (4096)."""
+    check_compressed_branch(torch.bfloat16, batch, heads, heads_kv, seqlen, 128, 32, "cuda", generator)
 
 
 @pytest.mark.gpu

@@ -130,19 +130,15 @@ def triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale, top_n=
     return run(q, k_cmp, lse_cmp, block_cmp, block_sel, scale, top_n)
 
 
-def triton_nsa_fold(t, block, steps):
-    """NSA's compressed branch's folded layout: t (B, H, N, d) into (B * block, H, steps, d). See
-    :mod:`fa_lab.kernels.portable.nsa_fold`."""
+def triton_nsa_compressed(q, k_cmp, v_cmp, block_cmp, scale):
+    """NSA's compressed branch (:func:`fa_lab.sparse.nsa_compressed_attention`) on impl="triton_hopper"'s dense
+    kernels, q read and O written in place through strided views: (out (B, H, N, d), lse (B, H, N) float32),
+    differentiable. See :mod:`fa_lab.kernels.hopper.nsa_compressed`."""
     load_triton()
-    from .portable.nsa_fold import fold_rows
-    return fold_rows(t, block, steps)
-
-
-def triton_nsa_unfold(t, block, seqlen):
-    """:func:`triton_nsa_fold`'s inverse: t (B * block, H, steps, d) back to (B, H, seqlen, d)."""
-    load_triton()
-    from .portable.nsa_fold import unfold_rows
-    return unfold_rows(t, block, seqlen)
+    from .common import check_triton_inputs
+    from .hopper.nsa_compressed import CompressedAttention
+    check_triton_inputs(q)
+    return CompressedAttention.apply(q, k_cmp, v_cmp, block_cmp, scale)
 
 
 def triton_nsa_gate_mix(gates, out_cmp, out_sel, out_win):
