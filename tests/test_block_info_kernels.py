@@ -4,8 +4,8 @@ Plain Triton (fa_lab.kernels.portable.block_range): probe kernels call key_range
 for every tile of many shapes, the windowed ranges, the selected-blocks kernels' row_key_end and the
 decode kernel's split_key_range, in the interpreter on a CPU and compiled on a GPU. Gluon
 (fa_lab.kernels.hopper.block_range): probe kernels call tile_plan and visible_key_end, and the
-window's window_tile_plan, visible_key_start and window_key_end; they are compiled for sm_90 here
-and run on the GPU by the `gpu` tests.
+window's window_tile_plan, visible_key_start, window_key_end and (the backward's) window_query_plan; they
+are compiled for sm_90 here and run on the GPU by the `gpu` tests.
 """
 import itertools
 
@@ -26,6 +26,7 @@ from fa_lab.kernels.hopper.block_range import (  # noqa: E402
     visible_key_end,
     visible_key_start,
     window_key_end,
+    window_query_plan,
     window_tile_plan,
 )
 from fa_lab.kernels.portable.block_range import (  # noqa: E402
@@ -292,12 +293,13 @@ WINDOWS = [(5, 0), (100, 3), (0, 50), (300, -1), (-1, 7)]  # flash-attn's (left,
 
 
 @gluon.jit
-def _gluon_window_probe(seqlen_q_ptr, seqlen_k_ptr, left_ptr, right_ptr, plan_ptr, bounds_ptr,
+def _gluon_window_probe(seqlen_q_ptr, seqlen_k_ptr, left_ptr, right_ptr, plan_ptr, bounds_ptr, queries_ptr,
                         MAX_TILES: gl.constexpr, MAX_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr):
     """For case program_id(0) with its window bounds: window_tile_plan of work tile t at plan[case, :, t]
-    ((first, n_iter, full_begin, full_end): (cases, 4, MAX_TILES) int32), and visible_key_start /
-    window_key_end of row r at bounds[case, :, r] ((cases, 2, MAX_ROWS) int32). num_warps=4."""
+    ((first, n_iter, full_begin, full_end): (cases, 4, MAX_TILES) int32), visible_key_start /
+    window_key_end of row r at bounds[case, :, r] ((cases, 2, MAX_ROWS) int32), and window_query_plan of key tile
+    t at queries[case, :, t] ((first, count): (cases, 2, MAX_TILES) int32). num_warps=4."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     case = gl.program_id(0)
     seqlen_q = gl.load(seqlen_q_ptr + case)
@@ -316,10 +318,15 @@ def _gluon_window_probe(seqlen_q_ptr, seqlen_k_ptr, left_ptr, right_ptr, plan_pt
     bounds = bounds_ptr + case * 2 * MAX_ROWS + rows
     gl.store(bounds, visible_key_start(rows, seqlen_q, seqlen_k, left))
     gl.store(bounds + MAX_ROWS, window_key_end(rows, seqlen_q, seqlen_k, right))
+    first_q, q_tiles = window_query_plan(tiles * BLOCK_N, seqlen_q, seqlen_k, left, right, BLOCK_M=BLOCK_M,
+                                         BLOCK_N=BLOCK_N)
+    queries = queries_ptr + case * 2 * MAX_TILES + tiles
+    gl.store(queries, first_q)
+    gl.store(queries + MAX_TILES, q_tiles)
 
 
 WINDOW_PROBE_SIGNATURE = {"seqlen_q_ptr": "*i32", "seqlen_k_ptr": "*i32", "left_ptr": "*i32", "right_ptr": "*i32",
-                          "plan_ptr": "*i32", "bounds_ptr": "*i32"}
+                          "plan_ptr": "*i32", "bounds_ptr": "*i32", "queries_ptr": "*i32"}
 
 
 def test_gluon_window_probe_compiles_for_sm90():
@@ -335,8 +342,9 @@ def test_gluon_window_probe_compiles_for_sm90():
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_gluon_window_ranges_are_block_info(block_m, block_n, causal):
     """window_tile_plan is BlockInfo.key_tiles in tiles (one fully masked tile for a work tile that sees no
-    key), and visible_key_start / window_key_end bound each row's keys as BlockInfo.key_start / key_end do
-    (a row that sees no key may get any empty range)."""
+    key), visible_key_start / window_key_end bound each row's keys as BlockInfo.key_start / key_end do
+    (a row that sees no key may get any empty range), and window_query_plan is BlockInfo.query_tiles' begin and
+    end in query tiles."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon probe is compiled for sm_90 (Hopper)")
     cases = [(n_q, n_k, window) for (n_q, n_k) in SHAPES for window in WINDOWS]
@@ -346,9 +354,10 @@ def test_gpu_gluon_window_ranges_are_block_info(block_m, block_n, causal):
     seqlen_q, seqlen_k, left, right = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in columns)
     plan = torch.empty(len(cases), 4, MAX_TILES, dtype=torch.int32, device="cuda")
     bounds = torch.empty(len(cases), 2, MAX_ROWS, dtype=torch.int32, device="cuda")
-    _gluon_window_probe[(len(cases),)](seqlen_q, seqlen_k, left, right, plan, bounds, MAX_TILES=MAX_TILES,
+    queries = torch.empty(len(cases), 2, MAX_TILES, dtype=torch.int32, device="cuda")
+    _gluon_window_probe[(len(cases),)](seqlen_q, seqlen_k, left, right, plan, bounds, queries, MAX_TILES=MAX_TILES,
                                        MAX_ROWS=MAX_ROWS, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
-    plan, bounds = plan.cpu(), bounds.cpu()
+    plan, bounds, queries = plan.cpu(), bounds.cpu(), queries.cpu()
     rows = torch.arange(MAX_ROWS)
     for case, info in enumerate(infos):
         for tile in range(cdiv(info.seqlen_q, block_m)):
@@ -367,3 +376,7 @@ def test_gpu_gluon_window_ranges_are_block_info(block_m, block_n, causal):
         assert torch.equal(seen[rows_ok], (want_end > want_start)[rows_ok]), cases[case]
         assert torch.equal(start.clamp(min=0)[rows_ok & seen], want_start[rows_ok & seen]), cases[case]
         assert torch.equal(end[rows_ok & seen], want_end[rows_ok & seen]), cases[case]
+        for tile in range(cdiv(info.seqlen_k, block_n)):
+            walk = info.query_tiles(tile * block_n, block_n, block_m)
+            expected = (walk.begin // block_m, (walk.end - walk.begin) // block_m)
+            assert tuple(queries[case, :, tile].tolist()) == expected, (cases[case], tile)

@@ -273,7 +273,8 @@ def test_the_gluon_backward_steps_128_rows_at_d64_and_64_at_d128():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
-    """The Gluon FA3 backward builds for sm_90 on this machine, causal and not, dense and packed, with dQ in turns,
+    """The Gluon FA3 backward builds for sm_90 on this machine, causal and not, dense and packed, dense with a window
+    (the band's edges masked in their own branch), with dQ in turns,
     as partial tiles and (d = 128) as column halves, in steps of its default rows (128 at d = 64, 64 at d = 128)
     and, at d = 64, of 64 rows too: shared memory within 227 KiB, the consumer warpgroups raised to 240 registers,
     dQ added by a TMA reduce-add, the WGMMAs of the five products (N = the step's rows for S and dP, d-wide ones for
@@ -294,7 +295,9 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
                  for mode in ("partial", "split") if head_dim == 128 or mode != "split"]
     if head_dim == 64:
         variants += [(causal, varlen, "turns", 64) for varlen in (False, True) for causal in (False, True)]
-    builds = compile_all_for_sm90([fa3_backward_job(head_dim, causal, varlen=varlen, dq_mode=mode, rows=rows)
+    variants += [("window", False, mode, None) for mode in ("turns", "named")]
+    builds = compile_all_for_sm90([fa3_backward_job(head_dim, causal is True, varlen=varlen, dq_mode=mode, rows=rows,
+                                                    window=causal == "window")
                                    for causal, varlen, mode, rows in variants])
     for (causal, varlen, mode, rows), build in zip(variants, builds):
         step_rows = rows or (128 if head_dim == 64 else 64)
@@ -1154,6 +1157,34 @@ def test_gpu_gluon_backward_meets_the_tolerance_rule(batch, heads, heads_kv, seq
                     q, k, v, causal, None, generator=generator)
 
 
+GLUON_WINDOW_CASES = [  # (batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window)
+    (1, 4, 2, 1000, 1000, 128, True, (256, 0)),
+    (2, 4, 4, 777, 777, 128, False, (100, 50)),
+    (1, 4, 1, 513, 700, 64, False, (300, -1)),
+    (1, 2, 2, 900, 600, 64, True, (90, 0)),
+    (1, 2, 2, 600, 900, 128, False, (-1, 7)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dq_mode", ["turns", "named"])
+@pytest.mark.parametrize("batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window", GLUON_WINDOW_CASES)
+def test_gpu_gluon_backward_with_a_window(batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window,
+                                          dq_mode, generator, monkeypatch):
+    """The Gluon backward (not the portable one) under a band: causal with a left bound, both sides bounded, one
+    side only, more queries than keys and fewer (rows that see no key); gradients against the float64 reference."""
+    import fa_lab.kernels.hopper.attention as hopper
+
+    def not_portable(*_args, **_kwargs):
+        raise AssertionError("the backward went to the portable kernels")
+    monkeypatch.setattr(hopper, "triton_backward", not_portable)
+    options = hopper.HopperOptions(backward="gluon", backward_dq=dq_mode)
+    q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator,
+                       heads_kv=heads_kv)
+    check_attention(lambda q, k, v, causal, scale, **mask: hopper.triton_hopper_attention(
+        q, k, v, causal, scale, options=options, **mask), q, k, v, causal, None, generator=generator, window=window)
+
+
 def _check_gluon_backward_with(launch_kwargs, case, generator, monkeypatch):
     """The Gluon backward (HopperOptions(backward="gluon")) with gluon_backward(**launch_kwargs), one
     GLUON_BACKWARD_CASES case, against the float64 reference."""
@@ -1161,7 +1192,8 @@ def _check_gluon_backward_with(launch_kwargs, case, generator, monkeypatch):
 
     batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype = case
     original = hopper.gluon_backward
-    monkeypatch.setattr(hopper, "gluon_backward", lambda *args: original(*args, **launch_kwargs))
+    monkeypatch.setattr(hopper, "gluon_backward",
+                        lambda *args, **kwargs: original(*args, **kwargs, **launch_kwargs))
     options = hopper.HopperOptions(backward="gluon")
     q, k, v = make_qkv(batch, heads, seqlen_q, seqlen_k, head_dim, dtype, "cuda", generator=generator,
                        heads_kv=heads_kv)
@@ -1283,18 +1315,20 @@ def test_gpu_gluon_backward_in_any_head_group_order(head_group, generator):
 @pytest.mark.gpu
 def test_gpu_the_default_backward_is_the_gluon_one_where_it_was_measured_faster(monkeypatch):
     """impl="triton_hopper" takes the Gluon backward where gluon_backward_is_faster (without a mask at any length;
-    causal from 2K keys at d = 128 and 64), the portable one for short causal calls and wherever a
-    score option is given."""
+    causal from 2K keys at d = 128 and 64, a window too), the portable one for short causal calls and wherever a
+    soft cap or ALiBi is given."""
     import fa_lab.kernels.hopper.attention as hopper
 
     calls = []
     original = hopper.gluon_backward
-    monkeypatch.setattr(hopper, "gluon_backward",
-                        lambda *args: calls.append((args[0].shape[-1], args[1].shape[2])) or original(*args))
-    for head_dim, seqlen, causal, window in ((128, 300, False, (-1, -1)), (128, 2048, True, (-1, -1)),
-                                             (128, 300, True, (-1, -1)), (64, 300, False, (-1, -1)),
-                                             (128, 2048, True, (100, 0))):
+    monkeypatch.setattr(hopper, "gluon_backward", lambda *args, **kwargs: calls.append(
+        (args[0].shape[-1], args[1].shape[2], tuple(kwargs.get("window", (-1, -1))) != (-1, -1)))
+        or original(*args, **kwargs))
+    for head_dim, seqlen, causal, window, softcap in (
+            (128, 300, False, (-1, -1), 0.0), (128, 2048, True, (-1, -1), 0.0), (128, 300, True, (-1, -1), 0.0),
+            (64, 300, False, (-1, -1), 0.0), (128, 2048, True, (100, 0), 0.0), (128, 2048, True, (-1, -1), 30.0)):
         q, k, v = (torch.randn(1, 2, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
-        fa_lab.attention(q, k, v, causal=causal, impl="triton_hopper", window=window).sum().backward()
-    assert calls == [(128, 300), (128, 2048), (64, 300)]
+        fa_lab.attention(q, k, v, causal=causal, impl="triton_hopper", window=window,
+                         softcap=softcap).sum().backward()
+    assert calls == [(128, 300, False), (128, 2048, False), (64, 300, False), (128, 2048, True)]

@@ -358,12 +358,12 @@ def hopper_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: S
     return triton_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options)
 
 
-def uses_gluon_backward(q, k, causal, options: ScoreOptions) -> bool:
+def uses_gluon_backward(q, k, causal, options: ScoreOptions, window: bool = False) -> bool:
     """True when the Gluon FA3 backward takes this call: sm_90, head_dim (padded to 8) exactly 64 or 128, and no
-    window, soft cap or ALiBi."""
+    soft cap or ALiBi, nor a window unless ``window`` (the dense launcher takes one, packed batches do not)."""
+    band = (-1, -1) if window else options.window
     return (uses_gluon(q, HopperOptions()) and q.shape[-1] in (64, 128)
-            and not has_score_options(q.shape[2], k.shape[2], causal, options.window, options.softcap,
-                                      options.alibi_slopes))
+            and not has_score_options(q.shape[2], k.shape[2], causal, band, options.softcap, options.alibi_slopes))
 
 
 DQ_MODES = ("turns", "partial", "split", "named")  # fa3_backward.DQ_SCHEMES's names; "split" at d = 128 only
@@ -371,10 +371,11 @@ DQ_MODES = ("turns", "partial", "split", "named")  # fa3_backward.DQ_SCHEMES's n
 
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str | None = None,
                    rows: int | None = None, rows_by_producer: bool = True, head_group: int | None = None,
-                   rows_ahead: bool = False, kv_split: int = 1, row_vectors=None, dq=None):
+                   rows_ahead: bool = False, kv_split: int = 1, row_vectors=None, dq=None, window=(-1, -1)):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
-    row_vectors, dq: as :func:`fa_lab.kernels.portable.attention.triton_backward` takes them.
+    row_vectors, dq: as :func:`fa_lab.kernels.portable.attention.triton_backward` takes them. window: flash-attn's
+    (left, right) as :func:`fa_lab.attention` takes it; each key tile's CTA walks only the query tiles of its band.
     dq_mode: "turns" (each step's whole dQ tile computed by one consumer, in turns), "partial" (each consumer
     adds a partial dQ tile over its own keys), "split" or "named" (:mod:`.fa3_backward`; None:
     :func:`dq_mode_by_default`); rows: query rows per step
@@ -399,15 +400,16 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
                          f"got {kv_split!r}")
     k_run, v_run = (t.repeat_interleave(kv_split, dim=1) for t in (k, v)) if kv_split > 1 else (k, v)
     key_tiles, kv_pairs = cdiv(seqlen_k, BWD_BLOCK_N), batch * k_run.shape[1]  # (batch, K/V head of the run) pairs
+    info = BlockInfo(seqlen_q, seqlen_k, causal, tuple(window))
     if head_group is None:
-        head_group = heads_per_group(kv_pairs, key_tiles, sm_count(q.device)) if causal else 1
+        head_group = heads_per_group(kv_pairs, key_tiles, sm_count(q.device)) if info.causal_only else 1
     if row_vectors is None:
         grad_out = grad_out.contiguous()
         row_vectors = backward_preprocess(out, grad_out, lse)
     delta, lse2 = row_vectors
     dq_sum, dk, dv = _backward_outputs(q, k_run, v_run, torch.float32 if kv_split > 1 else None)
     _launch_backward((key_tiles * kv_pairs,), (q, k_run, v_run, grad_out, dq_sum), dk, dv, lse2, delta, heads,
-                     seqlen_q, seqlen_k, head_group, None, causal, scale, dq_mode, rows, rows_by_producer, rows_ahead)
+                     seqlen_q, seqlen_k, head_group, None, info, scale, dq_mode, rows, rows_by_producer, rows_ahead)
     if kv_split > 1:  # the copies' partial sums, added in float32 and rounded once
         dk, dv = (t.view(batch, heads_kv, kv_split, seqlen_k, head_dim).sum(2).to(k.dtype) for t in (dk, dv))
     return _scaled_dq(dq_sum, scale, q.dtype, dq), dk, dv
@@ -432,8 +434,8 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     # The preprocess writes (total_q, H), the order of out's rows; the kernel reads each head's rows together.
     delta, lse2 = (t.t().contiguous() for t in backward_preprocess(out, grad_out, lse.t().contiguous()))
     _launch_backward((len(tiles), k.shape[1]), [heads_view(t) for t in (q, k, v, grad_out, dq)], dk, dv, lse2, delta,
-                     heads, total_q, k.shape[0], 1, (tiles, cu_q, cu_k), causal, scale, dq_mode, rows,
-                     rows_by_producer, rows_ahead)
+                     heads, total_q, k.shape[0], 1, (tiles, cu_q, cu_k), BlockInfo(total_q, k.shape[0], causal),
+                     scale, dq_mode, rows, rows_by_producer, rows_ahead)
     return _scaled_dq(dq, scale, q.dtype), dk, dv
 
 
@@ -452,13 +454,14 @@ def _backward_outputs(q, k, v, kv_dtype: torch.dtype | None = None):
     return dq, *(torch.empty(t.shape, dtype=kv_dtype or t.dtype, device=t.device) for t in (k, v))
 
 
-def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, head_group, packing, causal,
-                     scale, dq_mode, rows, rows_by_producer, rows_ahead):
+def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, head_group, packing,
+                     info: BlockInfo, scale, dq_mode, rows, rows_by_producer, rows_ahead):
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
     its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); head_group: the kernel's argument
     (dense launches); packing: None, or (schedule,
-    cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals; dq_mode, rows,
-    rows_by_producer, rows_ahead: as the two launchers take them."""
+    cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals; info: the
+    call's mask (its causal flag and band); dq_mode, rows, rows_by_producer, rows_ahead: as the two launchers take
+    them."""
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, DQ_SPLIT, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
@@ -474,9 +477,10 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
     cached_launch(attention_bwd_fa3_kernel)[grid](
         gluon_descriptor(q, row_block), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
         gluon_descriptor(grad_out, row_block), gluon_descriptor(dq, dq_block),
-        dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, head_group, *(packing or (lse2,) * 3),
-        scale * LOG2E, scale, CAUSAL=causal, STAGES=2, VARLEN=packing is not None, DQ_SCHEME=scheme,
-        ROWS_BY_PRODUCER=rows_by_producer, ROWS_AHEAD=rows_by_producer and rows_ahead, num_warps=4,
+        dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, head_group, *_window_bounds(info),
+        *(packing or (lse2,) * 3), scale * LOG2E, scale, CAUSAL=info.causal_only, STAGES=2,
+        VARLEN=packing is not None, DQ_SCHEME=scheme, ROWS_BY_PRODUCER=rows_by_producer,
+        ROWS_AHEAD=rows_by_producer and rows_ahead, WINDOW=info.banded, num_warps=4,
         maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
 
 
@@ -518,9 +522,9 @@ def hopper_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
     else the portable kernels."""
     wanted = hopper.backward == "gluon" or (hopper.backward == "auto"
                                             and gluon_backward_is_faster(q.shape[-1], causal, k.shape[2]))
-    if wanted and config is None and uses_gluon_backward(q, k, causal, options):
+    if wanted and config is None and uses_gluon_backward(q, k, causal, options, window=True):
         return gluon_backward(q, k, v, out, lse, grad_out, causal, scale, hopper.backward_dq,
-                              row_vectors=row_vectors, dq=dq)
+                              row_vectors=row_vectors, dq=dq, window=options.window)
     return triton_backward(q, k, v, out, lse, grad_out, causal, scale, config, options, row_vectors=row_vectors,
                            dq=dq)
 
@@ -528,8 +532,8 @@ def hopper_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, con
 def triton_hopper_attention(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),
                             window=(-1, -1), softcap: float = 0.0, alibi_slopes=None):
     """impl="triton_hopper": (out, lse); gradients through :func:`hopper_backward` (both backwards, like the
-    Gluon forward, read grouped K/V once per group and sum dK, dV over it; the portable one also skips the
-    tiles outside a window and carries the soft cap's and ALiBi's terms)."""
+    Gluon forward, read grouped K/V once per group and sum dK, dV over it, and skip the tiles outside a window
+    of a dense call; the portable one also carries the soft cap's and ALiBi's terms)."""
     load_triton()
     check_triton_inputs(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

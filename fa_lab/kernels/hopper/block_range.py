@@ -80,3 +80,16 @@ def window_key_end(offs_m, seqlen_q, seqlen_k, right):
     """Per query row of offs_m, one past its last visible key under the window: ``BlockInfo.key_end(row)``,
     except that a row which sees no key may get an end below its start (its mask is all False either way)."""
     return gl.minimum(offs_m + (seqlen_k - seqlen_q + right + 1), seqlen_k)
+
+
+@gluon.jit
+def window_query_plan(start_n, seqlen_q, seqlen_k, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first, count) in query tiles of BLOCK_M rows: the steps of the backward's CTA for the key tile
+    [start_n, +BLOCK_N) under a window, ``BlockInfo.query_tiles(start_n, BLOCK_N, BLOCK_M)``'s begin and end
+    divided by BLOCK_M (count 0 when no row sees the tile)."""
+    offset = seqlen_k - seqlen_q
+    rows_end = gl.minimum(gl.maximum(start_n + BLOCK_N - 1 - offset + left + 1, 0), seqlen_q)
+    end = gl.cdiv(rows_end, BLOCK_M)
+    first = gl.minimum(gl.maximum(start_n - offset - right, 0) // BLOCK_M, end)
+    return first, end - first
+

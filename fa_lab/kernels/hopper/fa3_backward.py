@@ -76,6 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .block_range import window_query_plan
 from .fa3_state import Ring, named_barrier, ring_phase, wait_until_empty
 
 KEYS_PER_CONSUMER = gl.constexpr(64)
@@ -274,14 +275,15 @@ def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, f
 @gluon.jit
 def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                   row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
-                  q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, CONSUMER: gl.constexpr,
-                  CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_SCHEME: gl.constexpr,
-                  ROWS_BY_PRODUCER: gl.constexpr):
+                  q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left, window_right,
+                  CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_SCHEME: gl.constexpr,
+                  ROWS_BY_PRODUCER: gl.constexpr, WINDOW: gl.constexpr):
     """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
     it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER), or (DQ_PARTIAL) its
     partial dQ tile of every step, or (DQ_SPLIT) its half of every step's dQ columns. Rows and keys are
     counted within the sequence; q_start, k_start place a packed sequence (VARLEN) in the packed tensors, whose
-    lse2 and delta hold lse_rows rows per head (seqlen_q, or total_q packed)."""
+    lse2 and delta hold lse_rows rows per head (seqlen_q, or total_q packed). WINDOW: rows i see the keys
+    i + offset - window_left <= j <= i + offset + window_right (``BlockInfo.window_bounds``)."""
     HEAD_DIM: gl.constexpr = k_ring.bufs.type.shape[4]
     BLOCK_M: gl.constexpr = q_ring.bufs.type.shape[3]
     dtype: gl.constexpr = k_ring.bufs.dtype
@@ -330,6 +332,13 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
             if start_m + offset < key0 + KEYS_PER_CONSUMER - 1:  # the diagonal: some keys come after a row
                 keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
                 s_start = gl.where(keys[:, None] <= rows[None, :] + offset, s_start, float("-inf"))
+        elif WINDOW:  # a step across either edge of the band
+            if ((start_m + BLOCK_M - 1 + offset - window_left > key0)
+                    | (key0 + KEYS_PER_CONSUMER - 1 > start_m + offset + window_right)):
+                keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
+                seen = ((keys[:, None] >= rows[None, :] + (offset - window_left))
+                        & (keys[:, None] <= rows[None, :] + (offset + window_right)))
+                s_start = gl.where(seen, s_start, float("-inf"))
         elif VARLEN:  # (causal, the mask above hides them: a row before seqlen_q sees no key past seqlen_k)
             if key0 + KEYS_PER_CONSUMER > seqlen_k:  # the sequence's last keys: the next sequence's follow them
                 keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
@@ -455,10 +464,11 @@ def key_tile_of_cta(cta, key_tiles, head_group):
 
 @gluon.jit
 def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, dv_ptr, lse2_ptr, delta_ptr,
-                             heads, group, seqlen_q, seqlen_k, head_group, schedule_ptr, cu_seqlens_q, cu_seqlens_k,
-                             qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, VARLEN: gl.constexpr = False,
-                             DQ_SCHEME: gl.constexpr = DQ_TURNS, ROWS_BY_PRODUCER: gl.constexpr = False,
-                             ROWS_AHEAD: gl.constexpr = False):
+                             heads, group, seqlen_q, seqlen_k, head_group, window_left, window_right, schedule_ptr,
+                             cu_seqlens_q, cu_seqlens_k, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                             VARLEN: gl.constexpr = False, DQ_SCHEME: gl.constexpr = DQ_TURNS,
+                             ROWS_BY_PRODUCER: gl.constexpr = False, ROWS_AHEAD: gl.constexpr = False,
+                             WINDOW: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, rows, d) (rows: :func:`bwd_rows`); k/v_desc over
@@ -473,7 +483,10 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     DQ_NAMED, the module docstring's dQ schemes. ROWS_BY_PRODUCER: each step's start rows (:func:`_product_starts`)
     reach the consumers through shared memory (the producer loads and computes them) instead of each consumer's own
     loads; ROWS_AHEAD (with it): the producer loads each step's rows one step ahead and issues a step's copies before
-    it stores the step's rows (:func:`_bwd_producer`).
+    it stores the step's rows (:func:`_bwd_producer`). WINDOW (dense calls only; CAUSAL off, a causal band folded
+    into its bounds): the band of ``BlockInfo.window_bounds`` (window_left, window_right); each CTA walks only the
+    query tiles that see its key tile (:func:`.block_range.window_query_plan`) and masks the steps across the band's
+    edges.
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -504,6 +517,9 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     if CAUSAL:  # query row i sees key j when j <= i + seqlen_k - seqlen_q
         first_q = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
     q_tiles = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - first_q, 0)
+    if WINDOW:
+        gl.static_assert(not (CAUSAL or VARLEN), "a window folds causal in, and packed batches take none")
+        first_q, q_tiles = window_query_plan(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N)
 
     # K and V are loaded once, through one-slot Rings; nothing arrives on their empty barriers, whose
     # fresh state lets the producer's single fill through.
@@ -559,12 +575,12 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     gl.warp_specialize([
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
-                         q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 0, CAUSAL,
-                         VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER)),
+                         q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
+                         window_right, 0, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW)),
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
-                         q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, 1, CAUSAL,
-                         VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER)),
+                         q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
+                         window_right, 1, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr,
                          delta_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start,
                          k_start, lse_rows, qk_scale, ROWS_BY_PRODUCER, ROWS_AHEAD)),
