@@ -5,7 +5,7 @@ K/V heads, d = 128), both in turn for two rounds (do_bench medians of the backwa
 inside the band), with the two backwards' largest gradient difference.
 
 On the device: ``PYTHONPATH=. python3 benchmarks/window_backward_ab.py $OUT`` writes $OUT/window_backward_ab.json
-(a log; committed as <h100|h200>_window_backward_ab.json).
+(a log; committed as <h100|h200>_window_backward_ab.json; `run_device.sh window-backward`).
 """
 import os
 import sys
