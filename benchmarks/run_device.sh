@@ -73,8 +73,6 @@
 #            selected-blocks forward, in TB/s (<h100|h200>_nsa_read_probe.json, by benchmarks/nsa_read_probe.py)
 #   window-backward - a window's backward on the Gluon kernel against the portable one, the interfaces' window and
 #            NSA's window branch, in turn (<h100|h200>_window_backward_ab.json, by benchmarks/window_backward_ab.py)
-#   nsa-mix - NSA's gated sum in the selected-blocks kernel's epilogue against its own pass, in turn, beside dense
-#            attention (h200_nsa_mix_ab.json, by benchmarks/nsa_mix_ab.py)
 #   nsa-compressed - NSA's compressed branch through residue views against the folded layout it replaced: two trees
 #            of the code in alternating processes, two rounds (nsa_compressed_ab.json, by benchmarks/nsa_compressed_ab.py);
 #            the argument after OUTDIR is the old tree, a directory holding `git archive 4a36a68 fa_lab` unpacked
@@ -184,7 +182,6 @@ case "$step" in
   nsa-select-tiles) python3 benchmarks/nsa_select_tiles.py "$out" 2>&1 | tee "$out/nsa_select_tiles.log" ;;
   nsa-top) python3 benchmarks/nsa_top_ab.py "$out" 2>&1 | tee "$out/nsa_top_ab.log" ;;
   window-backward) python3 benchmarks/window_backward_ab.py "$out" 2>&1 | tee "$out/window_backward_ab.log" ;;
-  nsa-mix) python3 benchmarks/nsa_mix_ab.py "$out" 2>&1 | tee "$out/nsa_mix_ab.log" ;;
   nsa-compressed) for round in 1 2; do for tree in "$1" .; do
                     PYTHONPATH="$tree:$PYTHONPATH" python3 benchmarks/nsa_compressed_ab.py "$out"; done; done \
                   2>&1 | tee "$out/nsa_compressed_ab.log" ;;

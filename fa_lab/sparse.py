@@ -245,10 +245,6 @@ def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None, 
 # in the kernel, timed"; benchmarks/nsa_top_ab.py times both).
 NSA_TOP_IN_KERNEL = True
 
-# nsa_attention(impl="triton") computes the gated sum of the branches in the selected-blocks kernel's epilogue
-# (False: in a pass of its own after it, fa_lab/kernels/portable/nsa_gate.py).
-NSA_MIX_IN_SELECTED = True
-
 
 def nsa_compress(t, block: int):
     """Mean-pool (B, H_kv, N, d) over non-overlapping blocks of ``block`` tokens: (B, H_kv, N // block, d).
@@ -369,8 +365,7 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
     (:func:`nsa_compressed_attention`), the selection scored by the importance kernel from its lse, the
     selected branch on the selected-blocks kernel (one program per query and KV head, the group's query heads
     packed into its tile), the window as ``fa_lab.attention(window=(window - 1, 0), impl="triton_hopper")``
-    (on sm_90 the Gluon forward skips the tiles outside the band), and the gated sum, in float32, in the
-    selected-blocks kernel's epilogue (``NSA_MIX_IN_SELECTED``; else in a pass of its own).
+    (on sm_90 the Gluon forward skips the tiles outside the band).
     """
     check_impl(impl)
     check_qkv(q, k, v, DTYPES)
@@ -401,15 +396,10 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
         selected = nsa_select(q.detach(), k_cmp.detach(), block_cmp, block_sel, top_n, scale, impl, lse_cmp)
     if impl == "triton":  # a per-query selection: one selection row per query
         from . import attention
-        from .kernels import triton_block_select_attention, triton_nsa_gate_mix, triton_nsa_selected_mix
+        from .kernels import triton_block_select_attention
+        out_sel, _ = triton_block_select_attention(q, k, v, selected, block_sel, True, scale, block_q=1)
         # Window branch: the last ``window`` keys, the query's own included.
         out_win = attention(q, k, v, causal=True, scale=scale, window=(window - 1, 0), impl="triton_hopper")
-        if NSA_MIX_IN_SELECTED:  # the gated sum in the selected-blocks kernel's epilogue
-            out, out_sel = triton_nsa_selected_mix(q, k, v, selected, block_sel, scale, gates, out_cmp, out_win)
-        else:
-            out_sel, _ = triton_block_select_attention(q, k, v, selected, block_sel, True, scale, block_q=1)
-            out = triton_nsa_gate_mix(gates, out_cmp, out_sel, out_win)  # one pass, summed in float32
-        return out, (out_cmp, out_sel, out_win)
     else:
         cols = torch.arange(seqlen, device=q.device)[None, :]
         chosen = ((cols // block_sel)[None, None, None] == selected.clamp(min=-1)[..., None]).any(dim=-2)
@@ -419,6 +409,9 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
         band = BlockInfo(seqlen, seqlen, causal=True, window=(window - 1, -1)).mask(device=q.device)
         out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), band, scale)
     branches = (out_cmp, out_sel, out_win)
+    if impl == "triton":  # one pass, summed in float32
+        from .kernels import triton_nsa_gate_mix
+        return triton_nsa_gate_mix(gates, *branches), branches
     mixed = _compute_dtype(q)
     out = sum(gates[..., i:i + 1].to(mixed) * branch.to(mixed) for i, branch in enumerate(branches))
     return out.to(q.dtype), branches

@@ -126,10 +126,9 @@ def sparse_jobs() -> list[tuple[str, dict]]:
     for rows in (16, 64):
         tile = dict(BLOCK_M=rows, BLOCK_N=64, HEAD_DIM=128, CAUSAL=True)
         gather = sparse.gather_config(rows, 64, 128)  # the launcher's: 32 rows at 4 warps for 16, 64 at 8 for 64
-        forward_signature = {**_pointers("q_ptr k_ptr v_ptr o_ptr"), "index_ptr": INT_PTR, "lse_ptr": F32,
-                             **_pointers("mixed_ptr cmp_ptr win_ptr gates_ptr"), **shapes, "slots": I32}
         jobs += [
-            (f"forward, {rows} rows", sparse.block_select_fwd_kernel, forward_signature,
+            (f"forward, {rows} rows", sparse.block_select_fwd_kernel,
+             {**_pointers("q_ptr k_ptr v_ptr o_ptr"), "index_ptr": INT_PTR, "lse_ptr": F32, **shapes, "slots": I32},
              {**tile, "ONE_CHUNK": True}, 8 if rows * 128 >= 128 * 64 else 4),
             (f"dQ, {rows} rows", sparse.block_select_bwd_dq_kernel,
              {**rows_in, "index_ptr": INT_PTR, "dq_ptr": BF16, **shapes, "slots": I32, "scale": "fp32"},
@@ -142,8 +141,6 @@ def sparse_jobs() -> list[tuple[str, dict]]:
         ]
     dq_16 = next(job for job in jobs if job[0] == "dQ, 16 rows")  # and at block_select_backward's other dq_warps:
     jobs += [(f"dQ, 16 rows, {warps} warps", *dq_16[1:4], warps) for warps in (4, 2)]
-    forward_16 = next(job for job in jobs if job[0] == "forward, 16 rows")  # NSA's, with the gated sum (MIX)
-    jobs += [("forward, 16 rows, gate mix", *forward_16[1:3], {**forward_16[3], "MIX": True}, forward_16[4])]
     return [(label, {**_job(kernel, signature, constants, warps), "num_stages": 2})  # TileConfig's default
             for label, kernel, signature, constants, warps in jobs]
 

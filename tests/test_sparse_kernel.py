@@ -360,25 +360,6 @@ def test_nsa_attention_kernels_and_reference_agree_with_gradients(generator):
     assert not failures, "; ".join(failures)
 
 
-def test_nsa_gate_mix_in_the_selected_kernel_is_the_pass_of_its_own(generator, monkeypatch):
-    """NSA_MIX_IN_SELECTED: the selected-blocks kernel's epilogue leaves the gate kernel's sum to the bit (it reads
-    its output back as stored), and the fused backward the same gradients to q, k, v and the gates, to the bit."""
-    import fa_lab.sparse
-
-    q, k, v = make_qkv(1, 4, 130, 130, 32, torch.bfloat16, DEVICE, generator, heads_kv=2)
-    gates = torch.rand(1, 4, 130, 3, generator=generator).to(DEVICE)
-    grad_out = torch.randn(q.shape, generator=generator).to(DEVICE, q.dtype)
-    results = {}
-    for fused in (True, False):
-        monkeypatch.setattr(fa_lab.sparse, "NSA_MIX_IN_SELECTED", fused)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, gates)]
-        out, branches = nsa_attention(*leaves, 8, 32, 3, 24, impl="triton")
-        out.backward(grad_out)
-        results[fused] = [out, *branches, *(t.grad for t in leaves)]
-    for name, fused, alone in zip(("out", "cmp", "sel", "win", "dq", "dk", "dv", "dgates"), *results.values()):
-        assert torch.equal(fused, alone), name
-
-
 @pytest.fixture
 def no_kernel(monkeypatch):
     """Make any launch of the selected-blocks kernel fail the test: checks must come first."""
@@ -390,7 +371,6 @@ def no_kernel(monkeypatch):
     def launched(*args):
         raise AssertionError("the kernel ran on input that should have been refused")
     monkeypatch.setattr(sparse_select.BlockSelectFunction, "apply", launched)
-    monkeypatch.setattr(sparse_select.SelectedMixFunction, "apply", launched)
 
 
 @pytest.mark.parametrize("block_q, change, error, words", [

@@ -149,14 +149,6 @@ def triton_nsa_gate_mix(gates, out_cmp, out_sel, out_win):
     return run(gates, out_cmp, out_sel, out_win)
 
 
-def triton_nsa_selected_mix(q, k, v, selected, block_sel, scale, gates, out_cmp, out_win):
-    """NSA's selected branch with the gated sum of the three branches in its epilogue: (out, out_sel) (B, H, N, d),
-    differentiable. See :func:`fa_lab.kernels.portable.sparse_select.triton_nsa_selected_mix`."""
-    load_triton()
-    from .portable.sparse_select import triton_nsa_selected_mix as run
-    return run(q, k, v, selected, block_sel, scale, gates, out_cmp, out_win)
-
-
 def triton_moba_gate(q, pooled, block, top_k):
     """MoBA's selection (:func:`fa_lab.sparse.moba_gate`) from q (B, H, N, d) and the blocks' mean keys
     (B, H_kv, blocks, d) float32, in one kernel: int64 (B, H, N, top_k), or None past the kernel's limit on

@@ -28,14 +28,14 @@ def nsa_gate_mix_kernel(cmp_ptr, sel_ptr, win_ptr, gates_ptr, out_ptr, rows, hea
     row_ok = row < rows
     mask = row_ok[:, None] & (dim < head_dim)[None, :]
     offsets = row[:, None] * head_dim + dim[None, :]
-    total = gated(cmp_ptr, gates_ptr, row, 0, offsets, row_ok, mask)
-    total += gated(sel_ptr, gates_ptr, row, 1, offsets, row_ok, mask)
-    total += gated(win_ptr, gates_ptr, row, 2, offsets, row_ok, mask)
+    total = _gated(cmp_ptr, gates_ptr, row, 0, offsets, row_ok, mask)
+    total += _gated(sel_ptr, gates_ptr, row, 1, offsets, row_ok, mask)
+    total += _gated(win_ptr, gates_ptr, row, 2, offsets, row_ok, mask)
     tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def gated(branch_ptr, gates_ptr, row, index, offsets, row_ok, mask):
+def _gated(branch_ptr, gates_ptr, row, index, offsets, row_ok, mask):
     """gates[row, index] * branch[row, :] in float32, (ROWS, DIM)."""
     gate = tl.load(gates_ptr + row * 3 + index, mask=row_ok, other=0.0).to(tl.float32)
     return gate[:, None] * tl.load(branch_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -84,22 +84,15 @@ class GateMixFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gates, *branches = ctx.saved_tensors
-        grad_gates, grad_branches = gate_mix_backward(grad_out, gates, branches)
-        return grad_gates, *grad_branches
-
-
-def gate_mix_backward(grad_out, gates, branches):
-    """(grad_gates in the gates' dtype, [the three branches' gradients]) of out = sum_i gates[..., i] * branches[i]
-    from dO, in one pass of :func:`nsa_gate_mix_bwd_kernel`; gates and branches contiguous."""
-    grad = grad_out.contiguous()
-    grad_branches = [torch.empty_like(branch) for branch in branches]
-    grad_gates = torch.empty(gates.shape, dtype=torch.float32, device=gates.device)
-    rows, head_dim = grad.numel() // grad.shape[-1], grad.shape[-1]
-    with on_device(grad):
-        nsa_gate_mix_bwd_kernel[(triton.cdiv(rows, MIX_ROWS),)](
-            grad, *branches, gates, *grad_branches, grad_gates, rows, head_dim, ROWS=MIX_ROWS,
-            DIM=head_dim_bucket(head_dim))
-    return grad_gates.to(gates.dtype), grad_branches
+        grad = grad_out.contiguous()
+        grad_branches = [torch.empty_like(branch) for branch in branches]
+        grad_gates = torch.empty(gates.shape, dtype=torch.float32, device=gates.device)
+        rows, head_dim = grad.numel() // grad.shape[-1], grad.shape[-1]
+        with on_device(grad):
+            nsa_gate_mix_bwd_kernel[(triton.cdiv(rows, MIX_ROWS),)](
+                grad, *branches, gates, *grad_branches, grad_gates, rows, head_dim, ROWS=MIX_ROWS,
+                DIM=head_dim_bucket(head_dim))
+        return grad_gates.to(gates.dtype), *grad_branches
 
 
 def triton_nsa_gate_mix(gates: torch.Tensor, out_cmp, out_sel, out_win) -> torch.Tensor:

@@ -46,7 +46,6 @@ from .backward import attention_bwd_preprocess_kernel
 from .block_range import row_key_end
 from .configs import TileConfig
 from .forward import online_softmax_tile, write_output_rows
-from .nsa_gate import gate_mix_backward, gated
 
 
 @triton.jit
@@ -116,10 +115,10 @@ def attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start_n, stop, query, 
 
 
 @triton.jit
-def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr, mixed_ptr, cmp_ptr, win_ptr, gates_ptr,
+def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
                             group, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, qk_scale,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            CAUSAL: tl.constexpr, ONE_CHUNK: tl.constexpr, MIX: tl.constexpr = False):
+                            CAUSAL: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """O and the LSE of one tile of packed rows over the blocks its selection row lists.
 
     q_ptr, o_ptr: (B, H, seqlen_q, head_dim); k_ptr, v_ptr: (B, H // group, seqlen_k, head_dim);
@@ -127,9 +126,6 @@ def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr, mixe
     qk_scale = scale * log2(e). ONE_CHUNK: block_k <= BLOCK_N, so a block is one chunk and the loop over
     slots is the only loop, which the compiler pipelines (the next block's index and K/V loads issued
     while this one computes); an unused or causally hidden slot is then a fully masked chunk.
-    MIX (NSA): the tile's rows also leave NSA's gated sum in mixed_ptr, gates[..., 0] * cmp + gates[..., 1] * O +
-    gates[..., 2] * win as :func:`.nsa_gate.nsa_gate_mix_kernel` adds it (O as stored); mixed, cmp, win: like o,
-    gates: (B, H, seqlen_q, 3); not read without MIX.
     """
     sel_row, pid_bkv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, query, valid, last_query = packed_rows(sel_row, pid_bkv, chunk, group, seqlen_q, block_q, BLOCK_M=BLOCK_M)
@@ -161,13 +157,6 @@ def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr, mixe
     group_rows = group * seqlen_q
     write_output_rows(acc, l_i, m_i, o_ptr + group_row0.to(tl.int64) * head_dim, head_dim, lse_ptr + group_row0,
                       0, 0, 1, 0, tl.where(valid, rows - group_row0, group_rows), group_rows, HEAD_DIM=HEAD_DIM)
-    if MIX:  # O read back as stored (rounded), once every thread's rows are in: the gate kernel's sum exactly
-        tl.debug_barrier()
-        offsets, mask = row_tile(rows, valid, head_dim, HEAD_DIM=HEAD_DIM)
-        mixed = gated(cmp_ptr, gates_ptr, rows, 0, offsets, valid, mask)
-        mixed += gated(o_ptr, gates_ptr, rows, 1, offsets, valid, mask)
-        mixed += gated(win_ptr, gates_ptr, rows, 2, offsets, valid, mask)
-        tl.store(mixed_ptr + offsets, mixed.to(mixed_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -377,26 +366,22 @@ def launch_meta(config: TileConfig, head_dim: int, causal: bool) -> dict:
 
 
 def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: bool, scale: float, *,
-                         config: TileConfig | None = None, mix=None):
+                         config: TileConfig | None = None):
     """Forward on contiguous q (B, H, Nq, d), k, v (B, Hkv, Nk, d) and int32 indices (B, Hkv, R, S), at
-    ``config`` (:func:`tile_config`'s when None). mix: None, or NSA's (gates (B, H, Nq, 3), out_cmp, out_win),
-    contiguous, whose gated sum with this output the kernel also writes (MIX).
+    ``config`` (:func:`tile_config`'s when None).
 
-    Returns (out (B, H, Nq, d) in q.dtype, lse (B, H, Nq) float32), and with ``mix`` the gated sum after them.
+    Returns (out (B, H, Nq, d) in q.dtype, lse (B, H, Nq) float32).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
     config = config or tile_config(group * block_q, block_k, head_dim, backward=False)
     out = torch.empty_like(q)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    mixed = torch.empty_like(q) if mix is not None else None
-    mix_args = (mixed, mix[1], mix[2], mix[0]) if mix is not None else (q,) * 4  # (not read without MIX)
     grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
     block_select_fwd_kernel[grid](
-        q, k, v, indices, out, lse, *mix_args, group, seqlen_q, seqlen_k, head_dim, block_q, block_k,
-        indices.shape[3], scale * LOG2E, ONE_CHUNK=block_k <= config.block_n, MIX=mix is not None,
-        **launch_meta(config, head_dim, causal))
-    return (out, lse) if mix is None else (out, lse, mixed)
+        q, k, v, indices, out, lse, group, seqlen_q, seqlen_k, head_dim, block_q, block_k, indices.shape[3],
+        scale * LOG2E, ONE_CHUNK=block_k <= config.block_n, **launch_meta(config, head_dim, causal))
+    return out, lse
 
 
 def selection_csr(indices: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,45 +474,6 @@ class BlockSelectFunction(torch.autograd.Function):
         with on_device(q):
             dq, dk, dv = block_select_backward(q, k, v, out, lse, grad_out.to(q.dtype), indices, *ctx.args)
         return dq, dk, dv, None, None, None, None, None
-
-
-class SelectedMixFunction(torch.autograd.Function):
-    """NSA's selected branch with the gated sum of the three branches in its epilogue: (mixed, out_sel). The
-    backward runs the gate mix's backward (:func:`.nsa_gate.gate_mix_backward`), then the selected branch's with
-    its share of the gradient."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, indices, gates, out_cmp, out_win, block_k, scale):
-        q, k, v, gates, out_cmp, out_win = (t.contiguous() for t in (q, k, v, gates, out_cmp, out_win))
-        with on_device(q):
-            out, lse, mixed = block_select_forward(q, k, v, indices, 1, block_k, True, scale,
-                                                   mix=(gates, out_cmp, out_win))
-        ctx.save_for_backward(q, k, v, indices, out, lse, gates, out_cmp, out_win)
-        ctx.args = (block_k, scale)
-        return mixed, out
-
-    @staticmethod
-    def backward(ctx, grad_mixed, grad_out_sel):
-        q, k, v, indices, out, lse, gates, out_cmp, out_win = ctx.saved_tensors
-        block_k, scale = ctx.args
-        with on_device(q):
-            grad_gates, (grad_cmp, grad_sel, grad_win) = gate_mix_backward(grad_mixed, gates,
-                                                                           (out_cmp, out, out_win))
-            if grad_out_sel is not None:  # out_sel used beside the mix
-                grad_sel = grad_sel + grad_out_sel.to(grad_sel.dtype)
-            dq, dk, dv = block_select_backward(q, k, v, out, lse, grad_sel, indices, 1, block_k, True, scale)
-        return dq, dk, dv, None, grad_gates, grad_cmp, grad_win, None, None
-
-
-def triton_nsa_selected_mix(q, k, v, selected, block_k: int, scale: float, gates, out_cmp, out_win):
-    """NSA's selected branch over ``selected`` (:func:`fa_lab.sparse.nsa_select`'s (B, Hkv, N, S)) with the gated
-    sum of the three branches computed in its epilogue (MIX): (out, out_sel), both (B, H, N, d) in q.dtype,
-    differentiable in q, k, v, the gates (B, H, N, 3) and the other two branches ((B, H, N, d) in q.dtype)."""
-    check_qkv(q, k, v)
-    check_triton_inputs(q)
-    indices = check_key_tiles(selected, q, k, 1, block_k, True, name="selected")
-    indices = indices.to(device=q.device, dtype=torch.int32).contiguous()
-    return SelectedMixFunction.apply(q, k, v, indices, gates, out_cmp, out_win, block_k, scale)
 
 
 def triton_block_select_attention(q, k, v, block_indices, block_k: int, causal: bool = False,
