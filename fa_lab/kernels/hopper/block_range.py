@@ -92,4 +92,3 @@ def window_query_plan(start_n, seqlen_q, seqlen_k, left, right, BLOCK_M: gl.cons
     end = gl.cdiv(rows_end, BLOCK_M)
     first = gl.minimum(gl.maximum(start_n - offset - right, 0) // BLOCK_M, end)
     return first, end - first
-
