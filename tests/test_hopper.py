@@ -289,25 +289,25 @@ def test_gluon_backward_compiles_for_sm90_within_its_resources(head_dim):
     step at d = 128)."""
     from fa_lab.kernels.hopper.sm90_offline import SM90_SHARED_LIMIT, compile_all_for_sm90, fa3_backward_job
 
-    variants = [(causal, varlen, mode, None) for varlen in (False, True) for causal in (False, True)
+    variants = [(causal, varlen, mode, None, False) for varlen in (False, True) for causal in (False, True)
                 for mode in ("turns", "named")]
-    variants += [(causal, False, mode, None) for causal in (False, True)
+    variants += [(causal, False, mode, None, False) for causal in (False, True)
                  for mode in ("partial", "split") if head_dim == 128 or mode != "split"]
     if head_dim == 64:
-        variants += [(causal, varlen, "turns", 64) for varlen in (False, True) for causal in (False, True)]
-    variants += [("window", False, mode, None) for mode in ("turns", "named")]
-    builds = compile_all_for_sm90([fa3_backward_job(head_dim, causal is True, varlen=varlen, dq_mode=mode, rows=rows,
-                                                    window=causal == "window")
-                                   for causal, varlen, mode, rows in variants])
-    for (causal, varlen, mode, rows), build in zip(variants, builds):
+        variants += [(causal, varlen, "turns", 64, False) for varlen in (False, True) for causal in (False, True)]
+    variants += [(False, False, mode, None, True) for mode in ("turns", "named")]  # a band, causal folded in
+    builds = compile_all_for_sm90([fa3_backward_job(head_dim, causal, varlen=varlen, dq_mode=mode, rows=rows,
+                                                    window=window)
+                                   for causal, varlen, mode, rows, window in variants])
+    for (causal, varlen, mode, rows, window), build in zip(variants, builds):
         step_rows = rows or (128 if head_dim == 64 else 64)
         assert build.shared_bytes <= SM90_SHARED_LIMIT
         assert "setmaxnreg.inc.sync.aligned.u32 \t240" in build.ptx
         assert "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add" in build.ptx
         assert f"wgmma.mma_async.sync.aligned.m64n{step_rows}k16.f32.bf16.bf16" in build.ptx
         assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.bf16.bf16" in build.ptx
-        assert build.kv_loop_spills <= 1, (causal, varlen, mode, rows, build.kv_loop_spills)
-        assert build.injected_waits <= 1 and not build.serialized_wgmma, (causal, varlen, mode, rows)
+        assert build.kv_loop_spills <= 1, (causal, varlen, mode, rows, window, build.kv_loop_spills)
+        assert build.injected_waits <= 1 and not build.serialized_wgmma, (causal, varlen, mode, rows, window)
         assert build.loop_instructions("F2F.BF16.F32") == 0 and build.loop_instructions("F2FP.BF16.F32.PACK_AB") > 0
         assert build.loop_instructions("FADD") == build.loop_instructions("FFMA") == 0  # start rows come ready
         scores_per_thread = step_rows * 64 // 128  # a consumer's 64 keys x the step's rows, over 128 threads
