@@ -11,8 +11,8 @@ branch's out, lse and dq at 16K (the two trees' rows should agree to the bit).
 """
 import hashlib
 import json
-import os
 import sys
+from pathlib import Path
 
 
 def digest(t) -> str:
@@ -67,8 +67,10 @@ def main(out_dir: str) -> None:
     from fa_lab.kernels import load_triton
 
     load_triton()
-    path = os.path.join(out_dir, "nsa_compressed_ab.json")
-    log = json.load(open(path))["log"] if os.path.exists(path) else []
+    # (sparse.log_by_length's loop, but adding to the log of the runs before: the other tree's process wrote them,
+    # and the older tree's log_by_length has no way to keep them)
+    path = Path(out_dir) / "nsa_compressed_ab.json"
+    log = json.loads(path.read_text())["log"] if path.exists() else []
     generator = torch.Generator(device="cuda").manual_seed(0)
     for seqlen in sparse.SEQLENS:
         log.append({"seqlen": seqlen, **measure(seqlen, generator)})

@@ -22,14 +22,10 @@ def both_ways(case) -> dict:
     import torch
     from triton.testing import do_bench
 
-    from fa_lab.bench.interfaces import time_backward
+    from fa_lab.bench.interfaces import _tensors, time_backward
     from fa_lab.kernels.hopper.attention import HopperOptions, triton_hopper_attention
 
-    def make(heads):
-        return torch.randn(1, heads, case.lengths[0], case.head_dim, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True)
-
-    leaves = (make(case.heads), make(case.heads_kv), make(case.heads_kv))
+    leaves = _tensors(case, token_major=False)  # (1, heads, N, d) bf16 leaves, as the interfaces benchmark's
     grad = torch.randn(leaves[0].shape, device="cuda", dtype=torch.bfloat16)
     entry = {"case": case.case, "seqlen": case.lengths[0], "heads": case.heads, "heads_kv": case.heads_kv,
              "causal": case.causal, "window": list(case.window)}
