@@ -19,8 +19,7 @@ on a packed batch, into $OUT/h200_varlen_row_vectors.json; ``... fa3_backward.py
 launch's CTAs head by head against in groups of heads, key tile by key tile, into $OUT/h200_backward_head_groups.json;
 ``... fa3_backward.py rows-ahead $OUT`` the producer's loads of a step's rows one step ahead against after its wait
 for the slot, into $OUT/h200_backward_rows_ahead.json; ``... fa3_backward.py kv-split $OUT`` a grouped-query call's
-group split over 1, 2 and 4 CTAs, into $OUT/h200_backward_kv_split.json; ``... fa3_backward.py steps-down $OUT`` causal
-CTAs walking their query tiles up against down, into $OUT/backward_steps_down.json.
+group split over 1, 2 and 4 CTAs, into $OUT/h200_backward_kv_split.json.
 """
 import functools
 import json
@@ -221,15 +220,6 @@ def kv_split(out_dir: str) -> None:
                 grouped_query=(128,))
 
 
-def steps_down(out_dir: str) -> None:
-    """Causal, 2K-16K: each CTA walking its query tiles from the first up, head after head (the order before
-    ``steps_down``), against from the last down with the group's heads innermost, on chapter 05's grouped-query shape
-    and the FA3-paper shapes at d = 128 and 64, in turn, two rounds: backward_steps_down.json."""
-    alternating(out_dir, "backward_steps_down.json", (128, 64), (2048, 4096, 8192, 16384),
-                lambda head_dim: {"up": {"steps_down": False}, "down": {"steps_down": True}}, causals=(True,),
-                grouped_query=(128,))
-
-
 def plot(results_path: str, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -272,7 +262,5 @@ if __name__ == "__main__":
         rows_ahead(sys.argv[2])
     elif sys.argv[1] == "kv-split":
         kv_split(sys.argv[2])
-    elif sys.argv[1] == "steps-down":
-        steps_down(sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])

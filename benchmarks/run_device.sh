@@ -73,8 +73,6 @@
 #            selected-blocks forward, in TB/s (<h100|h200>_nsa_read_probe.json, by benchmarks/nsa_read_probe.py)
 #   window-backward - a window's backward on the Gluon kernel against the portable one, the interfaces' window and
 #            NSA's window branch, in turn (<h100|h200>_window_backward_ab.json, by benchmarks/window_backward_ab.py)
-#   backward-steps-down - causal CTAs walking their query tiles up against down, in turn (backward_steps_down.json,
-#            committed as <h100|h200>_backward_steps_down.json, by benchmarks/fa3_backward.py steps-down)
 #   backward-breakdown - the backward's kernels one by one, triton_hopper against flash-attn-4 (installed first as for
 #            interfaces), at the interfaces' MHA shapes, 16K causal and the protocol's 16 heads at 16K
 #            (<h100|h200>_backward_breakdown.json, by benchmarks/backward_breakdown.py)
@@ -190,7 +188,6 @@ case "$step" in
   nsa-compressed) for round in 1 2; do for tree in "$1" .; do
                     PYTHONPATH="$tree:$PYTHONPATH" python3 benchmarks/nsa_compressed_ab.py "$out"; done; done \
                   2>&1 | tee "$out/nsa_compressed_ab.log" ;;
-  backward-steps-down) python3 benchmarks/fa3_backward.py steps-down "$out" 2>&1 | tee "$out/backward_steps_down.log" ;;
   backward-breakdown) python3 benchmarks/backward_breakdown.py "$out" "$@" 2>&1 | tee "$out/backward_breakdown.log" ;;
   nsa-read-probe) python3 benchmarks/nsa_read_probe.py "$out" 2>&1 | tee "$out/nsa_read_probe.log" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
@@ -211,5 +208,5 @@ case "$step" in
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-top|nsa-compressed|nsa-read-probe|window-backward|backward-breakdown|backward-steps-down|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-top|nsa-compressed|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

@@ -1234,16 +1234,6 @@ def test_gpu_gluon_backward_with_the_group_split_across_ctas(case, kv_split, gen
     _check_gluon_backward_with(dict(kv_split=kv_split), case, generator, monkeypatch)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("steps_down", [True, False])
-@pytest.mark.parametrize("case", GLUON_BACKWARD_CASES, ids=str)
-def test_gpu_gluon_backward_walked_down_or_up(case, steps_down, generator, monkeypatch):
-    """gluon_backward(steps_down=...): each CTA walks its query tiles from the last down, the group's heads
-    innermost, or from the first up, head after head, whatever the default; the rule holds both ways (grouped K/V,
-    causal with more or fewer queries than keys, ragged tiles, d = 64 and 128, bf16 and fp16)."""
-    _check_gluon_backward_with(dict(steps_down=steps_down), case, generator, monkeypatch)
-
-
 def test_the_group_split_must_divide_the_group():
     """gluon_backward refuses a kv_split that does not divide the query heads per K/V head before anything runs
     (CPU tensors: nothing is launched)."""
@@ -1254,17 +1244,6 @@ def test_the_group_split_must_divide_the_group():
     for bad in (3, 0, 8, 2.0, True):
         with pytest.raises(ValueError, match="kv_split must be a divisor of the group of 4"):
             gluon_backward(q, k, v, q, lse, q, True, 0.125, kv_split=bad)
-
-
-def test_the_backward_walked_down_builds_for_sm90_without_spills():
-    """With STEPS_DOWN the step's head and rows come from other integer arithmetic; the loops stay free of spills
-    and stack, causal at d = 128 and 64 (the launcher's default order for causal calls is STEPS_DOWN_CAUSAL)."""
-    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job
-
-    configs = [(128, True), (64, True), (128, False)]
-    builds = compile_all_for_sm90([fa3_backward_job(head_dim, causal, steps_down=True) for head_dim, causal in configs])
-    for config, build in zip(configs, builds):
-        assert build.kv_loop_spills == 0 and build.stack_bytes == 0, config
 
 
 def test_the_group_split_builds_for_sm90_without_spills():

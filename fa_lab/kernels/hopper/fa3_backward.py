@@ -131,17 +131,11 @@ def async_reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M: gl.constexpr, STEPS_DOWN: gl.constexpr):
+def _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M: gl.constexpr):
     """Step t's query head and first row: the group's heads one after another, each over its query tiles
-    (of BLOCK_M rows) from first_q on; or (STEPS_DOWN) the query tiles from the last down to first_q, the group's
-    heads one after another on each tile. Walked down, a causal launch's CTAs all begin at the last query tile
-    whatever their key tile, so that CTAs running side by side read a tile's Q and dO at about the same time."""
-    if STEPS_DOWN:
-        head = kv_head * group + t % group
-        start_m = (first_q + q_tiles - 1 - t // group) * BLOCK_M
-    else:
-        head = kv_head * group + t // q_tiles
-        start_m = (first_q + t % q_tiles) * BLOCK_M
+    (of BLOCK_M rows) from first_q on."""
+    head = kv_head * group + t // q_tiles
+    start_m = (first_q + t % q_tiles) * BLOCK_M
     return head, start_m
 
 
@@ -157,10 +151,10 @@ def _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start
 
 @gluon.jit
 def _rows_of_step(t, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q, q_tiles, seqlen_q, q_start,
-                  lse_rows, BLOCK_M: gl.constexpr, row_layout: gl.constexpr, STEPS_DOWN: gl.constexpr):
+                  lse_rows, BLOCK_M: gl.constexpr, row_layout: gl.constexpr):
     """Step t's lse2 and D rows (:func:`_step_row_vectors`, BLOCK_M of them in row_layout), none read past the last
     of ``steps``."""
-    head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M, STEPS_DOWN)
+    head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
     rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
     return _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
                              (rows < seqlen_q) & (t < steps))
@@ -207,7 +201,7 @@ def _widen(x):
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr, delta_ptr,
                   batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start, k_start, lse_rows,
-                  qk_scale, ROWS_BY_PRODUCER: gl.constexpr, ROWS_AHEAD: gl.constexpr, STEPS_DOWN: gl.constexpr):
+                  qk_scale, ROWS_BY_PRODUCER: gl.constexpr, ROWS_AHEAD: gl.constexpr):
     """TMA copies: K and V of the CTA's keys once, then Q_i and dO_i of every step (q_start, k_start: the
     sequence's first row in a packed batch, else 0). ROWS_BY_PRODUCER: also the start rows of step i's two products
     (:func:`_product_starts`), into row_bufs[2 slot] and [2 slot + 1] before Q_i's copy is announced on the slot's
@@ -222,9 +216,9 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
     steps = group * q_tiles
     if ROWS_AHEAD:
         lse2, delta = _rows_of_step(0, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q, q_tiles,
-                                    seqlen_q, q_start, lse_rows, BLOCK_M, row_layout, STEPS_DOWN)
+                                    seqlen_q, q_start, lse_rows, BLOCK_M, row_layout)
     for t in range(steps):
-        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M, STEPS_DOWN)
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         q_tile = q_ring.at(t)
         if ROWS_AHEAD:
             q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])  # (waits for the free slot)
@@ -233,7 +227,7 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
             _store_starts(row_bufs, q_tile.slot, s_rows, dp_rows)
             mbarrier.arrive(q_ring.ready.index(q_tile.slot))
             lse2, delta = _rows_of_step(t + 1, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q,
-                                        q_tiles, seqlen_q, q_start, lse_rows, BLOCK_M, row_layout, STEPS_DOWN)
+                                        q_tiles, seqlen_q, q_start, lse_rows, BLOCK_M, row_layout)
         else:
             if ROWS_BY_PRODUCER:
                 wait_until_empty(q_ring.empty.index(q_tile.slot), ring_phase(t, q_ring.bufs.type.shape[0]))
@@ -247,12 +241,12 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
 
 @gluon.jit
 def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
-                   DQ_SCHEME: gl.constexpr, STEPS_DOWN: gl.constexpr):
+                   DQ_SCHEME: gl.constexpr):
     """Each step's dQ_i from shared memory into the float32 dQ (TMA reduce-adds): the whole tile of step i's slot
     (turns); the two consumers' partial tiles (buffer c of consumer c); or the slot's two column halves (buffer
     2 * slot + c holds consumer c's columns)."""
     for t in range(group * q_tiles):
-        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, dq_desc.block_type.shape[2], STEPS_DOWN)
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, dq_desc.block_type.shape[2])
         if DQ_SCHEME == DQ_PARTIAL:
             for c in gl.static_range(BWD_CONSUMERS):
                 mbarrier.wait(dq_full.index(c), ring_phase(t, 1))
@@ -283,7 +277,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
                   row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                   q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left, window_right,
                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_SCHEME: gl.constexpr,
-                  ROWS_BY_PRODUCER: gl.constexpr, WINDOW: gl.constexpr, STEPS_DOWN: gl.constexpr):
+                  ROWS_BY_PRODUCER: gl.constexpr, WINDOW: gl.constexpr):
     """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
     it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER), or (DQ_PARTIAL) its
     partial dQ tile of every step, or (DQ_SPLIT) its half of every step's dQ columns. Rows and keys are
@@ -316,7 +310,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
     if DQ_SCHEME == DQ_NAMED:
         named_barrier("bar.arrive", DS_FREE + CONSUMER)  # this consumer's slot is free for the other's first rows
     for t in range(group * q_tiles):
-        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M, STEPS_DOWN)
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         rows = start_m + gl.arange(0, BLOCK_M, layout=query_layout)
         q_tile = q_ring.at(t)
         do_tile = do_ring.at(t)
@@ -474,7 +468,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
                              cu_seqlens_q, cu_seqlens_k, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                              VARLEN: gl.constexpr = False, DQ_SCHEME: gl.constexpr = DQ_TURNS,
                              ROWS_BY_PRODUCER: gl.constexpr = False, ROWS_AHEAD: gl.constexpr = False,
-                             WINDOW: gl.constexpr = False, STEPS_DOWN: gl.constexpr = False):
+                             WINDOW: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, rows, d) (rows: :func:`bwd_rows`); k/v_desc over
@@ -582,14 +576,14 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
-                         window_right, 0, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW, STEPS_DOWN)),
+                         window_right, 0, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW)),
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
-                         window_right, 1, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW, STEPS_DOWN)),
+                         window_right, 1, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr,
                          delta_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start,
-                         k_start, lse_rows, qk_scale, ROWS_BY_PRODUCER, ROWS_AHEAD, STEPS_DOWN)),
+                         k_start, lse_rows, qk_scale, ROWS_BY_PRODUCER, ROWS_AHEAD)),
         (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
-                          DQ_SCHEME, STEPS_DOWN)),
+                          DQ_SCHEME)),
     ], [4, 1, 1], [BWD_CONSUMER_REGS, BWD_WORKER_REGS, BWD_WORKER_REGS])
