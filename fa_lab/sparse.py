@@ -394,10 +394,10 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
     # Selected branch: the raw keys of the top_n blocks the group chose, causally.
     with torch.no_grad():
         selected = nsa_select(q.detach(), k_cmp.detach(), block_cmp, block_sel, top_n, scale, impl, lse_cmp)
-    if impl == "triton":  # a per-query selection: one selection row per query
+    if impl == "triton":  # a per-query selection: one selection row per query, made above, so not checked again
         from . import attention
-        from .kernels import triton_block_select_attention
-        out_sel, _ = triton_block_select_attention(q, k, v, selected, block_sel, True, scale, block_q=1)
+        from .kernels.portable.sparse_select import selected_blocks_attention
+        out_sel, _ = selected_blocks_attention(q, k, v, selected, block_sel, True, scale)
         # Window branch: the last ``window`` keys, the query's own included.
         out_win = attention(q, k, v, causal=True, scale=scale, window=(window - 1, 0), impl="triton_hopper")
     else:

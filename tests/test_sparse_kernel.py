@@ -276,8 +276,9 @@ def check_nsa_importance(dtype, batch, heads, heads_kv, seqlen, head_dim, block_
     """The importance kernel's scores against nsa_importance's PyTorch definition in float64: the same blocks
     barred (-inf: they start after the query), the others within float32 rounding of probabilities summed over
     at most a group's heads; and its selection keeps a best set of blocks by the float64 scores (equal up to
-    that rounding, so near-ties may choose either)."""
-    from fa_lab.sparse import nsa_importance
+    that rounding, so near-ties may choose either), which also passes the checks a caller's selection gets
+    (nsa_attention passes the kernel's on unchecked)."""
+    from fa_lab.sparse import check_key_tiles, nsa_importance
 
     q, k, _ = make_qkv(batch, heads, seqlen, seqlen, head_dim, dtype, device, generator, heads_kv=heads_kv,
                        requires_grad=False)
@@ -288,7 +289,9 @@ def check_nsa_importance(dtype, batch, heads, heads_kv, seqlen, head_dim, block_
     allowed = torch.isfinite(want)
     assert bool((want[allowed] >= 0).all()) and bool((got[allowed] >= 0).all())
     assert_importance_close(got, want, heads // heads_kv)
-    assert_best_set(nsa_select(q, k_cmp, block_cmp, block_sel, top_n, scale, "triton"), want, top_n)
+    selected = nsa_select(q, k_cmp, block_cmp, block_sel, top_n, scale, "triton")
+    assert_best_set(selected, want, top_n)
+    check_key_tiles(selected, q, k, 1, block_sel, causal=True)  # in range, no block twice, none in the future
 
 
 def assert_best_set(selected, want, top_n: int) -> None:
@@ -718,6 +721,31 @@ def test_gpu_nsa_gate_mix(generator):
 @pytest.mark.parametrize("heads, heads_kv, seqlen, window", [(16, 1, 2049, 512), (8, 2, 1000, 100)])
 def test_gpu_nsa_attention_end_to_end(heads, heads_kv, seqlen, window, generator):
     check_nsa_branches(1, heads, heads_kv, seqlen, 128, 32, 64, 16, window, "cuda", generator)
+
+
+@pytest.mark.gpu
+def test_gpu_nsa_attention_never_waits_for_the_gpu(generator):
+    """NSA's kernels, forward and backward, issue every launch without reading anything back to the host (a read
+    would leave the GPU idle while the host waits and then launches the rest): PyTorch's sync debug mode raises on
+    any synchronizing call once the kernels are compiled."""
+    from fa_lab.sparse import check_key_tiles, nsa_attention
+
+    q, k, v = make_qkv(1, 16, 4500, 4500, 128, torch.bfloat16, "cuda", generator, heads_kv=1)
+    gates = torch.rand(*q.shape[:3], 3, generator=generator).to("cuda", torch.bfloat16).requires_grad_()
+    grad = torch.randn(q.shape, generator=generator).to("cuda", torch.bfloat16)
+
+    def forward_backward():
+        nsa_attention(q, k, v, gates, 32, 64, 16, 512, impl="triton")[0].backward(grad)
+    forward_backward()  # compiles, and fills the launchers' caches
+    selected = nsa_select(q.detach(), nsa_compress(k.detach(), 32), 32, 64, 16, 128 ** -0.5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward_backward()
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the mode sees the reads that checking makes
+            check_key_tiles(selected, q, k, 1, 64, causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
