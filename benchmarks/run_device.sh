@@ -78,6 +78,8 @@
 #            (<h100|h200>_backward_breakdown.json, by benchmarks/backward_breakdown.py)
 #   nsa-checks - NSA's forward (and backward) with its own selection checked as a caller's against passed on
 #            unchecked, in turn (<h100|h200>_nsa_checks_ab.json, by benchmarks/nsa_checks_ab.py)
+#   nsa-overlap - NSA's window branch beside its selected branch on two streams, the window's persistent CTAs on
+#            fewer SMs (<h100|h200>_nsa_overlap_probe.json, by benchmarks/nsa_overlap_probe.py)
 #   nsa-compressed - NSA's compressed branch through residue views against the folded layout it replaced: two trees
 #            of the code in alternating processes, two rounds (nsa_compressed_ab.json, by benchmarks/nsa_compressed_ab.py);
 #            the argument after OUTDIR is the old tree, a directory holding `git archive 4a36a68 fa_lab` unpacked
@@ -192,6 +194,7 @@ case "$step" in
                   2>&1 | tee "$out/nsa_compressed_ab.log" ;;
   backward-breakdown) python3 benchmarks/backward_breakdown.py "$out" "$@" 2>&1 | tee "$out/backward_breakdown.log" ;;
   nsa-checks) python3 benchmarks/nsa_checks_ab.py "$out" 2>&1 | tee "$out/nsa_checks_ab.log" ;;
+  nsa-overlap) python3 benchmarks/nsa_overlap_probe.py "$out" 2>&1 | tee "$out/nsa_overlap_probe.log" ;;
   nsa-read-probe) python3 benchmarks/nsa_read_probe.py "$out" 2>&1 | tee "$out/nsa_read_probe.log" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;
   decode-check-ab) python3 benchmarks/decode_check_ab.py "$out" 2>&1 | tee "$out/decode_check_ab.log" ;;
@@ -211,5 +214,5 @@ case "$step" in
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-top|nsa-compressed|nsa-checks|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-top|nsa-compressed|nsa-checks|nsa-overlap|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
