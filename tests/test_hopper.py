@@ -990,6 +990,37 @@ def test_gpu_hopper(head_dim, seqlen_q, seqlen_k, causal, generator):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl, heads_kv, options", [
+    ("triton_hopper", 8, dict(causal=True)),
+    ("triton_hopper", 2, dict(window=(300, 0))),
+    ("triton_hopper", 8, dict(softcap=30.0)),
+    ("triton_hopper_fp8", 8, dict(causal=True)),
+])
+def test_gpu_attention_never_waits_for_the_gpu(impl, heads_kv, options, generator):
+    """fa_lab.attention's Gluon paths issue every launch without reading anything back to the host, forward and (bf16)
+    backward: PyTorch's sync debug mode raises on a synchronizing call once the kernels are compiled (a read would
+    leave the GPU idle while the host waits, which short calls feel most); a read of the output does raise there."""
+    q, k, v = make_qkv(2, 8, 1500, 1500, 128, torch.bfloat16, "cuda", generator=generator, heads_kv=heads_kv,
+                       requires_grad=impl == "triton_hopper")
+    grad = torch.randn(q.shape, generator=generator).to("cuda", torch.bfloat16)
+
+    def call():
+        out = fa_lab.attention(q, k, v, impl=impl, **options)
+        if impl == "triton_hopper":
+            out.backward(grad)
+        return out
+    call()  # compiles, and fills the launchers' caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = call()
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            out.float().abs().max().item()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
 def test_gpu_fp8_error_on_outlier_data_matches_the_table():
     """RMSE on the FA3 paper's outlier data within 2x of reproduce_error_table's flash_fp8 row."""
     from fa_lab.fp8 import ERROR_TABLE_SHAPE, outlier_qkv, reproduce_error_table, rmse
