@@ -186,7 +186,7 @@ case "$step" in
   moba-gate) python3 benchmarks/moba_gate_variants.py "$out/h200_moba_gate.json" ;;
   nsa-importance) python3 benchmarks/nsa_importance_tiles.py "$out" 2>&1 | tee "$out/nsa_importance.log" ;;
   nsa-importance-tiles) python3 benchmarks/nsa_importance_tiles.py --tiles "$out" 2>&1 | tee "$out/nsa_importance_tiles.log" ;;
-  nsa-select-tiles) python3 benchmarks/nsa_select_tiles.py "$out" 2>&1 | tee "$out/nsa_select_tiles.log" ;;
+  nsa-select-tiles) python3 benchmarks/nsa_select_tiles.py "$out" "$@" 2>&1 | tee "$out/nsa_select_tiles.log" ;;
   nsa-top) python3 benchmarks/nsa_top_ab.py "$out" 2>&1 | tee "$out/nsa_top_ab.log" ;;
   window-backward) python3 benchmarks/window_backward_ab.py "$out" 2>&1 | tee "$out/window_backward_ab.log" ;;
   nsa-compressed) for round in 1 2; do for tree in "$1" .; do
