@@ -500,7 +500,8 @@ def triton_block_select_attention(q, k, v, block_indices, block_k: int, causal: 
 def selected_blocks_attention(q, k, v, indices, block_k: int, causal: bool, scale: float, block_q: int = 1):
     """:func:`triton_block_select_attention` without its checks, for a selection the library made itself (NSA's, from
     the importance kernel, which holds it to range, distinct blocks and the causal past by construction): checking
-    costs a sort and three reads back to the host, with the GPU idle while the host waits (1.3-2.0 ms of NSA's
-    forward at 64K tokens on an H100, docs/experiments/sparse_kernels.md). indices: int32 or int64 on q's device; scale resolved."""
+    costs a sort and three reads back to the host, with the GPU idle while the host waits (1.1-2.0 ms of NSA's
+    forward at 16K-64K tokens on an H100, docs/experiments/sparse_kernels.md). indices: int32 or int64 on q's device;
+    scale resolved."""
     indices = indices.to(device=q.device, dtype=torch.int32).contiguous()
     return BlockSelectFunction.apply(q, k, v, indices, block_q, block_k, bool(causal), scale)
