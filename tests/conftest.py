@@ -37,3 +37,21 @@ def generator(request):
     import zlib
 
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def assert_never_waits():
+    """assert_never_waits(call, read): call() issues its GPU work without reading anything back to the host. call runs
+    once to compile and fill the launchers' caches, then again under PyTorch's sync debug mode set to raise; read()
+    (a call that does read back) must raise there, so that the mode is known to see such reads."""
+    def check(call, read):
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                read()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return check

@@ -76,7 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .block_range import window_query_plan
+from .block_range import visible_key_start, window_key_end, window_query_plan
 from .fa3_state import Ring, named_barrier, ring_phase, wait_until_empty
 
 KEYS_PER_CONSUMER = gl.constexpr(64)
@@ -332,12 +332,12 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
             if start_m + offset < key0 + KEYS_PER_CONSUMER - 1:  # the diagonal: some keys come after a row
                 keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
                 s_start = gl.where(keys[:, None] <= rows[None, :] + offset, s_start, float("-inf"))
-        elif WINDOW:  # a step across either edge of the band
-            if ((start_m + BLOCK_M - 1 + offset - window_left > key0)
-                    | (key0 + KEYS_PER_CONSUMER - 1 > start_m + offset + window_right)):
+        elif WINDOW:  # a step across either edge of the band (or past the last key)
+            if ((visible_key_start(start_m + BLOCK_M - 1, seqlen_q, seqlen_k, window_left) > key0)
+                    | (key0 + KEYS_PER_CONSUMER > window_key_end(start_m, seqlen_q, seqlen_k, window_right))):
                 keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=key_layout)
-                seen = ((keys[:, None] >= rows[None, :] + (offset - window_left))
-                        & (keys[:, None] <= rows[None, :] + (offset + window_right)))
+                seen = ((keys[:, None] >= visible_key_start(rows, seqlen_q, seqlen_k, window_left)[None, :])
+                        & (keys[:, None] < window_key_end(rows, seqlen_q, seqlen_k, window_right)[None, :]))
                 s_start = gl.where(seen, s_start, float("-inf"))
         elif VARLEN:  # (causal, the mask above hides them: a row before seqlen_q sees no key past seqlen_k)
             if key0 + KEYS_PER_CONSUMER > seqlen_k:  # the sequence's last keys: the next sequence's follow them
