@@ -146,6 +146,31 @@ def test_gluon_option_kernels_compile_for_sm90_within_their_resources(head_dim, 
     assert ("tanh.approx.f32" in build.ptx) == softcap
 
 
+def test_softcap_forms_build_for_sm90_without_spills():
+    """The soft cap's switches, offline at d = 128 without a mask (split loops, persistent): with Q scaled beforehand
+    the full tiles' loop loses the multiply before each tanh (64 FMUL a thread); with the row max first it takes two
+    more tanh a step (one per row a thread holds); nothing spills. The switches reach the kernel as SOFTCAP's bits,
+    and drop out where they do not apply (the max first under ALiBi, Q scaled in packed batches and FP8)."""
+    from fa_lab.kernels.hopper.attention import HopperOptions, fa3_launch_constants
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_forward_job
+
+    forms = [{}, dict(softcap_q_scaled=True), dict(softcap_max_first=True)]
+    builds = compile_all_for_sm90([fa3_forward_job(128, False, persistent=True, softcap=True, split_loops=True,
+                                                   **form) for form in forms])
+    full = [[loop["opcodes"] for loop in build.loop_census if loop["opcodes"]["FSEL"] == 2] for build in builds]
+    assert all(len(loops) == 2 and build.kv_loop_spills == 0 for loops, build in zip(full, builds))
+    shipped, q_scaled, max_first = full
+    for a, b, c in zip(shipped, q_scaled, max_first):
+        assert (a["FMUL"] - b["FMUL"], a["MUFU"] - b["MUFU"]) == (64, 0)
+        assert c["MUFU"] - a["MUFU"] == 2
+    options = HopperOptions(consumers=2, split_loops=True, softcap_max_first=True, softcap_q_scaled=True)
+    bits = {args: fa3_launch_constants(options, False, False, True, *args)["SOFTCAP"]
+            for args in itertools.product((True, False), (False, True), (False, True), (False, True))}
+    assert bits[(True, False, False, False)] == 7 and bits[(True, True, False, False)] == 5
+    assert bits[(True, False, True, False)] == 3 and bits[(True, False, False, True)] == 3
+    assert all(value == 0 for (softcap, *_), value in bits.items() if not softcap)
+
+
 @pytest.mark.parametrize("head_dim, causal, persistent, window, fp8", [(128, False, False, False, False),
                                                                     (128, True, True, False, False),
                                                                     (64, False, False, False, False),
@@ -1142,6 +1167,26 @@ def test_gpu_gluon_softcap_and_alibi(softcap, alibi, window, seqlen_q, seqlen_k,
     check_attention(lambda q, k, v, causal, scale, **given: triton_hopper_attention(
         q, k, v, causal, scale, options=options, **given), q, k, v, causal, None, generator=generator,
         window=window, softcap=softcap, alibi_slopes=slopes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", [dict(softcap_max_first=True), dict(softcap_q_scaled=True),
+                                      dict(softcap_max_first=True, softcap_q_scaled=True)], ids=str)
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("window", [(-1, -1), (100, -1)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, head_dim", [(1000, 1100, 128), (1100, 1000, 64), (239, 1, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gluon_softcap_variants(switches, alibi, window, seqlen_q, seqlen_k, head_dim, causal, generator):
+    """The soft cap's other forms in the Gluon forward (the row max before the cap, Q scaled before the kernel), with
+    and without ALiBi (which keeps the cap before the max), masks and one-key rows, against the float64 reference."""
+    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+
+    options = HopperOptions(**switches)
+    q, k, v = make_qkv(2, 4, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator, heads_kv=2)
+    slopes = (torch.rand(2, 4, generator=generator) * 0.1).cuda() if alibi else None
+    check_attention(lambda q, k, v, causal, scale, **given: triton_hopper_attention(
+        q, k, v, causal, scale, options=options, **given), q, k, v, causal, None, generator=generator,
+        window=window, softcap=30.0, alibi_slopes=slopes)
 
 
 GLUON_BACKWARD_CASES = [  # (batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype)

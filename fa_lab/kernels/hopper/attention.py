@@ -75,6 +75,8 @@ class HopperOptions:
     spare_sms: int = 0  # persistent: SMs left without a CTA, for kernels of other streams running beside it
     backward: str = "auto"  # "gluon" (where it runs), "triton", or "auto" (gluon_backward_is_faster)
     backward_dq: str | None = None  # the Gluon backward's dQ scheme (DQ_MODES); None: dq_mode_by_default
+    softcap_max_first: bool = False  # Gluon soft cap: row max over the raw scores, capped once a row (not with ALiBi)
+    softcap_q_scaled: bool = False  # Gluon soft cap, dense 16-bit: Q times scale / softcap before the kernel
 
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
@@ -209,6 +211,10 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     schedule = lse if plan.schedule is None else plan.schedule  # (lse: a placeholder pointer, not read)
     heads, seqlen_q, seqlen_k = q.shape[1], q.shape[2], k.shape[2]
+    from .fa3_softmax import SOFTCAP_Q_SCALED
+
+    if plan.constants["SOFTCAP"] & SOFTCAP_Q_SCALED.value:  # rounded once, to q's dtype
+        q = torch.mul(q, scale / softcap)
     descriptors = [gluon_descriptor(t, block) for t, block in zip((q, k, v, out), plan.blocks)]
     _launch_fa3(descriptors, out, lse, plan.grid, (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse),
                 plan.window_bounds, scale, softcap, alibi_slopes, fp8_scales, plan.constants)
@@ -271,11 +277,16 @@ def fa3_launch_constants(options: HopperOptions, causal: bool, banded: bool, per
     ``options`` (consumers and split_loops set) and a call of this kind (``causal``: the kernel's CAUSAL, causal
     without a band), read-only."""
     from .fa3_config import CONSUMER_REGS, launch_maxnreg
+    from .fa3_softmax import SOFTCAP_MAX_FIRST, SOFTCAP_ON, SOFTCAP_Q_SCALED
 
+    softcap_bits = 0
+    if softcap:
+        softcap_bits = (SOFTCAP_ON.value | (SOFTCAP_MAX_FIRST.value if options.softcap_max_first and not alibi else 0)
+                        | (SOFTCAP_Q_SCALED.value if options.softcap_q_scaled and not (varlen or fp8) else 0))
     return MappingProxyType(dict(
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
         PERSISTENT=persistent, CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=banded, VARLEN=varlen,
-        SOFTCAP=softcap, ALIBI=alibi, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
+        SOFTCAP=softcap_bits, ALIBI=alibi, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
         CONVERT_P_LATE=options.convert_p_late, num_warps=4, maxnreg=launch_maxnreg(options.consumers)))
 
 

@@ -22,6 +22,14 @@ MASK_NONE = gl.constexpr(1)
 MASK_LOWER = gl.constexpr(2)
 MASK_UPPER = gl.constexpr(3)
 
+# softmax_tile's SOFTCAP, a set of bits (0: no soft cap): SOFTCAP_ON caps each score before the row max;
+# SOFTCAP_MAX_FIRST takes the row max over the raw scores and caps it once per row (tanh is increasing), so that
+# the max no longer waits for the tile's tanh; SOFTCAP_Q_SCALED: the launcher multiplied Q by scale / softcap
+# beforehand, so a score needs no multiply before its tanh.
+SOFTCAP_ON = gl.constexpr(1)
+SOFTCAP_MAX_FIRST = gl.constexpr(2)
+SOFTCAP_Q_SCALED = gl.constexpr(4)
+
 
 @gluon.jit
 def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, tile, mods, BLOCK_N: gl.constexpr,
@@ -48,9 +56,9 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     slope divided by the scale that tile_scale applies), so the bias costs one FADD (the distance) and one
     FFMA (|distance| is a free operand modifier) per score, and the exponent keeps its single FFMA.
     """
-    if SOFTCAP:
-        s = gl.inline_asm_elementwise(TANH_APPROX_PTX, "=r,r", [s * mods.softcap_scale], dtype=gl.float32,
-                                      is_pure=True, pack=1)
+    MAX_FIRST: gl.constexpr = (SOFTCAP & SOFTCAP_MAX_FIRST) != 0
+    if SOFTCAP and not MAX_FIRST:
+        s = _capped(s, mods.softcap_scale, SOFTCAP)
     if ALIBI:  # key positions: a constant float vector, and this tile's start folded into the rows
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
         rows = mods.alibi_rows - (j * BLOCK_N).to(gl.float32)
@@ -68,7 +76,16 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
                 s = gl.where(visible, s, float("-inf"))
         elif j >= tile.first_masked:
             s = gl.where(cols[None, :] < (key_end - j * BLOCK_N)[:, None], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * tile_scale)
+    row_max = gl.max(s, axis=1)
+    if MAX_FIRST:  # s is raw here, -inf where hidden: cap the row max, then the scores (hidden ones stay -inf)
+        capped = _capped(s, mods.softcap_scale, SOFTCAP)
+        if MASK == MASK_NONE:  # every score finite
+            row_max = _capped(row_max, mods.softcap_scale, SOFTCAP)
+            s = capped
+        else:
+            row_max = gl.where(row_max == float("-inf"), row_max, _capped(row_max, mods.softcap_scale, SOFTCAP))
+            s = gl.where(s == float("-inf"), s, capped)
+    m_new = gl.maximum(m_i, row_max * tile_scale)
     # A row that has seen no visible key keeps m = -inf: subtract 0 there so exp2 gives 0, not NaN.
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_sub)
@@ -80,6 +97,14 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
         p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
         l_new = l_i * alpha_rows + thread_row_sums(p)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _capped(x, softcap_scale, SOFTCAP: gl.constexpr):
+    """tanh(x * softcap_scale), or tanh(x) when the launcher scaled Q already (SOFTCAP_Q_SCALED)."""
+    if (SOFTCAP & SOFTCAP_Q_SCALED) == 0:
+        x = x * softcap_scale
+    return gl.inline_asm_elementwise(TANH_APPROX_PTX, "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
