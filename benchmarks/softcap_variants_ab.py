@@ -18,7 +18,7 @@ VARIANTS = {"cap_first": {}, "max_first": dict(softcap_max_first=True), "q_scale
             "max_first_q_scaled": dict(softcap_max_first=True, softcap_q_scaled=True)}
 
 
-def main(out_dir: str, causals=(False, True)) -> None:
+def main(out_dir: str, causals=(False, True), rounds: int = ROUNDS) -> None:
     import torch
     from triton.testing import do_bench
 
@@ -47,9 +47,11 @@ def main(out_dir: str, causals=(False, True)) -> None:
                 out = calls[name]()[0]
                 entry[f"{name}_vs_cap_first"] = (out.float() - shipped.float()).abs().max().item()
                 entry[f"{name}_vs_float64"] = (out[:1, :1].double() - reference).abs().max().item()
-            for _round in range(ROUNDS):
+            print(entry, flush=True)
+            for _round in range(rounds):
                 for name, call in calls.items():
                     entry.setdefault(name, []).append(round(do_bench(call, return_mode="median"), 4))
+                print({name: entry[name] for name in calls}, flush=True)
         for name in VARIANTS:
             entry[f"{name}_over_no_cap"] = [round(a / b, 4) for a, b in zip(entry[name], entry["no_cap"])]
         log.append(entry)
@@ -61,5 +63,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args()
-    main(args.out_dir, {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal])
+    main(args.out_dir, {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal], args.rounds)
