@@ -1,9 +1,9 @@
 """The Gluon forward's soft cap three ways, timed in turn beside the same forward without a cap: the cap before the row
 max (shipped), the row max over the raw scores capped once a row (``HopperOptions.softcap_max_first``), Q multiplied
 by scale / softcap before the kernel so that a score needs no multiply before its tanh (``softcap_q_scaled``), and
-both. Chapter 05's soft-cap case: softcap 30, d = 128, 8K, batch 2 x 16 heads, bf16, causal and not; three rounds of
-do_bench medians (ms, and each variant's time over the uncapped forward's). Each variant's O is first compared with
-the shipped variant's (largest difference) and with the float64 reference on the first batch and head.
+both. Chapter 05's soft-cap case: softcap 30, d = 128, 8K, batch 2 x 16 heads, bf16, causal and not; three rounds
+of do_bench medians in turn (ms, and each variant's time over the uncapped forward's). Each variant's O is first
+compared with the shipped variant's (largest difference) and with the float64 reference on the first batch and head.
 
 On the device: ``PYTHONPATH=. python3 benchmarks/softcap_variants_ab.py $OUT`` writes
 $OUT/<h100|h200>_softcap_variants.json.
@@ -20,10 +20,10 @@ VARIANTS = {"cap_first": {}, "max_first": dict(softcap_max_first=True), "q_scale
 
 def main(out_dir: str, causals=(False, True), rounds: int = ROUNDS) -> None:
     import torch
-    from triton.testing import do_bench
 
     from fa_lab.bench.gpu import random_inputs
     from fa_lab.bench.schema import device_prefix, environment, write_log
+    from fa_lab.bench.sparse import medians_in_turn
     from fa_lab.iomodel import AttentionShape
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.attention import HopperOptions, triton_hopper_attention
@@ -48,12 +48,11 @@ def main(out_dir: str, causals=(False, True), rounds: int = ROUNDS) -> None:
                 entry[f"{name}_vs_cap_first"] = (out.float() - shipped.float()).abs().max().item()
                 entry[f"{name}_vs_float64"] = (out[:1, :1].double() - reference).abs().max().item()
             print(entry, flush=True)
-            for _round in range(rounds):
-                for name, call in calls.items():
-                    entry.setdefault(name, []).append(round(do_bench(call, return_mode="median"), 4))
-                print({name: entry[name] for name in calls}, flush=True)
+            for _round in range(rounds):  # one round at a time, printed as it ends
+                medians_in_turn(calls, entry, rounds=1)
+                print({name: entry[f"{name} ms"] for name in calls}, flush=True)
         for name in VARIANTS:
-            entry[f"{name}_over_no_cap"] = [round(a / b, 4) for a, b in zip(entry[name], entry["no_cap"])]
+            entry[f"{name} over no_cap"] = [round(a / b, 4) for a, b in zip(entry[f"{name} ms"], entry["no_cap ms"])]
         log.append(entry)
         print(entry, flush=True)
         write_log({**environment("cuda"), "log": log}, out_path)
