@@ -203,6 +203,8 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` with ``gluon=True``, and
     ``out_dtype`` the output's dtype.
     """
+    from .fa3_softmax import SOFTCAP_Q_SCALED
+
     fp8 = fp8_scales is not None
     plan = _forward_plan(tuple(q.shape), tuple(k.shape), q.device, causal, tuple(window), fp8,
                          alibi_slopes is not None, bool(softcap), options)
@@ -211,8 +213,6 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     schedule = lse if plan.schedule is None else plan.schedule  # (lse: a placeholder pointer, not read)
     heads, seqlen_q, seqlen_k = q.shape[1], q.shape[2], k.shape[2]
-    from .fa3_softmax import SOFTCAP_Q_SCALED
-
     if plan.constants["SOFTCAP"] & SOFTCAP_Q_SCALED.value:  # rounded once, to q's dtype
         q = torch.mul(q, scale / softcap)
     descriptors = [gluon_descriptor(t, block) for t, block in zip((q, k, v, out), plan.blocks)]
