@@ -24,7 +24,7 @@ def both_ways(seqlen: int, generator) -> dict:
 
     import torch
 
-    from fa_lab.bench import sparse
+    from fa_lab.bench import in_turn, sparse
     from fa_lab.kernels.portable import sparse_select
 
     leaves = sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator)
@@ -43,7 +43,7 @@ def both_ways(seqlen: int, generator) -> dict:
         calls[f"nsa forward and backward, {name}"] = functools.partial(
             sparse.called_with, sparse_select, "selected_blocks_attention", value, forward_backward)
     entry = {}
-    sparse.medians_in_turn(calls, entry)
+    in_turn.medians_in_turn(calls, entry)
     entry["dense forward ms"] = sparse.dense_forward_ms(*(t.detach() for t in leaves))
     return entry
 

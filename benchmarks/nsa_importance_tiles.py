@@ -57,7 +57,7 @@ def packings(seqlen: int, generator) -> dict:
     import torch
     from triton.testing import do_bench
 
-    from fa_lab.bench import sparse
+    from fa_lab.bench import in_turn, sparse
 
     (q, k, v), compressed, importance = selection_case(seqlen, generator)
     entry, calls = {}, {name: functools.partial(importance, **packing) for name, packing in PACKINGS.items()}
@@ -70,7 +70,7 @@ def packings(seqlen: int, generator) -> dict:
             finite = torch.isfinite(first)
             entry[f"{name} max difference"] = float((scores[finite] - first[finite]).abs().max())
             entry[f"{name} same barred blocks"] = bool(torch.equal(torch.isinf(scores), torch.isinf(first)))
-    sparse.medians_in_turn(calls, entry)
+    in_turn.medians_in_turn(calls, entry)
     topk = functools.partial(first.topk, sparse.SELECTED, dim=-1)
     entry["topk ms"] = round(do_bench(topk, return_mode="median"), 3)
     fused = functools.partial(importance, sparse.SELECTED)
@@ -93,21 +93,21 @@ def packings(seqlen: int, generator) -> dict:
 def top_tiles(seqlen: int, generator) -> dict:
     import torch
 
-    from fa_lab.bench import sparse
+    from fa_lab.bench import in_turn, sparse
     from fa_lab.kernels.portable import nsa_importance
 
     _, _, importance = selection_case(seqlen, generator)
     scores = importance()
     entry = {}
     calls = {name: functools.partial(importance, sparse.SELECTED, **tile) for name, tile in TOP_TILES.items()}
-    sparse.checked_in_turn(calls, entry, lambda chosen: selected_sums(chosen, scores),
+    in_turn.checked_in_turn(calls, entry, lambda chosen: selected_sums(chosen, scores),
                            "selected score sums' largest difference")
     q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
     with torch.no_grad():
         forward = sparse.ours_nsa(q, k, v, None)[0]
         calls = {f"nsa forward, merge {merge}": functools.partial(sparse.called_with, nsa_importance, "TOP_BY_MERGE",
                                                                   merge, forward) for merge in (False, True)}
-        sparse.checked_in_turn(calls, entry, lambda out: out.float(), "largest output difference")
+        in_turn.checked_in_turn(calls, entry, lambda out: out.float(), "largest output difference")
         entry["dense forward ms"] = sparse.dense_forward_ms(q, k, v)
     return entry
 

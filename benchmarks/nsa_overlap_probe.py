@@ -20,7 +20,7 @@ def measure(seqlen: int, generator) -> dict:
 
     import torch
 
-    from fa_lab.bench import sparse
+    from fa_lab.bench import in_turn, sparse
     from fa_lab.kernels.common import SideWork
     from fa_lab.kernels.hopper.attention import HopperOptions, triton_hopper_attention
     from fa_lab.kernels.portable.sparse_select import selected_blocks_attention
@@ -51,7 +51,7 @@ def measure(seqlen: int, generator) -> dict:
     calls.update({f"window alone, {spare} SMs spare": functools.partial(window, spare) for spare in SPARES})
     calls.update({f"both, window with {spare} SMs spare": functools.partial(both, spare) for spare in SPARES})
     with torch.no_grad():
-        sparse.medians_in_turn(calls, entry)
+        in_turn.medians_in_turn(calls, entry)
     return entry
 
 

@@ -16,7 +16,7 @@ SEQLENS = (16384, 65536)
 
 
 def settings(seqlen: int, generator, chosen=SETTINGS) -> dict:
-    from fa_lab.bench import sparse
+    from fa_lab.bench import in_turn, sparse
     from fa_lab.kernels.portable.configs import TileConfig
     from fa_lab.kernels.portable.sparse_select import block_select_forward, tile_config
 
@@ -27,7 +27,7 @@ def settings(seqlen: int, generator, chosen=SETTINGS) -> dict:
     calls = {f"{warps} warps, {stages} stages": functools.partial(
         block_select_forward, q, k, v, indices, 1, sparse.BLOCK_K, True, q.shape[-1] ** -0.5,
         config=TileConfig(shipped.block_m, shipped.block_n, warps, stages)) for warps, stages in chosen}
-    sparse.checked_in_turn(calls, entry, lambda result: result[0].float(), "largest output difference")
+    in_turn.checked_in_turn(calls, entry, lambda result: result[0].float(), "largest output difference")
     return entry
 
 

@@ -22,8 +22,8 @@ def main(out_dir: str, causals=(False, True), rounds: int = ROUNDS) -> None:
     import torch
 
     from fa_lab.bench.gpu import random_inputs
+    from fa_lab.bench.in_turn import medians_in_turn
     from fa_lab.bench.schema import device_prefix, environment, write_log
-    from fa_lab.bench.sparse import medians_in_turn
     from fa_lab.iomodel import AttentionShape
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.attention import HopperOptions, triton_hopper_attention
@@ -45,8 +45,8 @@ def main(out_dir: str, causals=(False, True), rounds: int = ROUNDS) -> None:
             shipped = calls["cap_first"]()[0]
             for name in VARIANTS:
                 out = calls[name]()[0]
-                entry[f"{name}_vs_cap_first"] = (out.float() - shipped.float()).abs().max().item()
-                entry[f"{name}_vs_float64"] = (out[:1, :1].double() - reference).abs().max().item()
+                entry[f"{name} vs cap_first"] = (out.float() - shipped.float()).abs().max().item()
+                entry[f"{name} vs float64"] = (out[:1, :1].double() - reference).abs().max().item()
             print(entry, flush=True)
             for _round in range(rounds):  # one round at a time, printed as it ends
                 medians_in_turn(calls, entry, rounds=1)

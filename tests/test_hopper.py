@@ -1156,12 +1156,20 @@ def test_gpu_gluon_softcap_and_alibi(softcap, alibi, window, seqlen_q, seqlen_k,
     """The soft cap and ALiBi in the Gluon kernel (not handed to the portable one), alone, together and with a
     window, grouped K/V, per-(batch, head) slopes; forward and gradients against the float64 reference."""
     import fa_lab.kernels.hopper.attention as hopper
-    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+    from fa_lab.kernels.hopper import HopperOptions
 
     def not_portable(*_args, **_kwargs):
         raise AssertionError("the options went to the portable kernel")
     monkeypatch.setattr(hopper, "triton_forward", not_portable)
-    options = HopperOptions(persistent=persistent)
+    _check_gluon_score_options(HopperOptions(persistent=persistent), softcap, alibi, window, seqlen_q, seqlen_k,
+                               head_dim, causal, generator)
+
+
+def _check_gluon_score_options(options, softcap, alibi, window, seqlen_q, seqlen_k, head_dim, causal, generator):
+    """triton_hopper_attention at ``options`` on grouped bf16 q, k, v (2 x 4 query heads over 2 K/V heads), with the
+    soft cap and per-(batch, head) ALiBi slopes, against the float64 reference (forward and gradients)."""
+    from fa_lab.kernels.hopper import triton_hopper_attention
+
     q, k, v = make_qkv(2, 4, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator, heads_kv=2)
     slopes = (torch.rand(2, 4, generator=generator) * 0.1).cuda() if alibi else None
     check_attention(lambda q, k, v, causal, scale, **given: triton_hopper_attention(
@@ -1179,14 +1187,10 @@ def test_gpu_gluon_softcap_and_alibi(softcap, alibi, window, seqlen_q, seqlen_k,
 def test_gpu_gluon_softcap_variants(switches, alibi, window, seqlen_q, seqlen_k, head_dim, causal, generator):
     """The soft cap's other forms in the Gluon forward (the row max before the cap, Q scaled before the kernel), with
     and without ALiBi (which keeps the cap before the max), masks and one-key rows, against the float64 reference."""
-    from fa_lab.kernels.hopper import HopperOptions, triton_hopper_attention
+    from fa_lab.kernels.hopper import HopperOptions
 
-    options = HopperOptions(**switches)
-    q, k, v = make_qkv(2, 4, seqlen_q, seqlen_k, head_dim, torch.bfloat16, "cuda", generator=generator, heads_kv=2)
-    slopes = (torch.rand(2, 4, generator=generator) * 0.1).cuda() if alibi else None
-    check_attention(lambda q, k, v, causal, scale, **given: triton_hopper_attention(
-        q, k, v, causal, scale, options=options, **given), q, k, v, causal, None, generator=generator,
-        window=window, softcap=30.0, alibi_slopes=slopes)
+    _check_gluon_score_options(HopperOptions(**switches), 30.0, alibi, window, seqlen_q, seqlen_k, head_dim, causal,
+                               generator)
 
 
 GLUON_BACKWARD_CASES = [  # (batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype)

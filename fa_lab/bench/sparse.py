@@ -213,27 +213,6 @@ def log_by_length(path, measure, seqlens=SEQLENS) -> None:
         torch.cuda.empty_cache()
 
 
-def checked_in_turn(calls: dict, entry: dict, value, label: str, rounds: int = 2) -> None:
-    """Each of ``calls`` run once and ``value(result)`` (a tensor) compared with the first call's: entry[f"{name}:
-    {label}"] the largest absolute difference; then each timed as :func:`medians_in_turn` says."""
-    first = None
-    for name, call in calls.items():
-        got = value(call())
-        first = got if first is None else first
-        entry[f"{name}: {label}"] = float((got - first).abs().max())
-    medians_in_turn(calls, entry, rounds)
-
-
-def medians_in_turn(calls: dict, entry: dict, rounds: int = 2) -> None:
-    """Time each of ``calls`` (name -> callable) in turn, ``rounds`` times over: entry[f"{name} ms"] lists its
-    do_bench medians, one a round (the A/B scripts' protocol, benchmarks/nsa_*.py)."""
-    from triton.testing import do_bench
-
-    for _round in range(rounds):
-        for name, call in calls.items():
-            entry.setdefault(f"{name} ms", []).append(round(do_bench(call, return_mode="median"), 3))
-
-
 def dense_forward_ms(q, k, v) -> float:
     """The A/B scripts' peer: dense attention's forward (:func:`dense`) on q, k, v, its do_bench median in ms."""
     from triton.testing import do_bench
