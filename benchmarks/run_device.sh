@@ -81,6 +81,9 @@
 #   softcap-variants - the Gluon forward's soft cap before the row max (shipped), after it, with Q scaled before the
 #            kernel, and both, beside the uncapped forward, in turn (<h100|h200>_softcap_variants.json, by
 #            benchmarks/softcap_variants_ab.py)
+#   exp2-on-fma - the Gluon forward with 0, 1 and 2 of every four exponentials on the FMA units instead of the MUFU:
+#            bf16 d = 128 and 64, the soft cap, the FP8 kernel, in turn (<h100|h200>_exp2_on_fma.json, by
+#            benchmarks/exp2_on_fma_ab.py)
 #   nsa-overlap - NSA's window branch beside its selected branch on two streams, the window's persistent CTAs on
 #            fewer SMs (<h100|h200>_nsa_overlap_probe.json, by benchmarks/nsa_overlap_probe.py)
 #   nsa-compressed - NSA's compressed branch through residue views against the folded layout it replaced: two trees
@@ -198,6 +201,7 @@ case "$step" in
   backward-breakdown) python3 benchmarks/backward_breakdown.py "$out" "$@" 2>&1 | tee "$out/backward_breakdown.log" ;;
   nsa-checks) python3 benchmarks/nsa_checks_ab.py "$out" 2>&1 | tee "$out/nsa_checks_ab.log" ;;
   softcap-variants) python3 benchmarks/softcap_variants_ab.py "$out" "$@" 2>&1 | tee "$out/softcap_variants.log" ;;
+  exp2-on-fma) python3 benchmarks/exp2_on_fma_ab.py "$out" "$@" 2>&1 | tee "$out/exp2_on_fma.log" ;;
   nsa-overlap) python3 benchmarks/nsa_overlap_probe.py "$out" 2>&1 | tee "$out/nsa_overlap_probe.log" ;;
   nsa-read-probe) python3 benchmarks/nsa_read_probe.py "$out" 2>&1 | tee "$out/nsa_read_probe.log" ;;
   nsa-dq-warps) python3 benchmarks/nsa_dq_warps.py "$out" 2>&1 | tee "$out/nsa_dq_warps.log" ;;

@@ -10,6 +10,11 @@ from fa_lab.kernels.portable.configs import TileConfig
 from fa_lab.testing import check_attention, make_qkv
 
 pytest.importorskip("triton")
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+
+from fa_lab.kernels.hopper.fa3_softmax import exp2_mixed  # noqa: E402
+
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
 
 
@@ -169,6 +174,59 @@ def test_softcap_forms_build_for_sm90_without_spills():
     assert bits[(True, False, False, False)] == 7 and bits[(True, True, False, False)] == 5
     assert bits[(True, False, True, False)] == 3 and bits[(True, False, False, True)] == 3
     assert all(value == 0 for (softcap, *_), value in bits.items() if not softcap)
+
+
+def test_exp2_polynomial_keeps_a_bf16_probability_exact_enough():
+    """The polynomial exp2_mixed takes off the MUFU, evaluated in float32 as its PTX does (floor by adding 1.5 * 2**23
+    rounding down, 2**f by Horner, the floor added to the exponent bits): within 1e-4 of 2**x relative (a bf16 P
+    rounds to 2**-9), and exactly 0 for -inf and from -127 down; the PTX's float literals are the coefficients."""
+    import struct
+
+    from fa_lab.kernels.hopper.fa3_softmax import EXP2_POLY_C1, EXP2_POLY_C2, EXP2_POLY_C3, EXP2_PTX, exp2_ptx
+
+    x = torch.cat([torch.rand(100_000) * -126, torch.rand(10_000) * 8, torch.tensor([0.0, -126.0, -1e-7])])
+    lowest = torch.tensor([float("-inf"), -127.0, -127.5, -300.0])
+    clamped = torch.cat([x, lowest]).clamp(min=-127.0)
+    floor = torch.floor(clamped)  # what add.rm with 1.5 * 2**23 leaves in t's low bits
+    f = clamped - floor
+    c1, c2, c3 = (torch.tensor(c, dtype=torch.float32) for c in (EXP2_POLY_C1, EXP2_POLY_C2, EXP2_POLY_C3))
+    poly = (f * c3 + c2) * f
+    poly = (poly + c1) * f + 1.0
+    bits = poly.view(torch.int32) + (floor.to(torch.int32) << 23)
+    got = bits.view(torch.float32)
+    want = torch.exp2(x.double())
+    assert ((got[:len(x)].double() - want).abs() / want).max() < 1e-4
+    assert torch.equal(got[len(x):], torch.zeros(4))
+    literals = set(exp2_ptx(1).split("0f")[1:])
+    for coefficient in (EXP2_POLY_C1, EXP2_POLY_C2, EXP2_POLY_C3):
+        assert any(literal.startswith(struct.pack(">f", coefficient).hex().upper()) for literal in literals)
+    assert [ptx.count("ex2.approx") for ptx in EXP2_PTX.value] == [4, 3, 2, 1, 0]
+    with pytest.raises(ValueError, match="on_fma"):
+        exp2_ptx(5)
+    from fa_lab.kernels.hopper.attention import HopperOptions, fa3_launch_constants
+
+    with pytest.raises(ValueError, match="exp2_on_fma"):
+        fa3_launch_constants(HopperOptions(consumers=2, split_loops=True, exp2_on_fma=-1), False, False, True,
+                             False, False, False, False)
+
+
+def test_exp2_on_fma_moves_exponentials_off_the_mufu_without_spills():
+    """HopperOptions(exp2_on_fma=n), offline at d = 128 (split loops, persistent) with and without the soft cap and in
+    FP8: each full-tile loop takes 16 n MUFU fewer (a thread's 64 probabilities, n in four), pays 7 instructions for
+    each on the FMA units, and nothing spills."""
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_forward_job
+
+    kinds = [dict(softcap=True), dict(), dict(fp8=True)]
+    builds = compile_all_for_sm90([fa3_forward_job(128, False, persistent=True, split_loops=True, exp2_on_fma=n,
+                                                   **kind) for kind in kinds for n in (0, 2)])
+    assert all(build.kv_loop_spills == 0 for build in builds)
+    for mufu_only, on_fma in zip(builds[::2], builds[1::2]):
+        loops = [[loop["opcodes"] for loop in build.loop_census if loop["opcodes"]["FSEL"] == 2]
+                 for build in (mufu_only, on_fma)]
+        assert len(loops[0]) == len(loops[1]) == 2
+        for before, after in zip(*loops):
+            assert before["MUFU"] - after["MUFU"] == 32
+            assert 6 * 32 <= sum(after.values()) - sum(before.values()) <= 8 * 32
 
 
 @pytest.mark.parametrize("head_dim, causal, persistent, window, fp8", [(128, False, False, False, False),
@@ -911,11 +969,13 @@ def test_gpu_three_consumers_by_default(heads, heads_kv, seqlen_q, seqlen_k, cau
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("exp2_on_fma", [0, 2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1100), (1100, 1000), (4096, 4096)])
-def test_gpu_fp8_gluon_matches_the_triton_fp8_kernel(causal, seqlen_q, seqlen_k, generator):
+def test_gpu_fp8_gluon_matches_the_triton_fp8_kernel(causal, seqlen_q, seqlen_k, exp2_on_fma, generator):
     """Same quantization blocks, so the same error as the Triton FP8 kernel; V tiles whose scales differ by
-    1e15 (the Gluon kernel folds their ratio into P's exponent) stay finite and accurate."""
+    1e15 (the Gluon kernel folds their ratio into P's exponent) stay finite and accurate; with half the
+    exponentials on the FMA units (HopperOptions.exp2_on_fma) too."""
     from fa_lab.fp8 import rmse
     from fa_lab.kernels.hopper import FP8_OPTIONS, HopperOptions, triton_hopper_fp8_attention
     from fa_lab.reference import reference_attention
@@ -925,7 +985,8 @@ def test_gpu_fp8_gluon_matches_the_triton_fp8_kernel(causal, seqlen_q, seqlen_k,
     v[:, :, 256:384] *= 1e3
     reference = reference_attention(q.double(), k.double(), v.double(), causal)[0]
     errors = {}
-    for kernel, options in (("gluon", FP8_OPTIONS), ("triton", HopperOptions(kernel="triton"))):
+    for kernel, options in (("gluon", dataclasses.replace(FP8_OPTIONS, exp2_on_fma=exp2_on_fma)),
+                            ("triton", HopperOptions(kernel="triton"))):
         out = triton_hopper_fp8_attention(q.cuda(), k.cuda(), v.cuda(), causal, None, options=options)[0]
         assert torch.isfinite(out).all()
         errors[kernel] = rmse(out.cpu().double(), reference)
@@ -1191,6 +1252,49 @@ def test_gpu_gluon_softcap_variants(switches, alibi, window, seqlen_q, seqlen_k,
 
     _check_gluon_score_options(HopperOptions(**switches), 30.0, alibi, window, seqlen_q, seqlen_k, head_dim, causal,
                                generator)
+
+
+@gluon.jit
+def _exp2_mixed_kernel(x_ptr, out_ptr, ON_FMA: gl.constexpr, N: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    offsets = gl.arange(0, N, layout=layout)
+    gl.store(out_ptr + offsets, exp2_mixed(gl.load(x_ptr + offsets), ON_FMA))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_fma", [1, 2, 3, 4])
+def test_gpu_exp2_mixed_is_exp2_within_1e4(on_fma):
+    """exp2_mixed on the device: the MUFU's values where it keeps them, the polynomial's within 1e-4 relative of
+    2**x elsewhere (x from -126 to 8, FP8's P is scaled up), and exactly 0 for -inf and from -127 down."""
+    blocks = 4 * 128
+    x = torch.cat([torch.rand(blocks * 60) * -126, torch.rand(blocks * 3) * 8, torch.tensor(
+        [float("-inf"), -127.0, -127.5, -300.0] * (blocks // 4))]).cuda()
+    outs = {}
+    for n in (0, on_fma):
+        outs[n] = torch.empty_like(x)
+        _exp2_mixed_kernel[(1,)](x, outs[n], n, x.numel(), num_warps=4)
+    by_mufu = torch.arange(x.numel(), device="cuda") % 4 < 4 - on_fma
+    assert torch.equal(outs[on_fma][by_mufu], outs[0][by_mufu])
+    normal = x > -126  # (the MUFU's ftz flushes results below 2**-126 to 0)
+    want = torch.exp2(x[normal].double())
+    assert ((outs[on_fma][normal].double() - want).abs() / want).max() < 1e-4
+    lowest = x <= -127
+    assert torch.equal(outs[on_fma][lowest], torch.zeros_like(x[lowest]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_fma", [1, 2, 4])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("window", [(-1, -1), (100, -1)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, head_dim", [(1000, 1100, 128), (1100, 1000, 64), (239, 1, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gluon_exp2_on_fma(on_fma, softcap, window, seqlen_q, seqlen_k, head_dim, causal, generator):
+    """The Gluon forward with exponentials on the FMA units (HopperOptions.exp2_on_fma), with and without the soft
+    cap, masks, windows and one-key rows (rows that see no key stay zero), against the float64 reference."""
+    from fa_lab.kernels.hopper import HopperOptions
+
+    _check_gluon_score_options(HopperOptions(exp2_on_fma=on_fma), softcap, False, window, seqlen_q, seqlen_k,
+                               head_dim, causal, generator)
 
 
 GLUON_BACKWARD_CASES = [  # (batch, heads, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype)

@@ -77,6 +77,7 @@ class HopperOptions:
     backward_dq: str | None = None  # the Gluon backward's dQ scheme (DQ_MODES); None: dq_mode_by_default
     softcap_max_first: bool = False  # Gluon soft cap: row max over the raw scores, capped once a row (not with ALiBi)
     softcap_q_scaled: bool = False  # Gluon soft cap, dense 16-bit: Q times scale / softcap before the kernel
+    exp2_on_fma: int = 0  # Gluon forward: of every 4 probabilities, how many by a polynomial on the FMA units (0-4)
 
 
 # MoBA's forward passes on the Gluon kernel (fa_lab/kernels/portable/moba.py): pass 1, its own blocks (causal,
@@ -279,6 +280,8 @@ def fa3_launch_constants(options: HopperOptions, causal: bool, banded: bool, per
     from .fa3_config import CONSUMER_REGS, launch_maxnreg
     from .fa3_softmax import SOFTCAP_MAX_FIRST, SOFTCAP_ON, SOFTCAP_Q_SCALED
 
+    if not 0 <= options.exp2_on_fma <= 4:
+        raise ValueError(f"HopperOptions.exp2_on_fma counts exponentials of four (0-4), got {options.exp2_on_fma}")
     softcap_bits = 0
     if softcap:
         softcap_bits = (SOFTCAP_ON.value | (SOFTCAP_MAX_FIRST.value if options.softcap_max_first and not alibi else 0)
@@ -287,7 +290,8 @@ def fa3_launch_constants(options: HopperOptions, causal: bool, banded: bool, per
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
         PERSISTENT=persistent, CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=banded, VARLEN=varlen,
         SOFTCAP=softcap_bits, ALIBI=alibi, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
-        CONVERT_P_LATE=options.convert_p_late, num_warps=4, maxnreg=launch_maxnreg(options.consumers)))
+        CONVERT_P_LATE=options.convert_p_late, EXP2_ON_FMA=options.exp2_on_fma, num_warps=4,
+        maxnreg=launch_maxnreg(options.consumers)))
 
 
 def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: ScoreOptions,

@@ -143,7 +143,7 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
     k_first.release()
     p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, tile.first,
                                       tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW, SOFTCAP=SOFTCAP,
-                                      ALIBI=ALIBI, s_layout=s_layout)
+                                      ALIBI=ALIBI, s_layout=s_layout, EXP2_ON_FMA=state.exp2_on_fma)
     p = carried_p(p, dtype, p_layout, FP8=FP8, PACKED=SPLIT)
     if state.rescale_early:
         o = _rescaled(o, alpha, o_layout)
@@ -250,7 +250,8 @@ def _kv_steps(state, tile, kv_count, j_begin, j_end, s, p, o, alpha, m_i, l_i, t
         k_tile.release()
         p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end,
                                           tile.first + j, tile, mods, BLOCK_N=BLOCK_N, FP8=FP8, WINDOW=WINDOW,
-                                          SOFTCAP=SOFTCAP, ALIBI=ALIBI, s_layout=s_layout, MASK=MASK)
+                                          SOFTCAP=SOFTCAP, ALIBI=ALIBI, s_layout=s_layout, MASK=MASK,
+                                          EXP2_ON_FMA=state.exp2_on_fma)
         if FP8:  # (the wait takes 16/32-bit dependencies only; ptxas still guards P's registers)
             o = warpgroup_mma_wait(0, deps=(o,))
         else:  # P's registers must stay untouched until the WGMMA reading them is done

@@ -74,7 +74,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
                              CONSUMER_REGS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr = False,
                              SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
                              SPLIT_LOOPS: gl.constexpr = False, RESCALE_EARLY: gl.constexpr = False,
-                             CONVERT_P_LATE: gl.constexpr = False):
+                             CONVERT_P_LATE: gl.constexpr = False, EXP2_ON_FMA: gl.constexpr = 0):
     """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
 
     q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
@@ -101,6 +101,8 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     tiles in up to three loops, one per kind of mask (:func:`.fa3_consumer._consumer_tile`). RESCALE_EARLY: O is
     rescaled at the end of each K/V step instead of before the next P V product (:func:`.fa3_consumer._kv_steps`).
     CONVERT_P_LATE: P_{j-1} becomes the P V operand after S_j is issued (FP8's e4m3 packing) instead of before.
+    EXP2_ON_FMA: of every four probabilities, how many are a polynomial on the FMA units rather than a MUFU.EX2
+    (:func:`.fa3_softmax.exp2_mixed`).
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     if VARLEN:  # one work tile per (sequence, query tile) pair and head
@@ -141,7 +143,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
                         q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr,
                         QSlot(q_bufs, q_ready, q_empty), Ring(k_bufs, k_ready, k_empty), Ring(v_bufs, v_ready, v_empty),
-                        Turns(CONSUMERS), work, SPLIT_LOOPS, RESCALE_EARLY, CONVERT_P_LATE)
+                        Turns(CONSUMERS), work, SPLIT_LOOPS, RESCALE_EARLY, CONVERT_P_LATE, EXP2_ON_FMA)
     # warp_specialize takes a literal list of partitions, so the two consumer counts are spelled out; the
     # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
     if CONSUMERS == 2:

@@ -6,6 +6,8 @@ and into P's exponent, and P's keys are taken in the order a thread holds them (
 that order: :func:`fa_lab.kernels.common.gluon_fp8_key_order`), so P becomes an e4m3 operand
 without moving data between threads.
 """
+import struct
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate  # Triton 3.6's Gluon aggregate
@@ -30,11 +32,55 @@ SOFTCAP_ON = gl.constexpr(1)
 SOFTCAP_MAX_FIRST = gl.constexpr(2)
 SOFTCAP_Q_SCALED = gl.constexpr(4)
 
+# 2**f on [0, 1) as 1 + f (C1 + f (C2 + f C3)), the largest relative error 8.6e-5 (a bf16 P rounds to 2**-9):
+# least squares of the relative error, reweighted towards its largest values, in float32.
+EXP2_POLY_C1 = 0.6951168179512024
+EXP2_POLY_C2 = 0.22764484584331512
+EXP2_POLY_C3 = 0.07706718146800995
+
+
+def exp2_ptx(on_fma: int) -> str:
+    """The PTX of :func:`exp2_mixed` for four scores a thread holds, ``on_fma`` of them (the last) by a polynomial
+    on the FMA units and the others by ``ex2.approx`` on the MUFU, which a soft cap's tanh shares (16 results a
+    clock an SM against 128 FFMA). x = j + f (j = floor(x), by adding 1.5 * 2**23 rounding down, which leaves j
+    in the low bits); 2**x = 2**f with j added to its exponent. x is first raised to -127 (2**-127 -> +0: -inf
+    still gives 0); x must stay below 128."""
+    if not 0 <= on_fma <= 4:
+        raise ValueError(f"on_fma is how many of four exponentials take the polynomial (0-4), got {on_fma}")
+    hexf = lambda value: "0f" + struct.pack(">f", value).hex().upper()  # noqa: E731 (PTX's float literal)
+    magic = hexf(1.5 * 2 ** 23)
+    lines = ["{", ".reg .b32 t, j, f, p, e;"]
+    for i in range(4):
+        out, x = f"${i}", f"${i + 4}"
+        if i < 4 - on_fma:
+            lines.append(f"ex2.approx.ftz.f32 {out}, {x};")
+        else:
+            lines += [f"max.ftz.f32 f, {x}, {hexf(-127.0)};", f"add.rm.ftz.f32 t, f, {magic};",
+                      f"sub.ftz.f32 j, t, {magic};", "sub.ftz.f32 f, f, j;",
+                      f"fma.rn.ftz.f32 p, f, {hexf(EXP2_POLY_C3)}, {hexf(EXP2_POLY_C2)};",
+                      f"fma.rn.ftz.f32 p, p, f, {hexf(EXP2_POLY_C1)};", f"fma.rn.ftz.f32 p, p, f, {hexf(1.0)};",
+                      "shl.b32 e, t, 23;", f"add.s32 {out}, p, e;"]
+    return "\n".join(lines + ["}"])
+
+
+EXP2_PTX = gl.constexpr(tuple(exp2_ptx(on_fma) for on_fma in range(5)))  # exp2_ptx(n), n = 0 .. 4
+
+
+@gluon.jit
+def exp2_mixed(x, ON_FMA: gl.constexpr):
+    """2**x, ON_FMA of every four values by a polynomial on the FMA units (:func:`exp2_ptx`), the rest on the MUFU.
+    ON_FMA = 0 is gl.exp2 itself."""
+    if ON_FMA == 0:
+        return gl.exp2(x)
+    else:
+        return gl.inline_asm_elementwise(EXP2_PTX[ON_FMA], "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
+                                         is_pure=True, pack=4)
+
 
 @gluon.jit
 def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, tile, mods, BLOCK_N: gl.constexpr,
                  FP8: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                 s_layout: gl.constexpr, MASK: gl.constexpr = MASK_BY_TILE):
+                 s_layout: gl.constexpr, MASK: gl.constexpr = MASK_BY_TILE, EXP2_ON_FMA: gl.constexpr = 0):
     """Online-softmax update with raw scores s = Q K_j^T of K/V tile j of the sequence: (64, BLOCK_N) fp32.
 
     Returns (p, alpha, m_new, l_new), m in log2 units (tile_scale = scale * log2 e, times
@@ -55,6 +101,7 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     (tile_scale is then softcap * log2 e); ALIBI: s gets -slope * |row + offset - key| in s's units (the
     slope divided by the scale that tile_scale applies), so the bias costs one FADD (the distance) and one
     FFMA (|distance| is a free operand modifier) per score, and the exponent keeps its single FFMA.
+    EXP2_ON_FMA: of every four probabilities, how many :func:`exp2_mixed` takes off the MUFU.
     """
     MAX_FIRST: gl.constexpr = (SOFTCAP & SOFTCAP_MAX_FIRST) != 0
     if SOFTCAP and not MAX_FIRST:
@@ -91,10 +138,10 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
     alpha = gl.exp2(m_i - m_sub)
     alpha_rows = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None]  # (moves no data)
     if FP8:
-        p = gl.exp2(s * tile_scale - (m_sub - log2_p_scale)[:, None])
+        p = exp2_mixed(s * tile_scale - (m_sub - log2_p_scale)[:, None], EXP2_ON_FMA)
         l_new = l_i * alpha_rows + thread_row_sums(p) * gl.exp2(-log2_p_scale)
     else:
-        p = gl.exp2(s * tile_scale - m_sub[:, None])  # one FFMA + one MUFU.EX2 per score
+        p = exp2_mixed(s * tile_scale - m_sub[:, None], EXP2_ON_FMA)  # one FFMA + one MUFU.EX2 per score
         l_new = l_i * alpha_rows + thread_row_sums(p)
     return p, alpha, m_new, l_new
 

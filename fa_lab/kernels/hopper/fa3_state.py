@@ -340,7 +340,8 @@ class KernelState:
     (:func:`.fa3_consumer._consumer_tile`); rescale_early: a consumer rescales O to step j's maximum at the end of
     step j, once P_{j-1} V_{j-1} is done, instead of just before it issues P_j V_j (:func:`.fa3_consumer._kv_steps`);
     convert_p_late: a consumer turns P_{j-1} into the P V product's operand after issuing S_j instead of before
-    (FP8's packing to e4m3; a no-op for 16-bit P).
+    (FP8's packing to e4m3; a no-op for 16-bit P); exp2_on_fma: of every four probabilities, how many a consumer
+    computes on the FMA units instead of the MUFU (:func:`.fa3_softmax.exp2_mixed`).
     """
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -364,11 +365,12 @@ class KernelState:
     split_loops: gl.constexpr
     rescale_early: gl.constexpr
     convert_p_late: gl.constexpr
+    exp2_on_fma: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
                  q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work,
-                 split_loops=False, rescale_early=False, convert_p_late=False):
+                 split_loops=False, rescale_early=False, convert_p_late=False, exp2_on_fma=0):
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.v_desc = v_desc
@@ -391,3 +393,4 @@ class KernelState:
         self.split_loops = gl.constexpr(split_loops)
         self.rescale_early = gl.constexpr(rescale_early)
         self.convert_p_late = gl.constexpr(convert_p_late)
+        self.exp2_on_fma = gl.constexpr(exp2_on_fma)

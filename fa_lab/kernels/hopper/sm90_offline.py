@@ -146,7 +146,7 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, 
                     fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2, persistent: bool = False,
                     window: bool = False, varlen: bool = False, softcap: bool = False, alibi: bool = False,
                     split_loops: bool = False, rescale_early: bool = False, convert_p_late: bool = False,
-                    softcap_max_first: bool = False, softcap_q_scaled: bool = False) -> dict:
+                    softcap_max_first: bool = False, softcap_q_scaled: bool = False, exp2_on_fma: int = 0) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_kernel.attention_fwd_fa3_kernel` as the launcher builds
     it with these switches (:class:`.attention.HopperOptions`' and the call's; the compile-time arguments are
     :func:`.attention.fa3_launch_constants`')."""
@@ -167,7 +167,8 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, 
     }
     options = HopperOptions(stages=stages, pingpong=pingpong, consumers=consumers, split_loops=split_loops,
                             rescale_early=rescale_early, convert_p_late=convert_p_late,
-                            softcap_max_first=softcap_max_first, softcap_q_scaled=softcap_q_scaled)
+                            softcap_max_first=softcap_max_first, softcap_q_scaled=softcap_q_scaled,
+                            exp2_on_fma=exp2_on_fma)
     constants = dict(fa3_launch_constants(options, causal, window, persistent, softcap, alibi, fp8, varlen))
     return dict(kernel=attention_fwd_fa3_kernel, signature=signature, num_warps=constants.pop("num_warps"),
                 maxnreg=constants.pop("maxnreg"), constants=constants)
