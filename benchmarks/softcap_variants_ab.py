@@ -1,7 +1,9 @@
-"""The Gluon forward's soft cap three ways, timed in turn beside the same forward without a cap: the cap before the row
-max (shipped), the row max over the raw scores capped once a row (``HopperOptions.softcap_max_first``), Q multiplied
-by scale / softcap before the kernel so that a score needs no multiply before its tanh (``softcap_q_scaled``), and
-both. Chapter 05's soft-cap case: softcap 30, d = 128, 8K, batch 2 x 16 heads, bf16, causal and not; three rounds
+"""The Gluon forward's soft cap in its forms and under the forward's switches, timed in turn beside the same forward
+without a cap: the cap before the row max (shipped), the row max over the raw scores capped once a row
+(``HopperOptions.softcap_max_first``), Q multiplied by scale / softcap before the kernel so that a score needs no
+multiply before its tanh (``softcap_q_scaled``), both, one exponential in four on the FMA units (``exp2_on_fma``),
+the consumers taking turns at the tensor cores (``pingpong``), three K/V stages, both, and one K/V loop instead of
+three. Chapter 05's soft-cap case: softcap 30, d = 128, 8K, batch 2 x 16 heads, bf16, causal and not; three rounds
 of do_bench medians in turn (ms, and each variant's time over the uncapped forward's). Each variant's O is first
 compared with the shipped variant's (largest difference) and with the float64 reference on the first batch and head.
 
@@ -15,7 +17,9 @@ import os
 ROUNDS = 3
 SOFTCAP = 30.0
 VARIANTS = {"cap_first": {}, "max_first": dict(softcap_max_first=True), "q_scaled": dict(softcap_q_scaled=True),
-            "max_first_q_scaled": dict(softcap_max_first=True, softcap_q_scaled=True)}
+            "max_first_q_scaled": dict(softcap_max_first=True, softcap_q_scaled=True),
+            "exp2_on_fma1": dict(exp2_on_fma=1), "pingpong": dict(pingpong=True), "stages3": dict(stages=3),
+            "pingpong_stages3": dict(pingpong=True, stages=3), "one_loop": dict(split_loops=False)}
 
 
 def main(out_dir: str, causals=(False, True), rounds: int = ROUNDS) -> None:
