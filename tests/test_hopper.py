@@ -617,7 +617,7 @@ def test_gluon_forward_launches_what_its_plan_resolves(monkeypatch):
                                   PINGPONG=False, FP8=False, PERSISTENT=persistent,
                                   CONSUMER_REGS=CONSUMER_REGS[consumers], WINDOW=banded, VARLEN=False, SOFTCAP=False,
                                   ALIBI=False, SPLIT_LOOPS=split_loops, RESCALE_EARLY=options.rescale_early,
-                                  CONVERT_P_LATE=False, num_warps=4, maxnreg=launch_maxnreg(consumers))
+                                  CONVERT_P_LATE=False, EXP2_ON_FMA=0, num_warps=4, maxnreg=launch_maxnreg(consumers))
             descriptors, (o_ptr, lse_ptr) = args[:4], args[4:6]
             assert all(d.base is t for d, t in zip(descriptors, (q, k, v, out))) and o_ptr is out and lse_ptr is lse
             assert [d.block_shape[2] for d in descriptors] == [64, 128, 128, 64]
