@@ -81,6 +81,8 @@
 #   softcap-variants - the Gluon forward's soft cap before the row max (shipped), after it, with Q scaled before the
 #            kernel, and both, beside the uncapped forward, in turn (<h100|h200>_softcap_variants.json, by
 #            benchmarks/softcap_variants_ab.py)
+#   softcap-profile - Nsight Compute on one launch of the Gluon forward at the soft-cap case, capped and not: warp
+#            states, pipes, issue (softcap_profile_<softcap>.csv, by benchmarks/softcap_profile.py)
 #   exp2-on-fma - the Gluon forward with 0, 1 and 2 of every four exponentials on the FMA units instead of the MUFU:
 #            bf16 d = 128 and 64, the soft cap, the FP8 kernel, in turn (<h100|h200>_exp2_on_fma.json, by
 #            benchmarks/exp2_on_fma_ab.py)
@@ -201,6 +203,13 @@ case "$step" in
   backward-breakdown) python3 benchmarks/backward_breakdown.py "$out" "$@" 2>&1 | tee "$out/backward_breakdown.log" ;;
   nsa-checks) python3 benchmarks/nsa_checks_ab.py "$out" 2>&1 | tee "$out/nsa_checks_ab.log" ;;
   softcap-variants) python3 benchmarks/softcap_variants_ab.py "$out" "$@" 2>&1 | tee "$out/softcap_variants.log" ;;
+  softcap-profile) for cap in 0 30; do
+                     ncu --clock-control none --kernel-name regex:attention_fwd_fa3 --launch-skip 3 --launch-count 1 \
+                         --section WarpStateStats --section SchedulerStats --section InstructionStats \
+                         --section ComputeWorkloadAnalysis -f -o "$out/softcap_profile_$cap" \
+                         python3 benchmarks/softcap_profile.py --softcap "$cap"
+                     ncu -i "$out/softcap_profile_$cap.ncu-rep" --csv --page raw > "$out/softcap_profile_$cap.csv"
+                   done 2>&1 | tail -20 ;;
   exp2-on-fma) python3 benchmarks/exp2_on_fma_ab.py "$out" "$@" 2>&1 | tee "$out/exp2_on_fma.log" ;;
   nsa-overlap) python3 benchmarks/nsa_overlap_probe.py "$out" 2>&1 | tee "$out/nsa_overlap_probe.log" ;;
   nsa-read-probe) python3 benchmarks/nsa_read_probe.py "$out" 2>&1 | tee "$out/nsa_read_probe.log" ;;
