@@ -177,9 +177,10 @@ def test_softcap_forms_build_for_sm90_without_spills():
 
 
 def test_exp2_polynomial_keeps_a_bf16_probability_exact_enough():
-    """The polynomial exp2_mixed takes off the MUFU, evaluated in float32 as its PTX does (floor by adding 1.5 * 2**23
-    rounding down, 2**f by Horner, the floor added to the exponent bits): within 1e-4 of 2**x relative (a bf16 P
-    rounds to 2**-9), and exactly 0 for -inf and from -127 down; the PTX's float literals are the coefficients."""
+    """The polynomial exp2_mixed takes off the MUFU, evaluated in float32 in the PTX's steps (x raised to -127, its
+    floor, which the PTX gets by adding 1.5 * 2**23 rounding down, 2**f by Horner, the floor added to the exponent
+    bits): within 1e-4 of 2**x relative (a bf16 P rounds to 2**-9), and exactly 0 for -inf and from -127 down; the
+    PTX's float literals are the coefficients, and each count of four builds its own mix of the two."""
     import struct
 
     from fa_lab.kernels.hopper.fa3_softmax import EXP2_POLY_C1, EXP2_POLY_C2, EXP2_POLY_C3, EXP2_PTX, exp2_ptx
@@ -187,7 +188,7 @@ def test_exp2_polynomial_keeps_a_bf16_probability_exact_enough():
     x = torch.cat([torch.rand(100_000) * -126, torch.rand(10_000) * 8, torch.tensor([0.0, -126.0, -1e-7])])
     lowest = torch.tensor([float("-inf"), -127.0, -127.5, -300.0])
     clamped = torch.cat([x, lowest]).clamp(min=-127.0)
-    floor = torch.floor(clamped)  # what add.rm with 1.5 * 2**23 leaves in t's low bits
+    floor = torch.floor(clamped)
     f = clamped - floor
     c1, c2, c3 = (torch.tensor(c, dtype=torch.float32) for c in (EXP2_POLY_C1, EXP2_POLY_C2, EXP2_POLY_C3))
     poly = (f * c3 + c2) * f
