@@ -30,7 +30,7 @@ CASES = [  # (name, head_dim, seqlen, causal, softcap, fp8)
 
 
 def calls_for(head_dim, seqlen, causal, softcap, fp8):
-    """name -> call of the forward at each ON_FMA, on fresh random bf16 inputs (FP8: quantized once)."""
+    """(name -> call of the forward at each ON_FMA, on fresh random bf16 inputs, FP8 quantized once; batch x heads)."""
     import torch
 
     from fa_lab.kernels.hopper import FP8_OPTIONS, GLUON_TILES, HopperOptions, triton_hopper_attention
@@ -63,12 +63,12 @@ def main(out_dir: str, rounds: int = ROUNDS) -> None:
     log = []
     torch.manual_seed(0)
     for name, head_dim, seqlen, causal, softcap, fp8 in CASES:
-        calls, heads = calls_for(head_dim, seqlen, causal, softcap, fp8)
+        calls, batch_heads = calls_for(head_dim, seqlen, causal, softcap, fp8)
         entry = {"case": name, "causal": causal, "head_dim": head_dim, "seqlen": seqlen, "softcap": softcap,
                  "fp8": fp8}
         with torch.no_grad():
             checked_in_turn(calls, entry, lambda result: result[0].float(), "largest |O - on_fma0's O|", rounds)
-        flops = 4.0 * heads * head_dim * seqlen * seqlen / (2 if causal else 1)
+        flops = 4.0 * batch_heads * head_dim * seqlen * seqlen / (2 if causal else 1)
         entry["tflops"] = {call: round(flops / statistics.median(entry[f"{call} ms"]) * 1e-9, 1) for call in calls}
         log.append(entry)
         print(entry, flush=True)

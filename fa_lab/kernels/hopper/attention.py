@@ -204,8 +204,6 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` with ``gluon=True``, and
     ``out_dtype`` the output's dtype.
     """
-    from .fa3_softmax import SOFTCAP_Q_SCALED
-
     fp8 = fp8_scales is not None
     plan = _forward_plan(tuple(q.shape), tuple(k.shape), q.device, causal, tuple(window), fp8,
                          alibi_slopes is not None, bool(softcap), options)
@@ -214,7 +212,7 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     schedule = lse if plan.schedule is None else plan.schedule  # (lse: a placeholder pointer, not read)
     heads, seqlen_q, seqlen_k = q.shape[1], q.shape[2], k.shape[2]
-    if plan.constants["SOFTCAP"] & SOFTCAP_Q_SCALED.value:  # rounded once, to q's dtype
+    if plan.q_scaled:  # rounded once, to q's dtype
         q = torch.mul(q, scale / softcap)
     descriptors = [gluon_descriptor(t, block) for t, block in zip((q, k, v, out), plan.blocks)]
     _launch_fa3(descriptors, out, lse, plan.grid, (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse),
@@ -227,13 +225,15 @@ class ForwardPlan:
     """What a dense Gluon forward launch decides from its shape and options alone (:func:`_forward_plan` keeps one
     per kind of call, so that a call only allocates its outputs, builds its descriptors and launches): the grid,
     the persistent kernel's tile schedule (None: one work tile per CTA), the q, k, v, o descriptors' blocks, the
-    window's (left, right) bounds and the kernel's compile-time arguments (:func:`fa3_launch_constants`)."""
+    window's (left, right) bounds and the kernel's compile-time arguments (:func:`fa3_launch_constants`).
+    q_scaled: the launcher multiplies Q by scale / softcap first (the soft cap's SOFTCAP_Q_SCALED bit)."""
 
     grid: tuple[int]
     schedule: torch.Tensor | None
     blocks: tuple[list[int], ...]
     window_bounds: tuple[int, int]
     constants: Mapping[str, object]
+    q_scaled: bool
 
 
 @functools.lru_cache(maxsize=256)
@@ -242,6 +242,7 @@ def _forward_plan(q_shape: tuple, k_shape: tuple, device: torch.device, causal: 
     """The :class:`ForwardPlan` of :func:`gluon_forward` for operands of these shapes on ``device``: ``options``'
     unset choices resolved by the defaults' tables (consumers, persistent, split loops)."""
     from .fa3_config import KV_BLOCK, ROWS_PER_CONSUMER, descriptor_blocks
+    from .fa3_softmax import SOFTCAP_Q_SCALED
 
     batch, heads, seqlen_q, head_dim = q_shape
     seqlen_k = k_shape[2]
@@ -261,9 +262,10 @@ def _forward_plan(q_shape: tuple, k_shape: tuple, device: torch.device, causal: 
         schedule = schedule_tensor(batch * heads, seqlen_q, seqlen_k, block_m, KV_BLOCK.value, info.causal_only,
                                    grid[0], device)
     blocks = descriptor_blocks(head_dim_bucket(head_dim), fp8)
-    return ForwardPlan(grid, schedule, tuple(blocks[name] for name in "qkvo"), _window_bounds(info),
-                       fa3_launch_constants(options, info.causal_only, info.banded, persistent, softcap, alibi, fp8,
-                                            varlen=False))
+    constants = fa3_launch_constants(options, info.causal_only, info.banded, persistent, softcap, alibi, fp8,
+                                     varlen=False)
+    return ForwardPlan(grid, schedule, tuple(blocks[name] for name in "qkvo"), _window_bounds(info), constants,
+                       q_scaled=bool(constants["SOFTCAP"] & SOFTCAP_Q_SCALED.value))
 
 
 def _window_bounds(info: BlockInfo) -> tuple[int, int]:

@@ -141,7 +141,7 @@ def softmax_tile(s, m_i, l_i, tile_scale, log2_p_scale, key_start, key_end, j, t
         p = exp2_mixed(s * tile_scale - (m_sub - log2_p_scale)[:, None], EXP2_ON_FMA)
         l_new = l_i * alpha_rows + thread_row_sums(p) * gl.exp2(-log2_p_scale)
     else:
-        p = exp2_mixed(s * tile_scale - m_sub[:, None], EXP2_ON_FMA)  # one FFMA + one MUFU.EX2 per score
+        p = exp2_mixed(s * tile_scale - m_sub[:, None], EXP2_ON_FMA)  # one FFMA + (by default) one MUFU.EX2 a score
         l_new = l_i * alpha_rows + thread_row_sums(p)
     return p, alpha, m_new, l_new
 

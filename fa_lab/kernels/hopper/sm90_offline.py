@@ -142,14 +142,12 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, **switches) 
     return compile_all_for_sm90([fa3_forward_job(head_dim, causal, **switches)])[0]
 
 
-def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, pingpong: bool = False,
-                    fp8: bool = False, out_dtype: str = "bf16", consumers: int = 2, persistent: bool = False,
-                    window: bool = False, varlen: bool = False, softcap: bool = False, alibi: bool = False,
-                    split_loops: bool = False, rescale_early: bool = False, convert_p_late: bool = False,
-                    softcap_max_first: bool = False, softcap_q_scaled: bool = False, exp2_on_fma: int = 0) -> dict:
+def fa3_forward_job(head_dim: int = 128, causal: bool = False, fp8: bool = False, out_dtype: str = "bf16",
+                    persistent: bool = False, window: bool = False, varlen: bool = False, softcap: bool = False,
+                    alibi: bool = False, **switches) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_kernel.attention_fwd_fa3_kernel` as the launcher builds
-    it with these switches (:class:`.attention.HopperOptions`' and the call's; the compile-time arguments are
-    :func:`.attention.fa3_launch_constants`')."""
+    it for a call of this kind with ``switches``, :class:`.attention.HopperOptions`' fields (consumers 2 and
+    split_loops off unless given; the compile-time arguments are :func:`.attention.fa3_launch_constants`')."""
     from .attention import HopperOptions, fa3_launch_constants
     from .fa3_config import descriptor_blocks
     from .fa3_kernel import attention_fwd_fa3_kernel
@@ -165,10 +163,7 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, stages: int = 2, 
         "schedule_ptr": "*i32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
         "softcap_scale": "fp32",
     }
-    options = HopperOptions(stages=stages, pingpong=pingpong, consumers=consumers, split_loops=split_loops,
-                            rescale_early=rescale_early, convert_p_late=convert_p_late,
-                            softcap_max_first=softcap_max_first, softcap_q_scaled=softcap_q_scaled,
-                            exp2_on_fma=exp2_on_fma)
+    options = HopperOptions(**{"consumers": 2, "split_loops": False, **switches})
     constants = dict(fa3_launch_constants(options, causal, window, persistent, softcap, alibi, fp8, varlen))
     return dict(kernel=attention_fwd_fa3_kernel, signature=signature, num_warps=constants.pop("num_warps"),
                 maxnreg=constants.pop("maxnreg"), constants=constants)
