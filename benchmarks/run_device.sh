@@ -43,6 +43,8 @@
 #            slot (h200_backward_rows_ahead.json)
 #   backward-kv-split - chapter 05's grouped-query backward with its group split over 1, 2 and 4 CTAs
 #            (h200_backward_kv_split.json)
+#   backward-dq-late - the Gluon backward's turn consumer computing a step's dQ at the end of its next step against at
+#            the end of the step (<h100|h200>_backward_dq_late.json, by benchmarks/fa3_backward.py dq-late)
 #   three-consumers - the d = 64 forward with two consumer warpgroups against three (h200_three_consumers.json, by
 #            benchmarks/three_consumers_ab.py)
 #   persistent-bf16 - the bf16 Gluon forward, one CTA per work tile against the persistent kernel, on the protocol's
@@ -81,8 +83,10 @@
 #   softcap-variants - the Gluon forward's soft cap before the row max (shipped), after it, with Q scaled before the
 #            kernel, and both, beside the uncapped forward, in turn (<h100|h200>_softcap_variants.json, by
 #            benchmarks/softcap_variants_ab.py)
-#   softcap-profile - Nsight Compute on one launch of the Gluon forward at the soft-cap case, capped and not: warp
-#            states, pipes, issue (softcap_profile_<softcap>.csv, by benchmarks/softcap_profile.py)
+#   ncu-profile - Nsight Compute on one call of a forward or backward per named profile (ours and flash-attn-4's, the
+#            latter installed first as for interfaces): pipes, warp states and each SASS instruction's stall samples
+#            (<profile>_raw.csv, <profile>_sass.csv in ncu_profiles.tgz, by benchmarks/kernel_profile.py); arguments
+#            after OUTDIR name the profiles (default: every one)
 #   exp2-on-fma - the Gluon forward with 0, 1 and 2 of every four exponentials on the FMA units instead of the MUFU:
 #            bf16 d = 128 and 64, the soft cap, the FP8 kernel, in turn (<h100|h200>_exp2_on_fma.json, by
 #            benchmarks/exp2_on_fma_ab.py)
@@ -179,6 +183,7 @@ case "$step" in
   backward-head-groups) python3 benchmarks/fa3_backward.py head-groups "$out" 2>&1 | tee "$out/backward_head_groups.log" ;;
   backward-rows-ahead) python3 benchmarks/fa3_backward.py rows-ahead "$out" 2>&1 | tee "$out/backward_rows_ahead.log" ;;
   backward-kv-split) python3 benchmarks/fa3_backward.py kv-split "$out" 2>&1 | tee "$out/backward_kv_split.log" ;;
+  backward-dq-late) python3 benchmarks/fa3_backward.py dq-late "$out" 2>&1 | tee "$out/backward_dq_late.log" ;;
   varlen-row-vectors) python3 benchmarks/fa3_backward.py varlen-row-vectors "$out" 2>&1 \
            | tee "$out/varlen_row_vectors.log" ;;
   backward) python3 benchmarks/fa3_backward.py run "$out" 2>&1 | tee "$out/backward.log"
@@ -203,13 +208,16 @@ case "$step" in
   backward-breakdown) python3 benchmarks/backward_breakdown.py "$out" "$@" 2>&1 | tee "$out/backward_breakdown.log" ;;
   nsa-checks) python3 benchmarks/nsa_checks_ab.py "$out" 2>&1 | tee "$out/nsa_checks_ab.log" ;;
   softcap-variants) python3 benchmarks/softcap_variants_ab.py "$out" "$@" 2>&1 | tee "$out/softcap_variants.log" ;;
-  softcap-profile) for cap in 0 30; do
-                     ncu --clock-control none --kernel-name regex:attention_fwd_fa3 --launch-skip 3 --launch-count 1 \
-                         --section WarpStateStats --section SchedulerStats --section InstructionStats \
-                         --section ComputeWorkloadAnalysis -f -o "$out/softcap_profile_$cap" \
-                         python3 benchmarks/softcap_profile.py --softcap "$cap"
-                     ncu -i "$out/softcap_profile_$cap.ncu-rep" --csv --page raw > "$out/softcap_profile_$cap.csv"
-                   done 2>&1 | tail -20 ;;
+  ncu-profile) mkdir -p /tmp/ncu
+               for name in ${@:-$(python3 benchmarks/kernel_profile.py --list)}; do
+                 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+                     --section WarpStateStats --section SchedulerStats --section InstructionStats \
+                     --section ComputeWorkloadAnalysis --section SourceCounters -f -o "/tmp/ncu/$name" \
+                     python3 benchmarks/kernel_profile.py "$name" | grep -v "^==PROF== Profiling"
+                 ncu -i "/tmp/ncu/$name.ncu-rep" --csv --page raw > "/tmp/ncu/${name}_raw.csv"
+                 ncu -i "/tmp/ncu/$name.ncu-rep" --csv --page source --print-source sass > "/tmp/ncu/${name}_sass.csv"
+               done 2>&1 | tail -40
+               tar -C /tmp/ncu -czf "$out/ncu_profiles.tgz" $(cd /tmp/ncu && ls *.csv) ;;
   exp2-on-fma) python3 benchmarks/exp2_on_fma_ab.py "$out" "$@" 2>&1 | tee "$out/exp2_on_fma.log" ;;
   nsa-overlap) python3 benchmarks/nsa_overlap_probe.py "$out" 2>&1 | tee "$out/nsa_overlap_probe.log" ;;
   nsa-read-probe) python3 benchmarks/nsa_read_probe.py "$out" 2>&1 | tee "$out/nsa_read_probe.log" ;;
@@ -231,5 +239,5 @@ case "$step" in
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-top|nsa-compressed|nsa-checks|nsa-overlap|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|backward-dq-late|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-top|nsa-compressed|nsa-checks|nsa-overlap|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

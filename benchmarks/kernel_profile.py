@@ -1,0 +1,147 @@
+"""One call of a forward or backward, profiled by Nsight Compute: the interfaces benchmark's impls
+(``triton_hopper`` and flash-attn-4's ``fa4``) on a named case, called a few times with the profiler started for the last
+call only (``cudaProfilerStart``, for ``ncu --profile-from-start off``; an NVTX range would miss the backward's
+kernels, which autograd launches from a thread of its own), so that ncu profiles that call's kernels:
+warp states, pipes, issue and, per SASS instruction, where warps stall. The A/B timings name what changes a
+kernel's time; this names where in its loop the time goes.
+
+On the device: ``bash benchmarks/run_device.sh ncu-profile OUT [PROFILE ...]`` runs ncu on each profile
+(default: all) and packs <profile>_raw.csv (one row per kernel of the call) and <profile>_sass.csv (the instructions of each
+kernel with their stall samples) into OUT/ncu_profiles.tgz. ``python3
+benchmarks/kernel_profile.py --list`` names the profiles; fa4's need flash-attn-4 installed as for interfaces.
+"""
+import argparse
+
+CALLS = 4  # the first calls compile and warm up; the last one is profiled
+
+# profile name -> (impl, interfaces case, pass). The cases are the interfaces benchmark's (32 heads over 32 or 8
+# K/V heads, d = 128, 16K tokens in all) and the FA3-paper protocol's 16 heads at 8K x 2.
+PROFILES = {
+    "fwd_plain": ("triton_hopper", "plain", "forward"),
+    "fwd_softcap": ("triton_hopper", "softcap", "forward"),
+    "fwd_window": ("triton_hopper", "window", "forward"),
+    "bwd_protocol": ("triton_hopper", "protocol", "backward"),
+    "bwd_gqa_causal": ("triton_hopper", "gqa_causal", "backward"),
+    "fa4_fwd_plain": ("fa4", "plain", "forward"),
+    "fa4_bwd_protocol": ("fa4", "protocol", "backward"),
+    "fa4_bwd_gqa_causal": ("fa4", "gqa_causal", "backward"),
+}
+
+
+def make_case(name: str):
+    from fa_lab.bench.interfaces import GQA_HEADS_KV, InterfaceCase
+
+    return {
+        "plain": InterfaceCase("mha", (8192, 8192)),
+        "softcap": InterfaceCase("softcap", (8192, 8192), softcap=30.0),
+        "window": InterfaceCase("window", (16384,), True, window=(1024, 0)),
+        "protocol": InterfaceCase("protocol", (8192, 8192), heads=16, heads_kv=16),
+        "gqa_causal": InterfaceCase("gqa", (16384,), True, heads_kv=GQA_HEADS_KV),
+    }[name]
+
+
+# What --summary prints from a raw page: (label, metric). Pipes in % of peak over the kernel's active cycles; the
+# stall reasons in cycles per issued instruction (their sum is a warp's average cycles between issues).
+SUMMARY_METRICS = (
+    ("ms", "gpu__time_duration.sum"),
+    ("tensor %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
+    ("mufu (xu) %", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),
+    ("fma %", "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"),
+    ("alu %", "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active"),
+    ("issue %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
+    ("warps / scheduler", "smsp__warps_active.avg.per_cycle_active"),
+)
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+
+
+def summary(raw_csv: str) -> str:
+    """The kernels of one profile's raw page (``ncu --page raw --csv``), one block each: SUMMARY_METRICS, then the
+    stall reasons above 0.05 cycles per issue, largest first."""
+    import csv
+
+    with open(raw_csv) as f:
+        header, _units, *rows = list(csv.reader(f))
+    lines = []
+    for row in rows:
+        value = dict(zip(header, row))
+        lines.append(f"{raw_csv}: {value['Kernel Name'][:80]}  grid {value['Grid Size']} block {value['Block Size']}")
+        lines += [f"  {label:18s} {float(value[metric].replace(',', '')):10.3f}" for label, metric in SUMMARY_METRICS
+                  if metric in value]
+        stalls = sorted(((float(v), k[len(STALL_PREFIX):-len(STALL_SUFFIX)]) for k, v in value.items()
+                         if k.startswith(STALL_PREFIX) and k.endswith(STALL_SUFFIX)), reverse=True)
+        lines += [f"  stall {reason:28s} {cycles:6.3f}" for cycles, reason in stalls if cycles >= 0.05]
+    return "\n".join(lines)
+
+
+def sass_kernels(sass_csv: str) -> dict:
+    """{kernel name: [instruction dicts]} from a profile's source page (``ncu --page source --csv --print-source
+    sass``): each dict has the page's columns (Source, Warp Stall Sampling (All Samples), stall_<reason>, ...)."""
+    import csv
+
+    kernels, name, header = {}, None, None
+    with open(sass_csv) as f:
+        for row in csv.reader(f):
+            if row and row[0] == "Kernel Name":
+                name, header = row[1], None
+                kernels[name] = []
+            elif row and row[0] == "Address":
+                header = row
+            elif header and row:
+                kernels[name].append(dict(zip(header, row)))
+    return kernels
+
+
+def hotspots(sass_csv: str, kernel: str, top: int = 30) -> str:
+    """The ``top`` instructions of the kernel whose name contains ``kernel`` by warp stall samples, in program order,
+    each with its position, its share of the kernel's samples and its three largest stall reasons."""
+    name, rows = next((n, r) for n, r in sass_kernels(sass_csv).items() if kernel in n)
+    samples = [int(r["Warp Stall Sampling (All Samples)"] or 0) for r in rows]
+    total = sum(samples) or 1
+    chosen = sorted(sorted(range(len(rows)), key=samples.__getitem__, reverse=True)[:top])
+    lines = [f"{sass_csv}: {name[:90]}: {len(rows)} instructions, {total} samples"]
+    for i in chosen:
+        reasons = sorted(((int(v or 0), k[6:]) for k, v in rows[i].items()
+                          if k.startswith("stall_") and "Not Issued" not in k), reverse=True)[:3]
+        why = ", ".join(f"{reason} {count / total:.1%}" for count, reason in reasons if count)
+        lines.append(f"  {i:5d} {samples[i] / total:6.1%}  {rows[i]['Source'].strip()[:60]:60s} {why}")
+    return "\n".join(lines)
+
+
+def main(profile: str) -> None:
+    import torch
+
+    from fa_lab.bench.breakdown import backward_call
+    from fa_lab.bench.interfaces import make_impls
+
+    impl, case_name, which = PROFILES[profile]
+    torch.manual_seed(0)
+    run, leaves = make_impls((impl,))[impl](make_case(case_name))
+    call = run if which == "forward" else backward_call(run, leaves)
+    with torch.no_grad() if which == "forward" else torch.enable_grad():
+        for i in range(CALLS):
+            if i == CALLS - 1:
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStart()
+            call()
+            if i == CALLS - 1:
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("profile", nargs="?", choices=sorted(PROFILES))
+    parser.add_argument("--list", action="store_true", help="print the profiles' names and exit")
+    parser.add_argument("--summary", nargs="+", metavar="RAW_CSV", help="summarize profiles' raw pages and exit")
+    parser.add_argument("--hotspots", nargs=2, metavar=("SASS_CSV", "KERNEL"),
+                        help="the instructions of a profiled kernel (name contains KERNEL) warps stall at most")
+    parser.add_argument("--top", type=int, default=30, help="how many instructions --hotspots prints")
+    args = parser.parse_args()
+    if args.summary:
+        print("\n".join(summary(path) for path in args.summary))
+    elif args.hotspots:
+        print(hotspots(*args.hotspots, top=args.top))
+    elif args.list or args.profile is None:
+        print(" ".join(PROFILES))
+    else:
+        main(args.profile)
