@@ -220,15 +220,6 @@ def kv_split(out_dir: str) -> None:
                 grouped_query=(128,))
 
 
-def dq_late(out_dir: str) -> None:
-    """The dQ of a step computed by its turn's consumer at the end of its next step (``dq_late``), by when the other
-    consumer's dS rows are in, against at the end of the step itself, where that consumer waits for them; each
-    head_dim's default scheme ("named" at d = 128, "turns" at d = 64), 2K-16K, causal and not, the FA3-paper shapes
-    and chapter 05's grouped-query shape: backward_dq_late.json (committed as <h100|h200>_backward_dq_late.json)."""
-    alternating(out_dir, "backward_dq_late.json", (128, 64), (2048, 4096, 8192, 16384),
-                lambda head_dim: {"at its step": {}, "a step late": {"dq_late": True}}, grouped_query=(128,))
-
-
 def plot(results_path: str, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -271,7 +262,5 @@ if __name__ == "__main__":
         rows_ahead(sys.argv[2])
     elif sys.argv[1] == "kv-split":
         kv_split(sys.argv[2])
-    elif sys.argv[1] == "dq-late":
-        dq_late(sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])

@@ -1,14 +1,15 @@
 """One call of a forward or backward, profiled by Nsight Compute: the interfaces benchmark's impls
-(``triton_hopper`` and flash-attn-4's ``fa4``) on a named case, called a few times with the profiler started for the last
-call only (``cudaProfilerStart``, for ``ncu --profile-from-start off``; an NVTX range would miss the backward's
-kernels, which autograd launches from a thread of its own), so that ncu profiles that call's kernels:
+(``triton_hopper`` and flash-attn-4's ``fa4``) on a named case, called a few times with the profiler started for
+the last call only (``cudaProfilerStart``, for ``ncu --profile-from-start off``; an NVTX range would miss the
+backward's kernels, which autograd launches from a thread of its own), so that ncu profiles that call's kernels:
 warp states, pipes, issue and, per SASS instruction, where warps stall. The A/B timings name what changes a
 kernel's time; this names where in its loop the time goes.
 
-On the device: ``bash benchmarks/run_device.sh ncu-profile OUT [PROFILE ...]`` runs ncu on each profile
-(default: all) and packs <profile>_raw.csv (one row per kernel of the call) and <profile>_sass.csv (the instructions of each
-kernel with their stall samples) into OUT/ncu_profiles.tgz. ``python3
-benchmarks/kernel_profile.py --list`` names the profiles; fa4's need flash-attn-4 installed as for interfaces.
+On the device: ``bash benchmarks/run_device.sh ncu-profile OUT [PROFILE ...]`` runs ncu on each profile (default:
+all) and packs <profile>_raw.csv (one row per kernel of the call) and <profile>_sass.csv (the instructions of each
+kernel with their stall samples) into OUT/ncu_profiles.tgz. ``python3 benchmarks/kernel_profile.py --list`` names
+the profiles; fa4's need flash-attn-4 installed as for interfaces. Here: ``--summary`` and ``--hotspots`` read
+the CSVs.
 """
 import argparse
 
@@ -52,23 +53,37 @@ SUMMARY_METRICS = (
     ("warps / scheduler", "smsp__warps_active.avg.per_cycle_active"),
 )
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+TO_MS = {"ms": 1.0, "msecond": 1.0, "us": 1e-3, "usecond": 1e-3, "ns": 1e-6, "nsecond": 1e-6}
 
 
-def summary(raw_csv: str) -> str:
-    """The kernels of one profile's raw page (``ncu --page raw --csv``), one block each: SUMMARY_METRICS, then the
-    stall reasons above 0.05 cycles per issue, largest first."""
+def raw_kernels(raw_csv: str) -> list[dict]:
+    """The kernels of one profile's raw page (``ncu --page raw --csv``), one dict each: name, grid, block,
+    SUMMARY_METRICS (the duration in ms whatever unit ncu chose) and every stall reason per issue."""
     import csv
 
     with open(raw_csv) as f:
-        header, _units, *rows = list(csv.reader(f))
-    lines = []
+        header, units, *rows = list(csv.reader(f))
+    unit = dict(zip(header, units))
+    kernels = []
     for row in rows:
         value = dict(zip(header, row))
-        lines.append(f"{raw_csv}: {value['Kernel Name'][:80]}  grid {value['Grid Size']} block {value['Block Size']}")
-        lines += [f"  {label:18s} {float(value[metric].replace(',', '')):10.3f}" for label, metric in SUMMARY_METRICS
-                  if metric in value]
-        stalls = sorted(((float(v), k[len(STALL_PREFIX):-len(STALL_SUFFIX)]) for k, v in value.items()
-                         if k.startswith(STALL_PREFIX) and k.endswith(STALL_SUFFIX)), reverse=True)
+        summary = {label: float(value[m].replace(",", "")) * (TO_MS[unit[m]] if label == "ms" else 1.0)
+                   for label, m in SUMMARY_METRICS if m in value}
+        stalls = {k[len(STALL_PREFIX):-len(STALL_SUFFIX)]: float(v) for k, v in value.items()
+                  if k.startswith(STALL_PREFIX) and k.endswith(STALL_SUFFIX)}
+        kernels.append({"kernel": value["Kernel Name"], "grid": value["Grid Size"], "block": value["Block Size"],
+                        **summary, "stalls_per_issue": stalls})
+    return kernels
+
+
+def summary(raw_csv: str) -> str:
+    """The kernels of one profile's raw page, one block each: SUMMARY_METRICS, then the stall reasons above 0.05
+    cycles per issue, largest first."""
+    lines = []
+    for kernel in raw_kernels(raw_csv):
+        lines.append(f"{raw_csv}: {kernel['kernel'][:80]}  grid {kernel['grid']} block {kernel['block']}")
+        lines += [f"  {label:18s} {kernel[label]:10.3f}" for label, _ in SUMMARY_METRICS if label in kernel]
+        stalls = sorted(((v, k) for k, v in kernel["stalls_per_issue"].items()), reverse=True)
         lines += [f"  stall {reason:28s} {cycles:6.3f}" for cycles, reason in stalls if cycles >= 0.05]
     return "\n".join(lines)
 
@@ -107,6 +122,57 @@ def hotspots(sass_csv: str, kernel: str, top: int = 30) -> str:
     return "\n".join(lines)
 
 
+def regions(rows: list, min_share: float = 0.004) -> list[dict]:
+    """A kernel's instructions (:func:`sass_kernels`) cut into runs executed equally often (a partition's loop, its
+    prologue, an idle warp's wait), those holding at least ``min_share`` of the samples: first and last instruction,
+    executions of each, share of the kernel's samples and the four largest stall reasons' shares."""
+    from collections import Counter
+
+    samples = [int(r["Warp Stall Sampling (All Samples)"] or 0) for r in rows]
+    total = sum(samples) or 1
+    runs = []
+    for i, row in enumerate(rows):
+        executed = int(row["Instructions Executed"] or 0)
+        if runs and runs[-1][2] == executed:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, executed])
+    found = []
+    for first, last, executed in runs:
+        share = sum(samples[first:last + 1]) / total
+        if share >= min_share:
+            reasons = Counter()
+            for row in rows[first:last + 1]:
+                reasons.update({k[6:]: int(v or 0) for k, v in row.items()
+                                if k.startswith("stall_") and "Not Issued" not in k})
+            found.append({"first": first, "last": last, "executed": executed, "share": round(share, 4),
+                          "stalls": {k: round(v / total, 4) for k, v in reasons.most_common(4)}})
+    return found
+
+
+def record(csv_dir: str, out_json: str, device: str, torch_version: str, triton_version: str, date: str) -> None:
+    """Each profile's raw and source pages in csv_dir (<profile>_raw.csv, <profile>_sass.csv) as one JSON, headed by
+    the device, versions and date of the run that made them: per profiled kernel, SUMMARY_METRICS and every stall
+    reason per issue, and for the profile's main kernel (the longest) its :func:`regions`."""
+    import os
+
+    from fa_lab.bench.schema import write_log
+
+    profiles = {}
+    for name in PROFILES:
+        raw = os.path.join(csv_dir, f"{name}_raw.csv")
+        if not os.path.exists(raw):
+            continue
+        kernels = raw_kernels(raw)
+        main_kernel = max(kernels, key=lambda k: k["ms"])
+        instructions = next(r for n, r in sass_kernels(os.path.join(csv_dir, f"{name}_sass.csv")).items()
+                            if n.startswith(main_kernel["kernel"][:40]))
+        profiles[name] = {"impl": PROFILES[name][0], "case": PROFILES[name][1], "pass": PROFILES[name][2],
+                          "kernels": kernels, "main_kernel_regions": regions(instructions)}
+    write_log({"device": device, "torch": torch_version, "triton": triton_version, "date": date,
+               "profiles": profiles}, out_json)
+
+
 def main(profile: str) -> None:
     import torch
 
@@ -136,8 +202,12 @@ if __name__ == "__main__":
     parser.add_argument("--hotspots", nargs=2, metavar=("SASS_CSV", "KERNEL"),
                         help="the instructions of a profiled kernel (name contains KERNEL) warps stall at most")
     parser.add_argument("--top", type=int, default=30, help="how many instructions --hotspots prints")
+    parser.add_argument("--record", nargs=6, metavar=("CSV_DIR", "OUT_JSON", "DEVICE", "TORCH", "TRITON", "DATE"),
+                        help="write the profiles' summaries and main-kernel regions as one JSON")
     args = parser.parse_args()
-    if args.summary:
+    if args.record:
+        record(*args.record)
+    elif args.summary:
         print("\n".join(summary(path) for path in args.summary))
     elif args.hotspots:
         print(hotspots(*args.hotspots, top=args.top))

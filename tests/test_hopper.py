@@ -1411,14 +1411,6 @@ def test_gpu_gluon_backward_with_the_group_split_across_ctas(case, kv_split, gen
     _check_gluon_backward_with(dict(kv_split=kv_split), case, generator, monkeypatch)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GLUON_BACKWARD_CASES, ids=str)
-def test_gpu_gluon_backward_with_the_turns_dq_a_step_late(case, generator, monkeypatch):
-    """gluon_backward(dq_late=True): each turn's dQ computed at the end of the consumer's next step (the default
-    scheme: "named" at d = 128, "turns" at d = 64), the last step's after the loop; the rule holds."""
-    _check_gluon_backward_with(dict(dq_late=True), case, generator, monkeypatch)
-
-
 def test_the_group_split_must_divide_the_group():
     """gluon_backward refuses a kv_split that does not divide the query heads per K/V head before anything runs
     (CPU tensors: nothing is launched)."""

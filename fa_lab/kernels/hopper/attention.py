@@ -388,8 +388,7 @@ DQ_MODES = ("turns", "partial", "split", "named")  # fa3_backward.DQ_SCHEMES's n
 
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str | None = None,
                    rows: int | None = None, rows_by_producer: bool = True, head_group: int | None = None,
-                   rows_ahead: bool = False, kv_split: int = 1, row_vectors=None, dq=None, window=(-1, -1),
-                   dq_late: bool = False):
+                   rows_ahead: bool = False, kv_split: int = 1, row_vectors=None, dq=None, window=(-1, -1)):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
     row_vectors, dq: as :func:`fa_lab.kernels.portable.attention.triton_backward` takes them. window: flash-attn's
@@ -400,8 +399,6 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     (None: :data:`.fa3_backward.BWD_ROWS` by head_dim); rows_by_producer: each step's lse2 and D rows brought
     into shared memory by the producer warp (1.02-1.11x on the H200, benchmarks/h200_backward_row_vectors.json),
     or (False) loaded by each consumer; rows_ahead: the producer loads them one step ahead (not timed yet);
-    dq_late ("turns" and "named"): the consumer whose turn a step's dQ is computes it at the end of its next step,
-    by when the other consumer's dS rows are in, instead of waiting for them at the end of the step;
     head_group: (batch, K/V head) pairs whose CTAs run key tile by key tile together
     (:func:`.fa3_backward.key_tile_of_cta`; None: :func:`.tile_schedule.heads_per_group` with a causal mask, 1
     without). kv_split: CTAs per (key tile, K/V head) of a grouped-query call, a divisor of the group (1: one CTA
@@ -429,8 +426,7 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     delta, lse2 = row_vectors
     dq_sum, dk, dv = _backward_outputs(q, k_run, v_run, torch.float32 if kv_split > 1 else None)
     _launch_backward((key_tiles * kv_pairs,), (q, k_run, v_run, grad_out, dq_sum), dk, dv, lse2, delta, heads,
-                     seqlen_q, seqlen_k, head_group, None, info, scale, dq_mode, rows, rows_by_producer, rows_ahead,
-                     dq_late)
+                     seqlen_q, seqlen_k, head_group, None, info, scale, dq_mode, rows, rows_by_producer, rows_ahead)
     if kv_split > 1:  # the copies' partial sums, added in float32 and rounded once
         dk, dv = (t.view(batch, heads_kv, kv_split, seqlen_k, head_dim).sum(2).to(k.dtype) for t in (dk, dv))
     return _scaled_dq(dq_sum, scale, q.dtype, dq), dk, dv
@@ -438,12 +434,12 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
 
 def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causal: bool, scale: float,
                           dq_mode: str | None = None, rows: int | None = None, rows_by_producer: bool = True,
-                          rows_ahead: bool = False, dq_late: bool = False):
+                          rows_ahead: bool = False):
     """The Gluon FA3 backward of a packed batch on prepared operands q, out, grad_out: (total_q, H, d), k, v:
     (total_k, Hkv, d), d = 64 or 128, lse (H, total_q) float32, cu_q, cu_k int32 offsets and bounds their
     values (as :func:`host_bounds` takes them): (dq, dk, dv) in q's dtype. One CTA per (sequence, key tile)
     of ``varlen_schedule`` (most work first) and K/V head; nothing is padded to the longest sequence. dq_mode,
-    rows, rows_by_producer, rows_ahead, dq_late: as :func:`gluon_backward`'s."""
+    rows, rows_by_producer, rows_ahead: as :func:`gluon_backward`'s."""
     from .fa3_backward import BWD_BLOCK_N
 
     total_q, heads, _ = q.shape
@@ -456,7 +452,7 @@ def gluon_varlen_backward(q, k, v, out, lse, grad_out, cu_q, cu_k, bounds, causa
     delta, lse2 = (t.t().contiguous() for t in backward_preprocess(out, grad_out, lse.t().contiguous()))
     _launch_backward((len(tiles), k.shape[1]), [heads_view(t) for t in (q, k, v, grad_out, dq)], dk, dv, lse2, delta,
                      heads, total_q, k.shape[0], 1, (tiles, cu_q, cu_k), BlockInfo(total_q, k.shape[0], causal),
-                     scale, dq_mode, rows, rows_by_producer, rows_ahead, dq_late)
+                     scale, dq_mode, rows, rows_by_producer, rows_ahead)
     return _scaled_dq(dq, scale, q.dtype), dk, dv
 
 
@@ -476,15 +472,14 @@ def _backward_outputs(q, k, v, kv_dtype: torch.dtype | None = None):
 
 
 def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, head_group, packing,
-                     info: BlockInfo, scale, dq_mode, rows, rows_by_producer, rows_ahead, dq_late=False):
+                     info: BlockInfo, scale, dq_mode, rows, rows_by_producer, rows_ahead):
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
     its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); head_group: the kernel's argument
     (dense launches); packing: None, or (schedule,
     cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals; info: the
-    call's mask (its causal flag and band); dq_mode, rows, rows_by_producer, rows_ahead, dq_late: as the two launchers
-    take them."""
-    from .fa3_backward import (BWD_CONSUMERS, DQ_NAMED, DQ_SCHEMES, DQ_SPLIT, DQ_TURNS, attention_bwd_fa3_kernel,
-                               backward_blocks)
+    call's mask (its causal flag and band); dq_mode, rows, rows_by_producer, rows_ahead: as the two launchers take
+    them."""
+    from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, DQ_SPLIT, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
     q, k, v, grad_out, dq = operands
@@ -495,8 +490,6 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
     scheme = DQ_SCHEMES[dq_mode]
     if scheme == DQ_SPLIT.value and head_dim != 128:
         raise ValueError(f"dq_mode='split' halves dQ's 128 columns: head_dim 128 only, got {head_dim}")
-    if dq_late and scheme not in (DQ_TURNS.value, DQ_NAMED.value):
-        raise ValueError(f"dq_late moves the dQ of dq_mode 'turns' or 'named' a step later; got {dq_mode!r}")
     row_block, keys, dq_block = backward_blocks(head_dim, scheme, rows)
     cached_launch(attention_bwd_fa3_kernel)[grid](
         gluon_descriptor(q, row_block), gluon_descriptor(k, keys), gluon_descriptor(v, keys),
@@ -504,7 +497,7 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
         dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, head_group, *_window_bounds(info),
         *(packing or (lse2,) * 3), scale * LOG2E, scale, CAUSAL=info.causal_only, STAGES=2,
         VARLEN=packing is not None, DQ_SCHEME=scheme, ROWS_BY_PRODUCER=rows_by_producer,
-        ROWS_AHEAD=rows_by_producer and rows_ahead, WINDOW=info.banded, DQ_LATE=bool(dq_late), num_warps=4,
+        ROWS_AHEAD=rows_by_producer and rows_ahead, WINDOW=info.banded, num_warps=4,
         maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
 
 

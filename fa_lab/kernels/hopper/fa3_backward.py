@@ -305,7 +305,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
                   row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                   q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left, window_right,
                   CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_SCHEME: gl.constexpr,
-                  ROWS_BY_PRODUCER: gl.constexpr, WINDOW: gl.constexpr, DQ_LATE: gl.constexpr):
+                  ROWS_BY_PRODUCER: gl.constexpr, WINDOW: gl.constexpr):
     """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
     it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER), or (DQ_PARTIAL) its
     partial dQ tile of every step, or (DQ_SPLIT) its half of every step's dQ columns. Rows and keys are
@@ -446,15 +446,8 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
             q_tile.release()
             if DQ_SCHEME != DQ_NAMED:  # (DQ_NAMED: Q's release frees dO's slot too)
                 do_tile.release()
-            if DQ_LATE:  # the previous step's dQ, if it was this consumer's turn: the other's rows are long in
-                if (t > 0) & ((t - 1) % 2 == CONSUMER):
-                    _turn_dq(t - 1, ds_bufs, k_all, ds_ready, ds_free, dq_bufs, dq_full, dq_empty, DQ_SCHEME)
-            elif slot == CONSUMER:  # this step's dQ_i = dS_i K over the 128 keys, once the other rows are in too
+            if slot == CONSUMER:  # this step's dQ_i = dS_i K over the 128 keys, once the other rows are in too
                 _turn_dq(t, ds_bufs, k_all, ds_ready, ds_free, dq_bufs, dq_full, dq_empty, DQ_SCHEME)
-    if DQ_LATE:  # the last step's dQ
-        last = group * q_tiles - 1
-        if (last >= 0) & (last % 2 == CONSUMER):
-            _turn_dq(last, ds_bufs, k_all, ds_ready, ds_free, dq_bufs, dq_full, dq_empty, DQ_SCHEME)
 
     # dK, dV rows of this consumer's keys below seqlen_k: (B, H_kv, N_k, d), or packed (total_k, H_kv, d).
     out_keys = key0 + gl.arange(0, KEYS_PER_CONSUMER, layout=gl.SliceLayout(1, kv_layout))
@@ -489,7 +482,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
                              cu_seqlens_q, cu_seqlens_k, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                              VARLEN: gl.constexpr = False, DQ_SCHEME: gl.constexpr = DQ_TURNS,
                              ROWS_BY_PRODUCER: gl.constexpr = False, ROWS_AHEAD: gl.constexpr = False,
-                             WINDOW: gl.constexpr = False, DQ_LATE: gl.constexpr = False):
+                             WINDOW: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, rows, d) (rows: :func:`bwd_rows`); k/v_desc over
@@ -597,11 +590,11 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
-                         window_right, 0, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW, DQ_LATE)),
+                         window_right, 0, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW)),
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
                          q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
-                         window_right, 1, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW, DQ_LATE)),
+                         window_right, 1, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr,
                          delta_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start,
                          k_start, lse_rows, qk_scale, ROWS_BY_PRODUCER, ROWS_AHEAD)),
