@@ -125,7 +125,7 @@ def hotspots(sass_csv: str, kernel: str, top: int = 30) -> str:
 def regions(rows: list, min_share: float = 0.004) -> list[dict]:
     """A kernel's instructions (:func:`sass_kernels`) cut into runs executed equally often (a partition's loop, its
     prologue, an idle warp's wait), those holding at least ``min_share`` of the samples: first and last instruction,
-    executions of each, share of the kernel's samples and the four largest stall reasons' shares."""
+    executions of each, share of the kernel's samples and each stall reason's share, largest first."""
     from collections import Counter
 
     samples = [int(r["Warp Stall Sampling (All Samples)"] or 0) for r in rows]
@@ -146,7 +146,7 @@ def regions(rows: list, min_share: float = 0.004) -> list[dict]:
                 reasons.update({k[6:]: int(v or 0) for k, v in row.items()
                                 if k.startswith("stall_") and "Not Issued" not in k})
             found.append({"first": first, "last": last, "executed": executed, "share": round(share, 4),
-                          "stalls": {k: round(v / total, 4) for k, v in reasons.most_common(4)}})
+                          "stalls": {k: round(v / total, 4) for k, v in reasons.most_common() if v}})
     return found
 
 
@@ -165,8 +165,7 @@ def record(csv_dir: str, out_json: str, device: str, torch_version: str, triton_
             continue
         kernels = raw_kernels(raw)
         main_kernel = max(kernels, key=lambda k: k["ms"])
-        instructions = next(r for n, r in sass_kernels(os.path.join(csv_dir, f"{name}_sass.csv")).items()
-                            if n.startswith(main_kernel["kernel"][:40]))
+        instructions = sass_kernels(os.path.join(csv_dir, f"{name}_sass.csv"))[main_kernel["kernel"]]
         profiles[name] = {"impl": PROFILES[name][0], "case": PROFILES[name][1], "pass": PROFILES[name][2],
                           "kernels": kernels, "main_kernel_regions": regions(instructions)}
     write_log({"device": device, "torch": torch_version, "triton": triton_version, "date": date,
