@@ -26,6 +26,9 @@ PROFILES = {
     "fa4_fwd_plain": ("fa4", "plain", "forward"),
     "fa4_bwd_protocol": ("fa4", "protocol", "backward"),
     "fa4_bwd_gqa_causal": ("fa4", "gqa_causal", "backward"),
+    # the Gluon backward launched directly with one dQ scheme (gluon_backward's dq_mode), forward done beforehand
+    "bwd_protocol_turns": ("gluon_backward:turns", "protocol", "backward"),
+    "bwd_protocol_split": ("gluon_backward:split", "protocol", "backward"),
 }
 
 
@@ -172,6 +175,27 @@ def record(csv_dir: str, out_json: str, device: str, torch_version: str, triton_
                "profiles": profiles}, out_json)
 
 
+def gluon_backward_call(case, dq_mode: str):
+    """A call of the Gluon backward alone (``gluon_backward`` with ``dq_mode``) on a dense case's random bf16
+    operands, its forward's output and log-sum-exp made once beforehand."""
+    import functools
+
+    import torch
+
+    from fa_lab.kernels import load_triton
+    from fa_lab.kernels.hopper.attention import gluon_backward, gluon_forward
+
+    load_triton()
+    batch, seqlen = len(case.lengths), case.lengths[0]
+    q, grad = (torch.randn(batch, case.heads, seqlen, case.head_dim, device="cuda", dtype=torch.bfloat16)
+               for _ in range(2))
+    k, v = (torch.randn(batch, case.heads_kv, seqlen, case.head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    scale = case.head_dim ** -0.5
+    out, lse = gluon_forward(q, k, v, case.causal, scale)
+    return functools.partial(gluon_backward, q, k, v, out, lse, grad, case.causal, scale, dq_mode=dq_mode)
+
+
 def main(profile: str) -> None:
     import torch
 
@@ -180,8 +204,11 @@ def main(profile: str) -> None:
 
     impl, case_name, which = PROFILES[profile]
     torch.manual_seed(0)
-    run, leaves = make_impls((impl,))[impl](make_case(case_name))
-    call = run if which == "forward" else backward_call(run, leaves)
+    if impl.startswith("gluon_backward:"):
+        call = gluon_backward_call(make_case(case_name), impl.split(":")[1])
+    else:
+        run, leaves = make_impls((impl,))[impl](make_case(case_name))
+        call = run if which == "forward" else backward_call(run, leaves)
     with torch.no_grad() if which == "forward" else torch.enable_grad():
         for i in range(CALLS):
             if i == CALLS - 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -426,3 +427,46 @@ def test_host_us_times_rounds_of_calls_after_a_warm_up():
     median, fastest = host_us(call, calls=20, rounds=3, warmup=4, synchronize=synchronize)
     assert counts == {"call": 4 + 3 * 20, "synchronize": 1 + 3}
     assert 200 <= fastest <= median < 2000
+
+
+def _csv_line(values) -> str:
+    return ",".join(f'"{value}"' for value in values) + "\n"
+
+
+def test_kernel_profile_record_reads_ncu_pages(tmp_path):
+    """benchmarks/kernel_profile.py --record on small hand-written ncu pages: durations converted to ms whatever
+    unit ncu chose (so the main kernel is the longest), the main kernel's instructions found by its exact name
+    among same-named others, and cut into runs executed equally often with their shares of the samples."""
+    spec = importlib.util.spec_from_file_location("kernel_profile", BENCHMARKS / "kernel_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    duration = "gpu__time_duration.sum"
+    header = ["ID", "Kernel Name", "Grid Size", "Block Size", duration,
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"]
+    raw = (_csv_line(header) + _csv_line(["", "", "", "", "us", ""])
+           + _csv_line([0, "fill", "(8, 1, 1)", "(128, 1, 1)", "900", "0.5"])
+           + _csv_line([1, "main_kernel", "(132, 1, 1)", "(384, 1, 1)", "1,500", "2.25"]))
+    (tmp_path / "fwd_plain_raw.csv").write_text(raw)
+    columns = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_barrier",
+               "stall_wait", "stall_barrier (Not Issued)"]
+    # (source, samples, executions, barrier samples, wait samples): a loop run twice as often as its prologue
+    main_rows = [("MOV", 10, 4, 0, 10), ("BAR", 30, 4, 30, 0), ("HGMMA", 50, 8, 0, 50), ("DEPBAR", 10, 8, 10, 0)]
+    sass = _csv_line(["Kernel Name", "fill"]) + _csv_line(columns) + _csv_line(["0x0", "EXIT", 5, 8, 0, 5, 0])
+    sass += _csv_line(["Kernel Name", "main_kernel"]) + _csv_line(columns)
+    for i, (source, samples, executed, barrier, wait) in enumerate(main_rows):
+        sass += _csv_line([hex(16 * i), source, samples, executed, barrier, wait, barrier])
+    sass += _csv_line(["Kernel Name", "fill"]) + _csv_line(columns) + _csv_line(["0x0", "EXIT", 7, 8, 0, 7, 0])
+    (tmp_path / "fwd_plain_sass.csv").write_text(sass)
+    out = tmp_path / "profiles.json"
+    profile.record(str(tmp_path), str(out), "GPU", "torch", "triton", "2026-12-06")
+    recorded = json.loads(out.read_text())
+    assert {key: recorded[key] for key in ("device", "torch", "triton", "date")} == {
+        "device": "GPU", "torch": "torch", "triton": "triton", "date": "2026-12-06"}
+    kernels = recorded["profiles"]["fwd_plain"]["kernels"]
+    assert [kernel["ms"] for kernel in kernels] == pytest.approx([0.9, 1.5])
+    assert kernels[1]["stalls_per_issue"] == {"barrier": 2.25}
+    runs = recorded["profiles"]["fwd_plain"]["main_kernel_regions"]
+    assert [(run["first"], run["last"], run["executed"]) for run in runs] == [(0, 1, 4), (2, 3, 8)]
+    assert [run["share"] for run in runs] == pytest.approx([0.4, 0.6])
+    assert runs[0]["stalls"] == pytest.approx({"barrier": 0.3, "wait": 0.1})
+    assert runs[1]["stalls"] == pytest.approx({"wait": 0.5, "barrier": 0.1})
