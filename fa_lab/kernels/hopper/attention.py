@@ -398,7 +398,8 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     :func:`dq_mode_by_default`); rows: query rows per step
     (None: :data:`.fa3_backward.BWD_ROWS` by head_dim); rows_by_producer: each step's lse2 and D rows brought
     into shared memory by the producer warp (1.02-1.11x on the H200, benchmarks/h200_backward_row_vectors.json),
-    or (False) loaded by each consumer; rows_ahead: the producer loads them one step ahead (not timed yet);
+    or (False) loaded by each consumer; rows_ahead: the producer loads them one step ahead (0.99x, geometric
+    mean, in benchmarks/h200_backward_rows_ahead.json: off by default);
     head_group: (batch, K/V head) pairs whose CTAs run key tile by key tile together
     (:func:`.fa3_backward.key_tile_of_cta`; None: :func:`.tile_schedule.heads_per_group` with a causal mask, 1
     without). kv_split: CTAs per (key tile, K/V head) of a grouped-query call, a divisor of the group (1: one CTA
