@@ -109,17 +109,26 @@ def sass_kernels(sass_csv: str) -> dict:
     return kernels
 
 
+def _samples(row: dict) -> int:
+    """An instruction's warp stall samples, all reasons (issued ones too)."""
+    return int(row["Warp Stall Sampling (All Samples)"] or 0)
+
+
+def _stall_counts(row: dict) -> dict:
+    """An instruction's samples by stall reason ({"barrier": n, ...}; the "Not Issued" duplicates left out)."""
+    return {k[len("stall_"):]: int(v or 0) for k, v in row.items() if k.startswith("stall_") and "Not Issued" not in k}
+
+
 def hotspots(sass_csv: str, kernel: str, top: int = 30) -> str:
     """The ``top`` instructions of the kernel whose name contains ``kernel`` by warp stall samples, in program order,
     each with its position, its share of the kernel's samples and its three largest stall reasons."""
     name, rows = next((n, r) for n, r in sass_kernels(sass_csv).items() if kernel in n)
-    samples = [int(r["Warp Stall Sampling (All Samples)"] or 0) for r in rows]
+    samples = [_samples(r) for r in rows]
     total = sum(samples) or 1
     chosen = sorted(sorted(range(len(rows)), key=samples.__getitem__, reverse=True)[:top])
     lines = [f"{sass_csv}: {name[:90]}: {len(rows)} instructions, {total} samples"]
     for i in chosen:
-        reasons = sorted(((int(v or 0), k[6:]) for k, v in rows[i].items()
-                          if k.startswith("stall_") and "Not Issued" not in k), reverse=True)[:3]
+        reasons = sorted(((count, reason) for reason, count in _stall_counts(rows[i]).items()), reverse=True)[:3]
         why = ", ".join(f"{reason} {count / total:.1%}" for count, reason in reasons if count)
         lines.append(f"  {i:5d} {samples[i] / total:6.1%}  {rows[i]['Source'].strip()[:60]:60s} {why}")
     return "\n".join(lines)
@@ -131,7 +140,7 @@ def regions(rows: list, min_share: float = 0.004) -> list[dict]:
     executions of each, share of the kernel's samples and each stall reason's share, largest first."""
     from collections import Counter
 
-    samples = [int(r["Warp Stall Sampling (All Samples)"] or 0) for r in rows]
+    samples = [_samples(r) for r in rows]
     total = sum(samples) or 1
     runs = []
     for i, row in enumerate(rows):
@@ -146,8 +155,7 @@ def regions(rows: list, min_share: float = 0.004) -> list[dict]:
         if share >= min_share:
             reasons = Counter()
             for row in rows[first:last + 1]:
-                reasons.update({k[6:]: int(v or 0) for k, v in row.items()
-                                if k.startswith("stall_") and "Not Issued" not in k})
+                reasons.update(_stall_counts(row))
             found.append({"first": first, "last": last, "executed": executed, "share": round(share, 4),
                           "stalls": {k: round(v / total, 4) for k, v in reasons.most_common() if v}})
     return found
@@ -182,15 +190,13 @@ def gluon_backward_call(case, dq_mode: str):
 
     import torch
 
+    from fa_lab.bench.interfaces import _tensors
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.attention import gluon_backward, gluon_forward
 
     load_triton()
-    batch, seqlen = len(case.lengths), case.lengths[0]
-    q, grad = (torch.randn(batch, case.heads, seqlen, case.head_dim, device="cuda", dtype=torch.bfloat16)
-               for _ in range(2))
-    k, v = (torch.randn(batch, case.heads_kv, seqlen, case.head_dim, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2))
+    q, k, v = _tensors(case, token_major=False)
+    grad = torch.randn_like(q)
     scale = case.head_dim ** -0.5
     out, lse = gluon_forward(q, k, v, case.causal, scale)
     return functools.partial(gluon_backward, q, k, v, out, lse, grad, case.causal, scale, dq_mode=dq_mode)

@@ -205,7 +205,7 @@ case "$step" in
   backward-breakdown) python3 benchmarks/backward_breakdown.py "$out" "$@" 2>&1 | tee "$out/backward_breakdown.log" ;;
   nsa-checks) python3 benchmarks/nsa_checks_ab.py "$out" 2>&1 | tee "$out/nsa_checks_ab.log" ;;
   softcap-variants) python3 benchmarks/softcap_variants_ab.py "$out" "$@" 2>&1 | tee "$out/softcap_variants.log" ;;
-  ncu-profile) mkdir -p /tmp/ncu
+  ncu-profile) rm -rf /tmp/ncu && mkdir -p /tmp/ncu  # (this call's pages only)
                for name in ${@:-$(python3 benchmarks/kernel_profile.py --list)}; do
                  ncu --clock-control none --profile-from-start off --section SpeedOfLight \
                      --section WarpStateStats --section SchedulerStats --section InstructionStats \
