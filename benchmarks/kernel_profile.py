@@ -29,6 +29,8 @@ PROFILES = {
     # the Gluon backward launched directly with one dQ scheme (gluon_backward's dq_mode), forward done beforehand
     "bwd_protocol_turns": ("gluon_backward:turns", "protocol", "backward"),
     "bwd_protocol_split": ("gluon_backward:split", "protocol", "backward"),
+    # NSA end to end as the sparse benchmark calls it (64 heads over 4 K/V heads, d = 128): every branch's kernels
+    "nsa_fwd_64k": ("nsa", "nsa_64k", "forward"),
 }
 
 
@@ -56,6 +58,7 @@ SUMMARY_METRICS = (
     ("warps / scheduler", "smsp__warps_active.avg.per_cycle_active"),
 )
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+OTHER_KERNEL_SHARE = 0.1  # --record keeps the regions of the kernels taking this share of a call's kernel time too
 TO_MS = {"ms": 1.0, "msecond": 1.0, "us": 1e-3, "usecond": 1e-3, "ns": 1e-6, "nsecond": 1e-6}
 
 
@@ -164,7 +167,8 @@ def regions(rows: list, min_share: float = 0.004) -> list[dict]:
 def record(csv_dir: str, out_json: str, device: str, torch_version: str, triton_version: str, date: str) -> None:
     """Each profile's raw and source pages in csv_dir (<profile>_raw.csv, <profile>_sass.csv) as one JSON, headed by
     the device, versions and date of the run that made them: per profiled kernel, SUMMARY_METRICS and every stall
-    reason per issue, and for the profile's main kernel (the longest) its :func:`regions`."""
+    reason per issue, for the profile's main kernel (the longest) its :func:`regions`, and those of any other kernel
+    taking OTHER_KERNEL_SHARE of the call's kernel time or more (a multi-kernel call such as NSA's forward)."""
     import os
 
     from fa_lab.bench.schema import write_log
@@ -176,9 +180,13 @@ def record(csv_dir: str, out_json: str, device: str, torch_version: str, triton_
             continue
         kernels = raw_kernels(raw)
         main_kernel = max(kernels, key=lambda k: k["ms"])
-        instructions = sass_kernels(os.path.join(csv_dir, f"{name}_sass.csv"))[main_kernel["kernel"]]
+        instructions = sass_kernels(os.path.join(csv_dir, f"{name}_sass.csv"))
+        total_ms = sum(k["ms"] for k in kernels)
+        others = {k["kernel"]: regions(instructions[k["kernel"]]) for k in kernels
+                  if k is not main_kernel and k["ms"] >= OTHER_KERNEL_SHARE * total_ms}
         profiles[name] = {"impl": PROFILES[name][0], "case": PROFILES[name][1], "pass": PROFILES[name][2],
-                          "kernels": kernels, "main_kernel_regions": regions(instructions)}
+                          "kernels": kernels, "main_kernel_regions": regions(instructions[main_kernel["kernel"]]),
+                          **({"other_kernel_regions": others} if others else {})}
     write_log({"device": device, "torch": torch_version, "triton": triton_version, "date": date,
                "profiles": profiles}, out_json)
 
@@ -202,6 +210,16 @@ def gluon_backward_call(case, dq_mode: str):
     return functools.partial(gluon_backward, q, k, v, out, lse, grad, case.causal, scale, dq_mode=dq_mode)
 
 
+def nsa_call(seqlen: int = 65536):
+    """NSA's forward and backward as the sparse benchmark times them, at ``seqlen`` tokens: (run, leaves)."""
+    import torch
+
+    from fa_lab.bench.sparse import HEADS, HEADS_KV, bf16_inputs, ours_nsa
+
+    generator = torch.Generator(device="cuda").manual_seed(seqlen)
+    return ours_nsa(*bf16_inputs(HEADS, HEADS_KV, seqlen, generator), None)
+
+
 def main(profile: str) -> None:
     import torch
 
@@ -210,7 +228,10 @@ def main(profile: str) -> None:
 
     impl, case_name, which = PROFILES[profile]
     torch.manual_seed(0)
-    if impl.startswith("gluon_backward:"):
+    if impl == "nsa":
+        run, leaves = nsa_call()
+        call = run if which == "forward" else backward_call(run, leaves)
+    elif impl.startswith("gluon_backward:"):
         call = gluon_backward_call(make_case(case_name), impl.split(":")[1])
     else:
         run, leaves = make_impls((impl,))[impl](make_case(case_name))

@@ -470,3 +470,6 @@ def test_kernel_profile_record_reads_ncu_pages(tmp_path):
     assert [run["share"] for run in runs] == pytest.approx([0.4, 0.6])
     assert runs[0]["stalls"] == pytest.approx({"barrier": 0.3, "wait": 0.1})
     assert runs[1]["stalls"] == pytest.approx({"wait": 0.5, "barrier": 0.1})
+    # the fill kernel takes more than OTHER_KERNEL_SHARE of the call's kernel time: its regions are kept too
+    assert recorded["profiles"]["fwd_plain"]["other_kernel_regions"] == {
+        "fill": [{"first": 0, "last": 0, "executed": 8, "share": 1.0, "stalls": {"wait": 1.0}}]}
