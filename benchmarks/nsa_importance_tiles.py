@@ -13,7 +13,9 @@ On the H200: ``PYTHONPATH=. python3 benchmarks/nsa_importance_tiles.py $OUT`` wr
 (a log). With ``--tiles`` it times the kernel keeping its running top 16 instead, at the tiles of TOP_TILES (queries,
 compressed keys a step, warps, Triton's stages, the top by a sort or a merge), in turn for two rounds, each one's
 choice checked against the first's by the scores it selects, then NSA's forward with the top by a sort and by a
-merge, in turn, beside dense attention's: $OUT/h200_nsa_importance_tiles.json.
+merge, in turn, beside dense attention's: $OUT/h200_nsa_importance_tiles.json. With ``--full-steps`` it times the
+kernel keeping its top with the steps every row of a tile sees unmasked and masked (``unmasked_full_steps``), then NSA's
+forward both ways, in turn: $OUT/h200_nsa_importance_full_steps.json.
 """
 import functools
 import os
@@ -112,11 +114,38 @@ def top_tiles(seqlen: int, generator) -> dict:
     return entry
 
 
+def full_steps(seqlen: int, generator) -> dict:
+    """The kernel keeping its running top 16 with the steps every row of a tile sees unmasked and masked, in turn,
+    the selections checked equal; then NSA's forward both ways, in turn, beside dense attention's."""
+    import torch
+
+    from fa_lab.bench import in_turn, sparse
+    from fa_lab.kernels.portable import nsa_importance
+
+    _, _, importance = selection_case(seqlen, generator)
+    entry = {}
+    calls = {f"importance, unmasked full steps {unmasked}": functools.partial(importance, sparse.SELECTED,
+                                                                              unmasked_full_steps=unmasked)
+             for unmasked in (True, False)}
+    in_turn.checked_in_turn(calls, entry, lambda chosen: chosen.float(), "largest selection difference")
+    q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
+    with torch.no_grad():
+        forward = sparse.ours_nsa(q, k, v, None)[0]
+        calls = {f"nsa forward, unmasked full steps {unmasked}": functools.partial(
+            sparse.called_with, nsa_importance, "UNMASKED_FULL_STEPS", unmasked, forward) for unmasked in (True, False)}
+        in_turn.checked_in_turn(calls, entry, lambda out: out.float(), "largest output difference")
+        entry["dense forward ms"] = sparse.dense_forward_ms(q, k, v)
+    return entry
+
+
+MODES = {"--tiles": (top_tiles, "h200_nsa_importance_tiles.json"),
+         "--full-steps": (full_steps, "h200_nsa_importance_full_steps.json")}
+
+
 def main(argv: list) -> None:
     from fa_lab.bench import sparse
 
-    measure, name = (top_tiles, "h200_nsa_importance_tiles.json") if argv[0] == "--tiles" else \
-        (packings, "h200_nsa_importance.json")
+    measure, name = MODES.get(argv[0], (packings, "h200_nsa_importance.json"))
     sparse.log_by_length(os.path.join(argv[-1], name), measure)
 
 

@@ -240,6 +240,38 @@ def test_nsa_running_top_merges_across_the_kernels_steps(top_n, merge, generator
             triton_nsa_importance(q, k_cmp, lse, block_cmp, block_sel, scale, top_n, keys=keys)
 
 
+@pytest.mark.parametrize("members", [1, None])
+@pytest.mark.parametrize("top_n", [0, 3])
+def test_nsa_importance_full_steps_without_masks(top_n, members, generator):
+    """On tiles of 16 queries taking 8 of 25 compressed keys a step, later tiles have two steps every row sees
+    before their masked ones and the last tile runs past the sequence; with the group of 3 packed (4 members)
+    none is unmasked."""
+    check_full_steps(1, 6, 2, 203, 32, 8, 16, top_n, DEVICE, generator, rows=16, keys=8, members=members,
+                     num_warps=1)
+
+
+def check_full_steps(batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel, top_n, device, generator,
+                     **tile) -> None:
+    """The importance kernel with the steps every row of a tile sees run without masks (unmasked_full_steps) and
+    with them masked, at ``tile``: the scores (top_n 0) or the selection equal bit for bit, and to the float64
+    definition."""
+    from fa_lab.kernels.portable.nsa_importance import triton_nsa_importance
+    from fa_lab.sparse import nsa_compressed_attention, nsa_importance
+
+    q, k, _ = make_qkv(batch, heads, seqlen, seqlen, head_dim, torch.bfloat16, device, generator, heads_kv=heads_kv,
+                       requires_grad=False)
+    k_cmp, scale = nsa_compress(k, block_cmp), head_dim ** -0.5
+    lse = nsa_compressed_attention(q, k_cmp, k_cmp, block_cmp, scale, "triton")[1]
+    got, masked = (triton_nsa_importance(q, k_cmp, lse, block_cmp, block_sel, scale, top_n,
+                                         unmasked_full_steps=unmasked, **tile) for unmasked in (True, False))
+    assert torch.equal(got, masked)
+    want = nsa_importance(q.double(), k_cmp.double(), block_cmp, block_sel, scale).to(got.device)
+    if top_n:
+        assert_best_set(got, want, top_n)
+    else:
+        assert_importance_close(got, want, heads // heads_kv)
+
+
 @pytest.mark.parametrize("heads, heads_kv, rows, members", [
     (6, 2, 16, None),  # the group of 3 packed: 4 members (one padding member), 4 queries a tile
     (8, 1, 16, 4),  # the group walked 4 heads at a time, 4 queries a tile
@@ -583,7 +615,7 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
     """nsa_importance_kernel at NSA's sizes (bf16, d = 128, compressed blocks of 32, selection blocks of 64) and
     the benchmark's group of 16, at the default tiles storing scores (64 keys a step) and keeping a running top 16
     (128 keys a step), and with the group packed into a tile of 128 rows at 8 warps, compiles for sm_90, scores on
-    the tensor cores and keeps its tiles in registers."""
+    the tensor cores and keeps its tiles in registers in the loops that run the products."""
     from fa_lab.kernels import load_triton
     from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
 
@@ -603,13 +635,17 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
                                         num_warps=warps,
                                         constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members,
                                                        BLOCK_N=keys[top], HEAD_DIM=128, MERGE=merge,
+                                                       FULL_STEPS=importance.UNMASKED_FULL_STEPS,
                                                        **dict(zip(("TOP", "SORT"),
                                                                   importance.top_widths(top, keys[top], 2)))),
                                         aligned=("q_ptr", "k_cmp_ptr", "head_dim"))
                                    for (queries, members), warps, top, merge in tiles])
     for build in builds:
         assert "HMMA" in build.sass or "HGMMA" in build.sass, build.registers
-        assert build.stack_bytes == 0, (build.registers, build.stack_bytes)
+        assert build.kv_loop_spills == 0, (build.registers, build.stack_bytes)
+    # storing the scores, nothing spills; keeping a top by a merge with its full steps' LSE rows a pass ahead, ptxas
+    # keeps a dozen values on the stack around the full steps' loop, outside the loops that run the products
+    assert [build.stack_bytes == 0 for build in builds] == [True, True, not importance.UNMASKED_FULL_STEPS, True]
 
 
 def test_nsa_gate_mix_and_its_backward_against_their_float64_definitions(generator):
@@ -703,6 +739,14 @@ def test_gpu_nsa_importance(heads, heads_kv, seqlen, top_in_kernel, merge, gener
     monkeypatch.setattr(fa_lab.sparse, "NSA_TOP_IN_KERNEL", top_in_kernel)
     monkeypatch.setattr(nsa_importance, "TOP_BY_MERGE", merge)
     check_nsa_importance(torch.bfloat16, 1, heads, heads_kv, seqlen, 128, 32, 64, 16, "cuda", generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_n", [0, 16])
+def test_gpu_nsa_importance_full_steps(top_n, generator):
+    """NSA's sizes at the default tiles: 8,250 tokens, 257 compressed keys, so steps of 64 or 128 keys unmasked
+    for most tiles, and a last tile past the sequence."""
+    check_full_steps(1, 16, 1, 8250, 128, 32, 64, top_n, "cuda", generator)
 
 
 @pytest.mark.gpu

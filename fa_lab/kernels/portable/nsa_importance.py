@@ -37,6 +37,7 @@ IMPORTANCE_MEMBERS = 1  # group heads per product (None: the whole group)
 # warps storing the scores; keeping a running top by running_top's sort (its registers: 4 warps spill), by merged_top
 IMPORTANCE_WARPS, SELECTION_WARPS, MERGE_WARPS = 4, 8, 4
 TOP_BY_MERGE = True  # the running top by merged_top (a top-k of the step, then a merge) rather than one sort of both
+UNMASKED_FULL_STEPS = True  # the steps a whole tile sees run in a loop of their own without masks (full_steps)
 INDEX_MASK = tl.constexpr(0x7FFFFFFF)  # a top key's low word: INDEX_MASK - block (:func:`running_top`)
 
 
@@ -72,12 +73,14 @@ def packed_tile(group: int, rows: int = IMPORTANCE_ROWS, members: int | None = I
 def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp, sel_blocks, heads, group,
                           head_dim, top_n, qk_scale_log2, log2e, BLOCK_CMP: tl.constexpr, PER: tl.constexpr,
                           QUERIES: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, TOP: tl.constexpr, SORT: tl.constexpr, MERGE: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, TOP: tl.constexpr, SORT: tl.constexpr, MERGE: tl.constexpr,
+                          FULL_STEPS: tl.constexpr):
     """q (B, H, N, d), k_cmp (B, H_kv, blocks_cmp, d), lse (B, H, N) float32, all contiguous. A tile of QUERIES
     queries x MEMBERS group heads (:func:`packed_tile`). TOP = 0: out (B, H_kv, N, sel_blocks) float32, the
     scores. TOP > 0 (a power of two >= top_n; SORT the power of two >= TOP + BLOCK_N // PER): out
     (B, H_kv, N, top_n) int64, each query's top_n blocks (:func:`running_top`, or :func:`merged_top` with MERGE),
-    best first, -1 past its last selectable block; steps wholly after the tile are skipped."""
+    best first, -1 past its last selectable block; steps wholly after the tile are skipped. FULL_STEPS: the steps
+    whose keys every row of a whole tile sees run first, in a loop of their own without masks (:func:`full_steps`)."""
     pid_m, pid_bkv = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)  # most keys first
     heads_kv = heads // group
     batch, kv_head = pid_bkv // heads_kv, pid_bkv % heads_kv
@@ -91,49 +94,103 @@ def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp
     last_row = tl.minimum(pid_m * QUERIES + QUERIES, seqlen) - 1
     k_base = k_cmp_ptr + pid_bkv.to(tl.int64) * blocks_cmp * head_dim
     first_head = batch * heads + kv_head * group
-    SEL_STEP: tl.constexpr = BLOCK_N // PER
     steps_end = sel_blocks * PER
     if TOP > 0:  # only the blocks that start at or before the tile's last query can be chosen
         out_base = out_ptr + pid_bkv.to(tl.int64) * seqlen * top_n
         steps_end = tl.minimum(steps_end, (last_row // (PER * BLOCK_CMP) + 1) * PER)
-        best = tl.zeros((QUERIES, TOP), dtype=tl.int64)  # the running top, as keys (0: none)
     else:
         out_base = out_ptr + pid_bkv.to(tl.int64) * seqlen * sel_blocks
-    for start in range(0, steps_end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)  # compressed keys of this step
-        summed = tl.zeros((QUERIES, BLOCK_N), dtype=tl.float32)
-        if (start + 1) * BLOCK_CMP - 1 <= last_row:  # some key of the step is in some row's past
-            keys = tl.load(k_base + cols[:, None] * head_dim + dims[None, :],
-                           mask=(cols[:, None] < blocks_cmp) & dim_ok[None, :], other=0.0)
-            visible = ((cols[None, :] + 1) * BLOCK_CMP - 1 <= rows[:, None]) & (cols[None, :] < blocks_cmp)
-            for chunk in range(0, group, MEMBERS):
-                member = chunk + packed % MEMBERS
-                ok = row_ok & (member < group)
-                head = (first_head + member).to(tl.int64)
-                q_tile = tl.load(q_ptr + (head * seqlen + rows)[:, None] * head_dim + dims[None, :],
-                                 mask=ok[:, None] & dim_ok[None, :], other=0.0)
-                lse2 = tl.load(lse_ptr + head * seqlen + rows, mask=ok, other=0.0) * log2e
-                scores = tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2
-                probs = tl.where(visible & ok[:, None], tl.exp2(scores - lse2[:, None]), 0.0)
-                summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
-        per_block = tl.sum(tl.reshape(summed, (QUERIES, SEL_STEP, PER)), axis=2)
-        sel = start // PER + tl.arange(0, SEL_STEP)
-        future = sel[None, :] * (PER * BLOCK_CMP) > queries[:, None]
-        if TOP > 0:
-            selectable = ~future & (sel[None, :] < sel_blocks)
-            if MERGE:
-                best = merged_top(best, per_block, sel, selectable, TOP=TOP)
-            else:
-                best = running_top(best, per_block, sel, selectable, TOP=TOP, SORT=SORT)
-        else:
-            per_block = tl.where(future, float("-inf"), per_block)
-            tl.store(out_base + queries[:, None] * sel_blocks + sel[None, :], per_block,
-                     mask=(queries[:, None] < seqlen) & (sel[None, :] < sel_blocks))
+    best = tl.zeros((QUERIES, TOP if TOP > 0 else 1), dtype=tl.int64)  # the running top, as keys (0: none)
+    masked_from = 0
+    if FULL_STEPS:
+        masked_from = full_steps(pid_m * QUERIES, seqlen, blocks_cmp, group, BLOCK_CMP, QUERIES, MEMBERS, BLOCK_N)
+        for start in range(0, masked_from, BLOCK_N):
+            best = importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok,
+                                   queries, packed, first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim,
+                                   top_n, qk_scale_log2, log2e, last_row, BLOCK_CMP, PER, QUERIES, MEMBERS, BLOCK_N,
+                                   HEAD_DIM, TOP, SORT, MERGE, MASKED=False)
+    for start in range(masked_from, steps_end, BLOCK_N):
+        best = importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok, queries,
+                               packed, first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim, top_n,
+                               qk_scale_log2, log2e, last_row, BLOCK_CMP, PER, QUERIES, MEMBERS, BLOCK_N, HEAD_DIM,
+                               TOP, SORT, MERGE, MASKED=True)
     if TOP > 0:
         slots = tl.arange(0, TOP)
         chosen = tl.where(best > 0, INDEX_MASK.value - (best & 0xFFFFFFFF), -1)
         tl.store(out_base + queries[:, None] * top_n + slots[None, :], chosen,
                  mask=(queries[:, None] < seqlen) & (slots[None, :] < top_n))
+
+
+@triton.jit
+def full_steps(first_query, seqlen, blocks_cmp, group, BLOCK_CMP: tl.constexpr, QUERIES: tl.constexpr,
+               MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where a tile's masked steps begin: the steps before it hold only compressed keys in the past of the tile's
+    first query (so of every row), none past the last compressed key, and the tile's rows are all queries of
+    heads of the group (0 where a tile runs past the sequence or the group's last pass is partial)."""
+    seen = tl.minimum((first_query + 1) // BLOCK_CMP, blocks_cmp)  # keys j with (j + 1) BLOCK_CMP - 1 <= first
+    whole = (first_query + QUERIES <= seqlen) & (group % MEMBERS == 0)
+    return tl.where(whole, seen // BLOCK_N * BLOCK_N, 0)
+
+
+@triton.jit
+def importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok, queries, packed,
+                    first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim, top_n, qk_scale_log2, log2e,
+                    last_row, BLOCK_CMP: tl.constexpr, PER: tl.constexpr, QUERIES: tl.constexpr,
+                    MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TOP: tl.constexpr,
+                    SORT: tl.constexpr, MERGE: tl.constexpr, MASKED: tl.constexpr):
+    """One step of :func:`nsa_importance_kernel`: the BLOCK_N compressed keys from ``start`` scored for the tile's
+    queries, their probabilities summed over the group and per selection block, then merged into ``best`` (TOP > 0,
+    returned) or stored. Without MASKED every key is visible to every row and every row is a query of the group
+    (:func:`full_steps`): no masks are built or applied. A masked step none of whose keys is in the past of the
+    tile's ``last_row`` skips the products (its blocks score 0, or -inf in a row's future)."""
+    cols = start + tl.arange(0, BLOCK_N)  # compressed keys of this step
+    summed = tl.zeros((QUERIES, BLOCK_N), dtype=tl.float32)
+    if not MASKED:
+        keys = tl.load(k_base + cols[:, None] * head_dim + dims[None, :], mask=dim_ok[None, :], other=0.0)
+        # each pass's LSE rows are loaded one pass ahead (the last pass loads its own again): a load in flight
+        # across the pass instead of a wait for it before the exponentials
+        lse_next = tl.load(lse_ptr + (first_head + packed % MEMBERS).to(tl.int64) * seqlen + rows)
+        for chunk in range(0, group, MEMBERS):
+            head = (first_head + chunk + packed % MEMBERS).to(tl.int64)
+            q_tile = tl.load(q_ptr + (head * seqlen + rows)[:, None] * head_dim + dims[None, :],
+                             mask=dim_ok[None, :], other=0.0)
+            lse2 = lse_next * log2e
+            ahead = first_head + tl.minimum(chunk + MEMBERS, group - MEMBERS) + packed % MEMBERS
+            lse_next = tl.load(lse_ptr + ahead.to(tl.int64) * seqlen + rows)
+            probs = tl.exp2(tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2 - lse2[:, None])
+            summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
+    elif (start + 1) * BLOCK_CMP - 1 <= last_row:  # some key of the step is in some row's past
+        keys = tl.load(k_base + cols[:, None] * head_dim + dims[None, :],
+                       mask=(cols[:, None] < blocks_cmp) & dim_ok[None, :], other=0.0)
+        visible = ((cols[None, :] + 1) * BLOCK_CMP - 1 <= rows[:, None]) & (cols[None, :] < blocks_cmp)
+        for chunk in range(0, group, MEMBERS):
+            member = chunk + packed % MEMBERS
+            ok = row_ok & (member < group)
+            head = (first_head + member).to(tl.int64)
+            q_tile = tl.load(q_ptr + (head * seqlen + rows)[:, None] * head_dim + dims[None, :],
+                             mask=ok[:, None] & dim_ok[None, :], other=0.0)
+            lse2 = tl.load(lse_ptr + head * seqlen + rows, mask=ok, other=0.0) * log2e
+            scores = tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2
+            probs = tl.where(visible & ok[:, None], tl.exp2(scores - lse2[:, None]), 0.0)
+            summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
+    SEL_STEP: tl.constexpr = BLOCK_N // PER
+    per_block = tl.sum(tl.reshape(summed, (QUERIES, SEL_STEP, PER)), axis=2)
+    sel = start // PER + tl.arange(0, SEL_STEP)
+    if MASKED:
+        future = sel[None, :] * (PER * BLOCK_CMP) > queries[:, None]
+    else:
+        future = tl.zeros((QUERIES, SEL_STEP), dtype=tl.int1)
+    if TOP > 0:
+        selectable = ~future & (sel[None, :] < sel_blocks)
+        if MERGE:
+            best = merged_top(best, per_block, sel, selectable, TOP=TOP)
+        else:
+            best = running_top(best, per_block, sel, selectable, TOP=TOP, SORT=SORT)
+    else:
+        per_block = tl.where(future, float("-inf"), per_block)
+        tl.store(out_base + queries[:, None] * sel_blocks + sel[None, :], per_block,
+                 mask=(queries[:, None] < seqlen) & (sel[None, :] < sel_blocks))
+    return best
 
 
 @triton.jit
@@ -180,7 +237,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
                           block_sel: int, scale: float, top_n: int = 0, *, rows: int = IMPORTANCE_ROWS,
                           members: int | None = IMPORTANCE_MEMBERS, keys: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
-                          merge: bool | None = None) -> torch.Tensor:
+                          merge: bool | None = None, unmasked_full_steps: bool | None = None) -> torch.Tensor:
     """:func:`nsa_importance_kernel` on q (B, H, N, d) float16/bfloat16, the compressed keys k_cmp
     (B, H_kv, N // block_cmp, d) and the compressed branch's lse (B, H, N) (natural log, -inf where no
     compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)), or with ``top_n`` > 0 each query's
@@ -190,7 +247,8 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     step (a power of two, at least block_sel // block_cmp; IMPORTANCE_KEYS or SELECTION_KEYS when None);
     num_warps its warps (IMPORTANCE_WARPS, MERGE_WARPS or SELECTION_WARPS when None), num_stages Triton's (its
     default when None); merge: the running top by :func:`merged_top` rather than :func:`running_top`
-    (TOP_BY_MERGE when None)."""
+    (TOP_BY_MERGE when None); unmasked_full_steps: the steps every row of a tile sees in a loop without masks
+    (UNMASKED_FULL_STEPS when None)."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
@@ -201,6 +259,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     sel_blocks = cdiv(seqlen, block_sel)
     top, sort = top_widths(top_n, keys, per)
     merge = TOP_BY_MERGE if merge is None else merge
+    unmasked = UNMASKED_FULL_STEPS if unmasked_full_steps is None else unmasked_full_steps
     out = (torch.empty((batch, heads_kv, seqlen, top_n), dtype=torch.int64, device=q.device) if top else
            torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
@@ -209,6 +268,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
             q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
             scale * LOG2E, LOG2E, BLOCK_CMP=block_cmp, PER=per, QUERIES=queries, MEMBERS=members,
             BLOCK_N=keys, HEAD_DIM=head_dim_bucket(head_dim), TOP=top, SORT=sort, MERGE=merge,
+            FULL_STEPS=unmasked,
             num_warps=num_warps or (IMPORTANCE_WARPS if not top else MERGE_WARPS if merge else SELECTION_WARPS),
             **({} if num_stages is None else {"num_stages": num_stages}))
     return out
