@@ -10,7 +10,9 @@ tokens and 64 heads; here one program takes a tile of queries of one KV head, wa
 at a time, recomputes each row's probabilities from the compressed branch's LSE (p = 2^(s log2 e - lse log2 e),
 as the backward recomputes P), adds them over the group's query heads in registers, and stores the tile's scores
 (B, H_kv, N, selection blocks) in float32. Steps whose compressed keys all lie after the tile's last query store
--inf or 0 without a product. Grid: ``(cdiv(N, queries), B * H_kv)``, the tiles with the most keys first.
+-inf or 0 without a product; the steps whose keys every row of the tile sees (all but a tile's last one or two) run
+first, in a loop of their own without masks (UNMASKED_FULL_STEPS). Grid: ``(cdiv(N, queries), B * H_kv)``, the
+tiles with the most keys first.
 
 The tile's rows are ``queries * members`` packed rows, query-major (packed row ``p`` is member ``p % members`` of
 query ``p // members``, as the selected-blocks kernel packs its tile): ``members`` heads of the group are scored
