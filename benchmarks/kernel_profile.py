@@ -182,8 +182,8 @@ def record(csv_dir: str, out_json: str, device: str, torch_version: str, triton_
         main_kernel = max(kernels, key=lambda k: k["ms"])
         instructions = sass_kernels(os.path.join(csv_dir, f"{name}_sass.csv"))
         total_ms = sum(k["ms"] for k in kernels)
-        others = {k["kernel"]: regions(instructions[k["kernel"]]) for k in kernels
-                  if k is not main_kernel and k["ms"] >= OTHER_KERNEL_SHARE * total_ms}
+        long_names = {k["kernel"] for k in kernels if k["ms"] >= OTHER_KERNEL_SHARE * total_ms}
+        others = {name: regions(instructions[name]) for name in sorted(long_names - {main_kernel["kernel"]})}
         profiles[name] = {"impl": PROFILES[name][0], "case": PROFILES[name][1], "pass": PROFILES[name][2],
                           "kernels": kernels, "main_kernel_regions": regions(instructions[main_kernel["kernel"]]),
                           **({"other_kernel_regions": others} if others else {})}
