@@ -15,9 +15,7 @@ compressed keys a step, warps, Triton's stages, the top by a sort or a merge), i
 choice checked against the first's by the scores it selects, then NSA's forward with the top by a sort and by a
 merge, in turn, beside dense attention's: $OUT/h200_nsa_importance_tiles.json. With ``--full-steps`` it times the
 kernel keeping its top with the steps every row of a tile sees unmasked and masked (``unmasked_full_steps``), then NSA's
-forward both ways, in turn: $OUT/h200_nsa_importance_full_steps.json. With ``--pipelined-heads`` it times the kernel
-keeping its top with its unmasked steps' head passes pipelined and not, at 4 and 8 warps, then NSA's forward both
-ways, in turn: $OUT/h200_nsa_importance_pipelined.json.
+forward both ways, in turn: $OUT/h200_nsa_importance_full_steps.json.
 """
 import functools
 import os
@@ -139,25 +137,8 @@ def full_steps(seqlen: int, generator) -> dict:
     return entry
 
 
-def pipelined_heads(seqlen: int, generator) -> dict:
-    """The kernel keeping its running top 16 with its unmasked steps' head passes pipelined or not
-    (``pipelined_heads``), at 4 and 8 warps, in turn, the selections checked equal; then NSA's forward both ways (4
-    warps), in turn, beside dense attention's."""
-    from fa_lab.bench import in_turn, sparse
-
-    _, _, importance = selection_case(seqlen, generator)
-    entry = {}
-    calls = {f"importance, pipelined {pipelined}, {warps} warps": functools.partial(
-        importance, sparse.SELECTED, pipelined_heads=pipelined, num_warps=warps)
-        for warps in (4, 8) for pipelined in (False, True)}
-    in_turn.checked_in_turn(calls, entry, lambda chosen: chosen.float(), "largest selection difference")
-    nsa_forward_in_turn(entry, "PIPELINED_HEADS", "pipelined heads", (True, False), seqlen, generator)
-    return entry
-
-
 MODES = {"--tiles": (top_tiles, "h200_nsa_importance_tiles.json"),
-         "--full-steps": (full_steps, "h200_nsa_importance_full_steps.json"),
-         "--pipelined-heads": (pipelined_heads, "h200_nsa_importance_pipelined.json")}
+         "--full-steps": (full_steps, "h200_nsa_importance_full_steps.json")}
 
 
 def main(argv: list) -> None:

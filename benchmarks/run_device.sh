@@ -68,9 +68,6 @@
 #   nsa-importance-full-steps - the importance kernel keeping its top with the steps every row of a tile sees unmasked
 #            and masked, then NSA's forward both ways, in turn (<h100|h200>_nsa_importance_full_steps.json, by
 #            benchmarks/nsa_importance_tiles.py --full-steps)
-#   nsa-importance-pipelined - the importance kernel keeping its top with its unmasked steps' head passes pipelined and
-#            not, at 4 and 8 warps, then NSA's forward both ways, in turn (<h100|h200>_nsa_importance_pipelined.json,
-#            by benchmarks/nsa_importance_tiles.py --pipelined-heads)
 #   nsa-select-tiles - NSA's selected-blocks forward at other warps and stages (h200_nsa_select_tiles.json, by
 #            benchmarks/nsa_select_tiles.py)
 #   nsa-top - NSA's forward with its selection's top kept in the importance kernel against torch.topk, in turn, beside
@@ -204,8 +201,6 @@ case "$step" in
   nsa-importance-tiles) python3 benchmarks/nsa_importance_tiles.py --tiles "$out" 2>&1 | tee "$out/nsa_importance_tiles.log" ;;
   nsa-importance-full-steps) python3 benchmarks/nsa_importance_tiles.py --full-steps "$out" 2>&1 \
            | tee "$out/nsa_importance_full_steps.log" ;;
-  nsa-importance-pipelined) python3 benchmarks/nsa_importance_tiles.py --pipelined-heads "$out" 2>&1 \
-           | tee "$out/nsa_importance_pipelined.log" ;;
   nsa-select-tiles) python3 benchmarks/nsa_select_tiles.py "$out" "$@" 2>&1 | tee "$out/nsa_select_tiles.log" ;;
   nsa-top) python3 benchmarks/nsa_top_ab.py "$out" 2>&1 | tee "$out/nsa_top_ab.log" ;;
   window-backward) python3 benchmarks/window_backward_ab.py "$out" 2>&1 | tee "$out/window_backward_ab.log" ;;

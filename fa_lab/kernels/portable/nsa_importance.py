@@ -40,8 +40,6 @@ IMPORTANCE_MEMBERS = 1  # group heads per product (None: the whole group)
 IMPORTANCE_WARPS, SELECTION_WARPS, MERGE_WARPS = 4, 8, 4
 TOP_BY_MERGE = True  # the running top by merged_top (a top-k of the step, then a merge) rather than one sort of both
 UNMASKED_FULL_STEPS = True  # the steps a whole tile sees run in a loop of their own without masks (full_steps)
-# in those unmasked steps, the next head's product is issued before this head's exponentials (unmasked_pass)
-PIPELINED_HEADS = False
 INDEX_MASK = tl.constexpr(0x7FFFFFFF)  # a top key's low word: INDEX_MASK - block (:func:`running_top`)
 
 
@@ -78,14 +76,13 @@ def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp
                           head_dim, top_n, qk_scale_log2, log2e, BLOCK_CMP: tl.constexpr, PER: tl.constexpr,
                           QUERIES: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr,
                           HEAD_DIM: tl.constexpr, TOP: tl.constexpr, SORT: tl.constexpr, MERGE: tl.constexpr,
-                          FULL_STEPS: tl.constexpr, PIPELINED: tl.constexpr = False):
+                          FULL_STEPS: tl.constexpr):
     """q (B, H, N, d), k_cmp (B, H_kv, blocks_cmp, d), lse (B, H, N) float32, all contiguous. A tile of QUERIES
     queries x MEMBERS group heads (:func:`packed_tile`). TOP = 0: out (B, H_kv, N, sel_blocks) float32, the
     scores. TOP > 0 (a power of two >= top_n; SORT the power of two >= TOP + BLOCK_N // PER): out
     (B, H_kv, N, top_n) int64, each query's top_n blocks (:func:`running_top`, or :func:`merged_top` with MERGE),
     best first, -1 past its last selectable block; steps wholly after the tile are skipped. FULL_STEPS: the steps
-    whose keys every row of a whole tile sees run first, in a loop of their own without masks (:func:`full_steps`);
-    PIPELINED: there each pass's product is issued before the last pass's exponentials (:func:`unmasked_pass`)."""
+    whose keys every row of a whole tile sees run first, in a loop of their own without masks (:func:`full_steps`)."""
     pid_m, pid_bkv = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)  # most keys first
     heads_kv = heads // group
     batch, kv_head = pid_bkv // heads_kv, pid_bkv % heads_kv
@@ -113,12 +110,12 @@ def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp
             best = importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok,
                                    queries, packed, first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim,
                                    top_n, qk_scale_log2, log2e, last_row, BLOCK_CMP, PER, QUERIES, MEMBERS, BLOCK_N,
-                                   HEAD_DIM, TOP, SORT, MERGE, MASKED=False, PIPELINED=PIPELINED)
+                                   HEAD_DIM, TOP, SORT, MERGE, MASKED=False)
     for start in range(masked_from, steps_end, BLOCK_N):
         best = importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok, queries,
                                packed, first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim, top_n,
                                qk_scale_log2, log2e, last_row, BLOCK_CMP, PER, QUERIES, MEMBERS, BLOCK_N, HEAD_DIM,
-                               TOP, SORT, MERGE, MASKED=True, PIPELINED=False)
+                               TOP, SORT, MERGE, MASKED=True)
     if TOP > 0:
         slots = tl.arange(0, TOP)
         chosen = tl.where(best > 0, INDEX_MASK.value - (best & 0xFFFFFFFF), -1)
@@ -142,7 +139,7 @@ def importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok,
                     first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim, top_n, qk_scale_log2, log2e,
                     last_row, BLOCK_CMP: tl.constexpr, PER: tl.constexpr, QUERIES: tl.constexpr,
                     MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TOP: tl.constexpr,
-                    SORT: tl.constexpr, MERGE: tl.constexpr, MASKED: tl.constexpr, PIPELINED: tl.constexpr):
+                    SORT: tl.constexpr, MERGE: tl.constexpr, MASKED: tl.constexpr):
     """One step of :func:`nsa_importance_kernel`: the BLOCK_N compressed keys from ``start`` scored for the tile's
     queries, their probabilities summed over the group and per selection block, then merged into ``best`` (TOP > 0,
     returned) or stored. Without MASKED every key is visible to every row and every row is a query of the group
@@ -152,8 +149,18 @@ def importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok,
     summed = tl.zeros((QUERIES, BLOCK_N), dtype=tl.float32)
     if not MASKED:
         keys = tl.load(k_base + cols[:, None] * head_dim + dims[None, :], mask=dim_ok[None, :], other=0.0)
-        summed = unmasked_pass(summed, keys, q_ptr, lse_ptr, rows, dims, dim_ok, packed, first_head, seqlen, group,
-                               head_dim, qk_scale_log2, log2e, QUERIES, MEMBERS, BLOCK_N, PIPELINED)
+        # each pass's LSE rows are loaded one pass ahead (the last pass loads its own again): a load in flight
+        # across the pass instead of a wait for it before the exponentials
+        lse_next = tl.load(lse_ptr + (first_head + packed % MEMBERS).to(tl.int64) * seqlen + rows)
+        for chunk in range(0, group, MEMBERS):
+            head = (first_head + chunk + packed % MEMBERS).to(tl.int64)
+            q_tile = tl.load(q_ptr + (head * seqlen + rows)[:, None] * head_dim + dims[None, :],
+                             mask=dim_ok[None, :], other=0.0)
+            lse2 = lse_next * log2e
+            ahead = first_head + tl.minimum(chunk + MEMBERS, group - MEMBERS) + packed % MEMBERS
+            lse_next = tl.load(lse_ptr + ahead.to(tl.int64) * seqlen + rows)
+            probs = tl.exp2(tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2 - lse2[:, None])
+            summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
     elif (start + 1) * BLOCK_CMP - 1 <= last_row:  # some key of the step is in some row's past
         keys = tl.load(k_base + cols[:, None] * head_dim + dims[None, :],
                        mask=(cols[:, None] < blocks_cmp) & dim_ok[None, :], other=0.0)
@@ -186,48 +193,6 @@ def importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok,
         tl.store(out_base + queries[:, None] * sel_blocks + sel[None, :], per_block,
                  mask=(queries[:, None] < seqlen) & (sel[None, :] < sel_blocks))
     return best
-
-
-@triton.jit
-def unmasked_pass(summed, keys, q_ptr, lse_ptr, rows, dims, dim_ok, packed, first_head, seqlen, group, head_dim,
-                  qk_scale_log2, log2e, QUERIES: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PIPELINED: tl.constexpr):
-    """summed (QUERIES, BLOCK_N) plus the probabilities of the step's ``keys`` (BLOCK_N, d) for every head of the
-    group, MEMBERS at a time, in head order, where every row sees every key. Each pass's LSE rows are loaded a pass
-    ahead (a load in flight across the pass instead of a wait before the exponentials). PIPELINED: the next pass's
-    product is issued before this pass's exponentials, so the tensor cores work while the MUFU does (two score
-    tiles live); the same sums in the same order."""
-    lse_next = tl.load(lse_ptr + (first_head + packed % MEMBERS).to(tl.int64) * seqlen + rows)
-    if PIPELINED:
-        scores = tl.dot(pass_q(q_ptr, first_head, 0, packed, rows, dims, dim_ok, seqlen, head_dim, MEMBERS),
-                        tl.trans(keys))
-        for chunk in range(MEMBERS, group, MEMBERS):
-            scores_next = tl.dot(pass_q(q_ptr, first_head, chunk, packed, rows, dims, dim_ok, seqlen, head_dim,
-                                        MEMBERS), tl.trans(keys))
-            lse2 = lse_next * log2e
-            lse_next = tl.load(lse_ptr + (first_head + chunk + packed % MEMBERS).to(tl.int64) * seqlen + rows)
-            probs = tl.exp2(scores * qk_scale_log2 - lse2[:, None])
-            summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
-            scores = scores_next
-        probs = tl.exp2(scores * qk_scale_log2 - (lse_next * log2e)[:, None])
-        summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
-    else:
-        for chunk in range(0, group, MEMBERS):
-            q_tile = pass_q(q_ptr, first_head, chunk, packed, rows, dims, dim_ok, seqlen, head_dim, MEMBERS)
-            lse2 = lse_next * log2e
-            ahead = first_head + tl.minimum(chunk + MEMBERS, group - MEMBERS) + packed % MEMBERS
-            lse_next = tl.load(lse_ptr + ahead.to(tl.int64) * seqlen + rows)
-            probs = tl.exp2(tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2 - lse2[:, None])
-            summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
-    return summed
-
-
-@triton.jit
-def pass_q(q_ptr, first_head, chunk, packed, rows, dims, dim_ok, seqlen, head_dim, MEMBERS: tl.constexpr):
-    """The Q tile (packed rows, d) of the pass over the group's heads ``chunk`` .. ``chunk + MEMBERS - 1``, every row a
-    query of the sequence."""
-    head = (first_head + chunk + packed % MEMBERS).to(tl.int64)
-    return tl.load(q_ptr + (head * seqlen + rows)[:, None] * head_dim + dims[None, :], mask=dim_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -274,8 +239,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
                           block_sel: int, scale: float, top_n: int = 0, *, rows: int = IMPORTANCE_ROWS,
                           members: int | None = IMPORTANCE_MEMBERS, keys: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
-                          merge: bool | None = None, unmasked_full_steps: bool | None = None,
-                          pipelined_heads: bool | None = None) -> torch.Tensor:
+                          merge: bool | None = None, unmasked_full_steps: bool | None = None) -> torch.Tensor:
     """:func:`nsa_importance_kernel` on q (B, H, N, d) float16/bfloat16, the compressed keys k_cmp
     (B, H_kv, N // block_cmp, d) and the compressed branch's lse (B, H, N) (natural log, -inf where no
     compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)), or with ``top_n`` > 0 each query's
@@ -286,8 +250,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     num_warps its warps (IMPORTANCE_WARPS, MERGE_WARPS or SELECTION_WARPS when None), num_stages Triton's (its
     default when None); merge: the running top by :func:`merged_top` rather than :func:`running_top`
     (TOP_BY_MERGE when None); unmasked_full_steps: the steps every row of a tile sees in a loop without masks
-    (UNMASKED_FULL_STEPS when None); pipelined_heads: in those steps the next head's product issued before this
-    head's exponentials (PIPELINED_HEADS when None)."""
+    (UNMASKED_FULL_STEPS when None)."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
@@ -299,7 +262,6 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     top, sort = top_widths(top_n, keys, per)
     merge = TOP_BY_MERGE if merge is None else merge
     unmasked = UNMASKED_FULL_STEPS if unmasked_full_steps is None else unmasked_full_steps
-    pipelined = PIPELINED_HEADS if pipelined_heads is None else pipelined_heads
     out = (torch.empty((batch, heads_kv, seqlen, top_n), dtype=torch.int64, device=q.device) if top else
            torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
@@ -308,7 +270,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
             q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
             scale * LOG2E, LOG2E, BLOCK_CMP=block_cmp, PER=per, QUERIES=queries, MEMBERS=members,
             BLOCK_N=keys, HEAD_DIM=head_dim_bucket(head_dim), TOP=top, SORT=sort, MERGE=merge,
-            FULL_STEPS=unmasked, PIPELINED=unmasked and pipelined,
+            FULL_STEPS=unmasked,
             num_warps=num_warps or (IMPORTANCE_WARPS if not top else MERGE_WARPS if merge else SELECTION_WARPS),
             **({} if num_stages is None else {"num_stages": num_stages}))
     return out
