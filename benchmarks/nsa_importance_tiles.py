@@ -94,7 +94,6 @@ def packings(seqlen: int, generator) -> dict:
 
 def top_tiles(seqlen: int, generator) -> dict:
     from fa_lab.bench import in_turn, sparse
-    from fa_lab.kernels.portable import nsa_importance
 
     _, _, importance = selection_case(seqlen, generator)
     scores = importance()
@@ -102,15 +101,31 @@ def top_tiles(seqlen: int, generator) -> dict:
     calls = {name: functools.partial(importance, sparse.SELECTED, **tile) for name, tile in TOP_TILES.items()}
     in_turn.checked_in_turn(calls, entry, lambda chosen: selected_sums(chosen, scores),
                            "selected score sums' largest difference")
-    sparse.nsa_forward_in_turn(entry, nsa_importance, "TOP_BY_MERGE", "merge", (False, True), seqlen, generator)
+    nsa_forward_in_turn(entry, "TOP_BY_MERGE", "merge", (False, True), seqlen, generator)
     return entry
+
+
+def nsa_forward_in_turn(entry: dict, switch: str, label: str, values: tuple, seqlen: int, generator) -> None:
+    """NSA's forward on fresh inputs with nsa_importance's ``switch`` at each of ``values``, in turn, its outputs
+    checked equal (entry keys "nsa forward, {label} {value} ..."), then dense attention's forward beside it."""
+    import torch
+
+    from fa_lab.bench import in_turn, sparse
+    from fa_lab.kernels.portable import nsa_importance
+
+    q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
+    with torch.no_grad():
+        forward = sparse.ours_nsa(q, k, v, None)[0]
+        calls = {f"nsa forward, {label} {value}": functools.partial(sparse.called_with, nsa_importance, switch, value,
+                                                                     forward) for value in values}
+        in_turn.checked_in_turn(calls, entry, lambda out: out.float(), "largest output difference")
+        entry["dense forward ms"] = sparse.dense_forward_ms(q, k, v)
 
 
 def full_steps(seqlen: int, generator) -> dict:
     """The kernel keeping its running top 16 with the steps every row of a tile sees unmasked and masked, in turn,
     the selections checked equal; then NSA's forward both ways, in turn, beside dense attention's."""
     from fa_lab.bench import in_turn, sparse
-    from fa_lab.kernels.portable import nsa_importance
 
     _, _, importance = selection_case(seqlen, generator)
     entry = {}
@@ -118,8 +133,7 @@ def full_steps(seqlen: int, generator) -> dict:
                                                                               unmasked_full_steps=unmasked)
              for unmasked in (True, False)}
     in_turn.checked_in_turn(calls, entry, lambda chosen: chosen.float(), "largest selection difference")
-    sparse.nsa_forward_in_turn(entry, nsa_importance, "UNMASKED_FULL_STEPS", "unmasked full steps", (True, False),
-                               seqlen, generator)
+    nsa_forward_in_turn(entry, "UNMASKED_FULL_STEPS", "unmasked full steps", (True, False), seqlen, generator)
     return entry
 
 

@@ -68,8 +68,6 @@
 #   nsa-importance-full-steps - the importance kernel keeping its top with the steps every row of a tile sees unmasked
 #            and masked, then NSA's forward both ways, in turn (<h100|h200>_nsa_importance_full_steps.json, by
 #            benchmarks/nsa_importance_tiles.py --full-steps)
-#   nsa-gated-window - NSA's forward, and its forward and backward, with the gated sum in the window's epilogue and as
-#            a pass of its own, in turn (<h100|h200>_nsa_gated_window.json, by benchmarks/nsa_gated_window_ab.py)
 #   nsa-select-tiles - NSA's selected-blocks forward at other warps and stages (h200_nsa_select_tiles.json, by
 #            benchmarks/nsa_select_tiles.py)
 #   nsa-top - NSA's forward with its selection's top kept in the importance kernel against torch.topk, in turn, beside
@@ -203,7 +201,6 @@ case "$step" in
   nsa-importance-tiles) python3 benchmarks/nsa_importance_tiles.py --tiles "$out" 2>&1 | tee "$out/nsa_importance_tiles.log" ;;
   nsa-importance-full-steps) python3 benchmarks/nsa_importance_tiles.py --full-steps "$out" 2>&1 \
            | tee "$out/nsa_importance_full_steps.log" ;;
-  nsa-gated-window) python3 benchmarks/nsa_gated_window_ab.py "$out" 2>&1 | tee "$out/nsa_gated_window.log" ;;
   nsa-select-tiles) python3 benchmarks/nsa_select_tiles.py "$out" "$@" 2>&1 | tee "$out/nsa_select_tiles.log" ;;
   nsa-top) python3 benchmarks/nsa_top_ab.py "$out" 2>&1 | tee "$out/nsa_top_ab.log" ;;
   window-backward) python3 benchmarks/window_backward_ab.py "$out" 2>&1 | tee "$out/window_backward_ab.log" ;;

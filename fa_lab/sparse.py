@@ -365,8 +365,7 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
     (:func:`nsa_compressed_attention`), the selection scored by the importance kernel from its lse, the
     selected branch on the selected-blocks kernel (one program per query and KV head, the group's query heads
     packed into its tile), the window as ``fa_lab.attention(window=(window - 1, 0), impl="triton_hopper")``
-    (on sm_90 the Gluon forward skips the tiles outside the band) and the gated sum in one pass summed in float32
-    (on sm_90, in the window's epilogue: :mod:`fa_lab.kernels.hopper.nsa_window`).
+    (on sm_90 the Gluon forward skips the tiles outside the band).
     """
     check_impl(impl)
     check_qkv(q, k, v, DTYPES)
@@ -396,21 +395,23 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
     with torch.no_grad():
         selected = nsa_select(q.detach(), k_cmp.detach(), block_cmp, block_sel, top_n, scale, impl, lse_cmp)
     if impl == "triton":  # a per-query selection: one selection row per query, made above, so not checked again
-        from .kernels import triton_nsa_window
+        from . import attention
         from .kernels.portable.sparse_select import selected_blocks_attention
         out_sel, _ = selected_blocks_attention(q, k, v, selected, block_sel, True, scale)
-        # Window branch: the last ``window`` keys, the query's own included, and the gated sum (on sm_90 written
-        # by the window's epilogue).
-        out, out_win = triton_nsa_window(q, k, v, gates, out_cmp, out_sel, window, scale)
-        return out, (out_cmp, out_sel, out_win)
-    cols = torch.arange(seqlen, device=q.device)[None, :]
-    chosen = ((cols // block_sel)[None, None, None] == selected.clamp(min=-1)[..., None]).any(dim=-2)
-    causal = BlockInfo(seqlen, seqlen, causal=True).mask(device=q.device)
-    out_sel, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), expand_kv(chosen, heads) & causal,
-                                   scale)
-    band = BlockInfo(seqlen, seqlen, causal=True, window=(window - 1, -1)).mask(device=q.device)
-    out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), band, scale)
+        # Window branch: the last ``window`` keys, the query's own included.
+        out_win = attention(q, k, v, causal=True, scale=scale, window=(window - 1, 0), impl="triton_hopper")
+    else:
+        cols = torch.arange(seqlen, device=q.device)[None, :]
+        chosen = ((cols // block_sel)[None, None, None] == selected.clamp(min=-1)[..., None]).any(dim=-2)
+        causal = BlockInfo(seqlen, seqlen, causal=True).mask(device=q.device)
+        out_sel, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), expand_kv(chosen, heads) & causal,
+                                       scale)
+        band = BlockInfo(seqlen, seqlen, causal=True, window=(window - 1, -1)).mask(device=q.device)
+        out_win, _ = _masked_attention(q, expand_kv(k, heads), expand_kv(v, heads), band, scale)
     branches = (out_cmp, out_sel, out_win)
+    if impl == "triton":  # one pass, summed in float32
+        from .kernels import triton_nsa_gate_mix
+        return triton_nsa_gate_mix(gates, *branches), branches
     mixed = _compute_dtype(q)
     out = sum(gates[..., i:i + 1].to(mixed) * branch.to(mixed) for i, branch in enumerate(branches))
     return out.to(q.dtype), branches

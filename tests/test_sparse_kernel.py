@@ -766,32 +766,6 @@ def test_gpu_nsa_attention_end_to_end(heads, heads_kv, seqlen, window, generator
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads, heads_kv, seqlen, window, gates_dtype", [(16, 1, 2049, 512, torch.bfloat16),
-                                                                         (8, 2, 1000, 100, torch.float32)])
-def test_gpu_nsa_gated_sum_in_the_windows_epilogue(heads, heads_kv, seqlen, window, gates_dtype, generator,
-                                                   monkeypatch):
-    """NSA with its gated sum written by the window's epilogue (GATED_WINDOW) and as a pass of its own: the output
-    and the window branch equal bit for bit, and the gradients to q, k, v and the gates (through the output and
-    through the window branch too) equal up to the order autograd adds q's, k's and v's shares in."""
-    from fa_lab.kernels.hopper import nsa_window
-
-    q, k, v = make_qkv(1, heads, seqlen, seqlen, 128, torch.bfloat16, "cuda", generator, heads_kv=heads_kv)
-    gates = torch.rand(1, heads, seqlen, 3, generator=generator).to("cuda", gates_dtype).requires_grad_()
-    grads = [torch.randn(q.shape, generator=generator).to("cuda", torch.bfloat16) for _ in range(2)]
-    results = []
-    for fused in (True, False):
-        monkeypatch.setattr(nsa_window, "GATED_WINDOW", fused)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, gates)]
-        out, branches = nsa_attention(*leaves, 32, 64, 16, window, impl="triton")
-        torch.autograd.backward((out, branches[2]), grads)
-        results.append(([out, branches[2]], [t.grad for t in leaves]))
-    (outs, fused_grads), (want_outs, want_grads) = results
-    assert all(torch.equal(a, b) for a, b in zip(outs, want_outs))
-    for got, want in zip(fused_grads, want_grads):
-        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-5)
-
-
-@pytest.mark.gpu
 def test_gpu_nsa_attention_never_waits_for_the_gpu(generator, assert_never_waits):
     """NSA's kernels, forward and backward, issue every launch without reading anything back to the host (a read
     would leave the GPU idle while the host waits and then launches the rest); the checks a caller's selection

@@ -32,7 +32,6 @@ backward), the pairs of the selection (or of the causal mask for ``dense``). Tim
 """
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
@@ -219,35 +218,6 @@ def dense_forward_ms(q, k, v) -> float:
     from triton.testing import do_bench
 
     return round(do_bench(dense(q, k, v, None)[0], return_mode="median"), 3)
-
-
-def nsa_forward_in_turn(entry: dict, module, switch: str, label: str, values: tuple, seqlen: int, generator,
-                        backward: bool = False) -> None:
-    """The A/B scripts' NSA timing: NSA's forward (:func:`ours_nsa`) on fresh inputs at ``seqlen`` with
-    ``module.switch`` at each of ``values``, in turn, its outputs checked equal (entry keys "nsa forward, {label}
-    {value} ..."); with ``backward``, then its forward and backward the same way ("nsa forward and backward, ...",
-    the gradient to q checked); then dense attention's forward beside it ("dense forward ms")."""
-    from . import in_turn
-
-    q, k, v = bf16_inputs(HEADS, HEADS_KV, seqlen, generator)
-    with torch.no_grad():
-        forward = ours_nsa(q.detach(), k.detach(), v.detach(), None)[0]
-        calls = {f"nsa forward, {label} {value}": functools.partial(called_with, module, switch, value, forward)
-                 for value in values}
-        in_turn.checked_in_turn(calls, entry, lambda out: out.float(), "largest output difference")
-    if backward:
-        forward = ours_nsa(q, k, v, None)[0]
-        grad = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=generator)
-
-        def both():
-            q.grad = k.grad = v.grad = None
-            forward().backward(grad)
-            return q.grad
-
-        calls = {f"nsa forward and backward, {label} {value}": functools.partial(called_with, module, switch, value,
-                                                                                 both) for value in values}
-        in_turn.checked_in_turn(calls, entry, lambda dq: dq.float(), "largest dq difference")
-    entry["dense forward ms"] = dense_forward_ms(q.detach(), k.detach(), v.detach())
 
 
 def called_with(module, name: str, value, call):

@@ -149,15 +149,6 @@ def triton_nsa_gate_mix(gates, out_cmp, out_sel, out_win):
     return run(gates, out_cmp, out_sel, out_win)
 
 
-def triton_nsa_window(q, k, v, gates, out_cmp, out_sel, window, scale):
-    """NSA's window branch (the last ``window`` keys, causally) and the gated sum of its three branches: (out, the
-    window's output), differentiable; on sm_90 the sum is written by the window's epilogue. See
-    :mod:`fa_lab.kernels.hopper.nsa_window`."""
-    load_triton()
-    from .hopper.nsa_window import window_and_gated_sum
-    return window_and_gated_sum(q, k, v, gates, out_cmp, out_sel, window, scale)
-
-
 def triton_moba_gate(q, pooled, block, top_k):
     """MoBA's selection (:func:`fa_lab.sparse.moba_gate`) from q (B, H, N, d) and the blocks' mean keys
     (B, H_kv, blocks, d) float32, in one kernel: int64 (B, H, N, top_k), or None past the kernel's limit on

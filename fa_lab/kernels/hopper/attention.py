@@ -191,8 +191,7 @@ def uses_gluon(q: torch.Tensor, options: HopperOptions) -> bool:
 
 
 def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions(), fp8_scales=None,
-                  out_dtype=None, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, out=None,
-                  gated_sum=None):
+                  out_dtype=None, window=(-1, -1), softcap: float = 0.0, alibi_slopes=None, out=None):
     """The Gluon FA3 forward on prepared operands (as :func:`hopper_forward`): (out, lse). out: where to write
     O (a view shaped like q that a descriptor can describe, :func:`fa_lab.kernels.common.tma_readable`), or None.
 
@@ -204,17 +203,10 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     the tuple (q_descale, k_descale, v_exponent, v_descale_max) of
     :func:`fa_lab.kernels.hopper.fp8_attention.quantize_for_kernel` with ``gluon=True``, and
     ``out_dtype`` the output's dtype.
-
-    gated_sum: None, or NSA's (gates, out_cmp, out_sel, summed) for its window branch: the epilogue also writes
-    gates[..., 0] out_cmp + gates[..., 1] out_sel + gates[..., 2] O into ``summed`` (gates (B, H, Nq, 3), the
-    others shaped like q, all contiguous; 16-bit, head_dim 64 or 128).
     """
     fp8 = fp8_scales is not None
-    if gated_sum is not None and (fp8 or q.shape[-1] != head_dim_bucket(q.shape[-1])
-                                  or not all(t.is_contiguous() for t in gated_sum)):
-        raise ValueError("gated_sum takes contiguous 16-bit operands of head_dim 64 or 128")
     plan = _forward_plan(tuple(q.shape), tuple(k.shape), q.device, causal, tuple(window), fp8,
-                         alibi_slopes is not None, bool(softcap), options, gated_sum is not None)
+                         alibi_slopes is not None, bool(softcap), options)
     if out is None:
         out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -223,12 +215,8 @@ def gluon_forward(q, k, v, causal, scale, options: HopperOptions = HopperOptions
     if plan.q_scaled:  # rounded once, to q's dtype
         q = torch.mul(q, scale / softcap)
     descriptors = [gluon_descriptor(t, block) for t, block in zip((q, k, v, out), plan.blocks)]
-    gated = None
-    if gated_sum is not None:
-        gates, out_cmp, out_sel, summed = gated_sum
-        gated = (gluon_descriptor(summed, plan.blocks[3]), out_cmp, out_sel, gates)
     _launch_fa3(descriptors, out, lse, plan.grid, (heads, heads // k.shape[1], seqlen_q, seqlen_k, schedule, lse, lse),
-                plan.window_bounds, scale, softcap, alibi_slopes, fp8_scales, plan.constants, gated)
+                plan.window_bounds, scale, softcap, alibi_slopes, fp8_scales, plan.constants)
     return out, lse
 
 
@@ -250,10 +238,9 @@ class ForwardPlan:
 
 @functools.lru_cache(maxsize=256)
 def _forward_plan(q_shape: tuple, k_shape: tuple, device: torch.device, causal: bool, window: tuple, fp8: bool,
-                  alibi: bool, softcap: bool, options: HopperOptions, gated: bool = False) -> ForwardPlan:
+                  alibi: bool, softcap: bool, options: HopperOptions) -> ForwardPlan:
     """The :class:`ForwardPlan` of :func:`gluon_forward` for operands of these shapes on ``device``: ``options``'
-    unset choices resolved by the defaults' tables (consumers, persistent, split loops); gated: the epilogue
-    writes NSA's gated sum too."""
+    unset choices resolved by the defaults' tables (consumers, persistent, split loops)."""
     from .fa3_config import KV_BLOCK, ROWS_PER_CONSUMER, descriptor_blocks
     from .fa3_softmax import SOFTCAP_Q_SCALED
 
@@ -276,7 +263,7 @@ def _forward_plan(q_shape: tuple, k_shape: tuple, device: torch.device, causal: 
                                    grid[0], device)
     blocks = descriptor_blocks(head_dim_bucket(head_dim), fp8)
     constants = fa3_launch_constants(options, info.causal_only, info.banded, persistent, softcap, alibi, fp8,
-                                     varlen=False, gated=gated)
+                                     varlen=False)
     return ForwardPlan(grid, schedule, tuple(blocks[name] for name in "qkvo"), _window_bounds(info), constants,
                        q_scaled=bool(constants["SOFTCAP"] & SOFTCAP_Q_SCALED.value))
 
@@ -288,10 +275,10 @@ def _window_bounds(info: BlockInfo) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=256)
 def fa3_launch_constants(options: HopperOptions, causal: bool, banded: bool, persistent: bool, softcap: bool,
-                         alibi: bool, fp8: bool, varlen: bool, gated: bool = False) -> Mapping[str, object]:
+                         alibi: bool, fp8: bool, varlen: bool) -> Mapping[str, object]:
     """The compile-time arguments and launch options of :func:`.fa3_kernel.attention_fwd_fa3_kernel` for resolved
     ``options`` (consumers and split_loops set) and a call of this kind (``causal``: the kernel's CAUSAL, causal
-    without a band; ``gated``: NSA's gated sum in the epilogue), read-only."""
+    without a band), read-only."""
     from .fa3_config import CONSUMER_REGS, launch_maxnreg
     from .fa3_softmax import SOFTCAP_MAX_FIRST, SOFTCAP_ON, SOFTCAP_Q_SCALED
 
@@ -305,7 +292,7 @@ def fa3_launch_constants(options: HopperOptions, causal: bool, banded: bool, per
         CONSUMERS=options.consumers, STAGES=options.stages, CAUSAL=causal, PINGPONG=options.pingpong, FP8=fp8,
         PERSISTENT=persistent, CONSUMER_REGS=CONSUMER_REGS[options.consumers], WINDOW=banded, VARLEN=varlen,
         SOFTCAP=softcap_bits, ALIBI=alibi, SPLIT_LOOPS=options.split_loops, RESCALE_EARLY=options.rescale_early,
-        CONVERT_P_LATE=options.convert_p_late, EXP2_ON_FMA=options.exp2_on_fma, GATED=gated, num_warps=4,
+        CONVERT_P_LATE=options.convert_p_late, EXP2_ON_FMA=options.exp2_on_fma, num_warps=4,
         maxnreg=launch_maxnreg(options.consumers)))
 
 
@@ -341,11 +328,10 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
 
 
 def _launch_fa3(descriptors, out, lse, grid, work, window_bounds, scale, softcap, alibi_slopes, fp8_scales,
-                constants: Mapping[str, object], gated=None):
+                constants: Mapping[str, object]):
     """Launch :func:`.fa3_kernel.attention_fwd_fa3_kernel`. work: (heads, group, seqlen_q, seqlen_k, schedule,
     cu_seqlens_q, cu_seqlens_k), the kernel's arguments of those names; window_bounds: its (left, right);
-    constants: :func:`fa3_launch_constants`; gated: the kernel's (gated_desc, cmp_ptr, sel_ptr, gates_ptr) with
-    GATED, else None (O's descriptor and placeholders are passed, not read)."""
+    constants: :func:`fa3_launch_constants`."""
     from .fa3_kernel import attention_fwd_fa3_kernel
 
     heads, group, seqlen_q, seqlen_k, schedule, cu_q, cu_k = work
@@ -353,8 +339,7 @@ def _launch_fa3(descriptors, out, lse, grid, work, window_bounds, scale, softcap
     slopes = lse if alibi_slopes is None else alibi_slopes.float().contiguous()
     cached_launch(attention_fwd_fa3_kernel)[grid](
         *descriptors, out, lse, *(fp8_scales or (lse,) * 4), heads, group, seqlen_q, seqlen_k, *window_bounds,
-        schedule, cu_q, cu_k, qk_scale, scale / softcap if softcap else 0.0, slopes,
-        *(gated or (descriptors[3], out, out, out)), **constants)
+        schedule, cu_q, cu_k, qk_scale, scale / softcap if softcap else 0.0, slopes, **constants)
 
 
 def hopper_forward(q, k, v, causal, scale, config: TileConfig | None = None, options=HopperOptions(),

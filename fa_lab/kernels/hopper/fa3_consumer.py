@@ -8,8 +8,7 @@ step that computed the factor (flash-attn-4's place): the same multiplications i
 P_{j-1} becomes the e4m3 operand before S_j is issued or, with ``state.convert_p_late``, after. Its
 epilogue writes O through shared memory with one TMA copy, which also drops the rows past seqlen_q; in a
 packed batch a sequence's last, partial rows go out with a masked store instead (past them lies the next
-sequence). NSA's window branch (``state.gated``) then writes the gated sum of NSA's three branches through the same
-buffer, the other branches' rows loaded while the last P V product runs.
+sequence).
 """
 from __future__ import annotations
 
@@ -184,8 +183,6 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         o = _rescaled(o, alpha, o_layout)
     o = warpgroup_mma(p_operand(p, dtype, p_layout, FP8=FP8), v_operand(v_last.buf(), FP8=FP8), o,
                       is_async=True)
-    if state.gated:  # the other branches' rows and the gates load while the tensor cores finish O
-        branches = _gated_inputs(state.gated_sum, tile, row0, HEAD_DIM, o_layout)
     o = warpgroup_mma_wait(0, deps=(o,))
     v_last.release()
 
@@ -204,15 +201,9 @@ def _consumer_tile(state, tile, kv_count, local, CONSUMER: gl.constexpr, CAUSAL:
         if row0 + ROWS_PER_CONSUMER > seqlen_q:  # the TMA box would write into the next sequence
             _store_rows(state, o.to(out_dtype), tile, offs_m, o_layout)
         else:
-            _store_tile(state.o_desc, o.to(out_dtype), o_smem, tile, row0)
-    elif state.gated:
-        o = o.to(out_dtype)
-        _store_tile(state.o_desc, o, o_smem, tile, row0)
-        summed = _gated_sum(o, branches)
-        tma.store_wait(0)  # O's copy has read the buffer
-        _store_tile(state.gated_sum.out_desc, summed.to(out_dtype), o_smem, tile, row0)
+            _store_tile(state, o.to(out_dtype), o_smem, tile, row0)
     else:
-        _store_tile(state.o_desc, o.to(out_dtype), o_smem, tile, row0)
+        _store_tile(state, o.to(out_dtype), o_smem, tile, row0)
     if PERSISTENT and not SEPARATE_O:  # O went out through the Q buffer: free it for the next tile's Q once stored
         tma.store_wait(0)
         state.q.release()
@@ -280,43 +271,12 @@ def _rescaled(o, alpha, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _store_tile(desc, o, o_smem, tile, row0):
-    """Store O (64, d) of rows [row0, +64) through shared memory with one TMA copy to ``desc``'s tensor (rows past
-    its end are dropped)."""
+def _store_tile(state, o, o_smem, tile, row0):
+    """Store O (64, d) of rows [row0, +64) through shared memory with one TMA copy (rows past the tensor's
+    end are dropped)."""
     o_smem.reshape([o.shape[0], o.shape[1]]).store(o)
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, [tile.batch, tile.head, tile.q_offset + row0, 0], o_smem)
-
-
-@gluon.jit
-def _gated_inputs(gated_sum, tile, row0, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
-    """What NSA's gated sum reads besides O for rows [row0, +64) of the tile's (batch, head), in O's layout: the
-    compressed and selected branches' rows (64, d) and the three gates (64,) each, float32 (rows past seqlen_q:
-    zeros). (:class:`.fa3_state.GatedSum`.)"""
-    rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    row_ok = rows < tile.seqlen_q
-    flat_rows = tile.pid_bh.to(gl.int64) * tile.seqlen_q + rows
-    offsets = flat_rows[:, None] * HEAD_DIM + cols[None, :]
-    mask = row_ok[:, None] & (cols >= 0)[None, :]
-    cmp = gl.load(gated_sum.cmp_ptr + offsets, mask=mask, other=0.0)
-    sel = gl.load(gated_sum.sel_ptr + offsets, mask=mask, other=0.0)
-    gates = gated_sum.gates_ptr + flat_rows * 3
-    g_cmp = gl.load(gates, mask=row_ok, other=0.0).to(gl.float32)
-    g_sel = gl.load(gates + 1, mask=row_ok, other=0.0).to(gl.float32)
-    g_win = gl.load(gates + 2, mask=row_ok, other=0.0).to(gl.float32)
-    return cmp, sel, g_cmp, g_sel, g_win
-
-
-@gluon.jit
-def _gated_sum(o, branches):
-    """gates[..., 0] cmp + gates[..., 1] sel + gates[..., 2] O in float32, (64, d), summed in that order as
-    :func:`fa_lab.kernels.portable.nsa_gate.nsa_gate_mix_kernel` sums them; o: this branch's O as stored."""
-    cmp, sel, g_cmp, g_sel, g_win = branches
-    total = g_cmp[:, None] * cmp.to(gl.float32)
-    total += g_sel[:, None] * sel.to(gl.float32)
-    total += g_win[:, None] * o.to(gl.float32)
-    return total
+    tma.async_copy_shared_to_global(state.o_desc, [tile.batch, tile.head, tile.q_offset + row0, 0], o_smem)
 
 
 @gluon.jit

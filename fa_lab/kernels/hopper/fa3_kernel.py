@@ -42,8 +42,6 @@ kernel below is organised the way the FA3 paper describes it:
   masked like a ragged end, and a sequence's partial last tile stores O row by row.
 * **Score modifiers** (``SOFTCAP``, ``ALIBI``): applied to each score tile in
   registers, before the masks (:func:`.fa3_softmax.softmax_tile`).
-* **NSA's gated sum** (``GATED``): the window branch's epilogue also writes the
-  gated sum of NSA's three branches, so that the sum needs no pass of its own.
 
 Tiles are addressed with 4-D TMA descriptors over (batch, heads, seqlen,
 head_dim), block (1, 1, rows, head_dim): keys past ``seqlen_k`` arrive as zeros
@@ -64,21 +62,19 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .fa3_config import PRODUCER_REGS, ROWS_PER_CONSUMER, separate_o_fits
 from .fa3_consumer import consumer
 from .fa3_producer import producer
-from .fa3_state import GatedSum, KernelState, QSlot, Ring, Turns, WorkList
+from .fa3_state import KernelState, QSlot, Ring, Turns, WorkList
 
 
 @gluon.jit
 def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_descale_ptr, k_descale_ptr,
                              v_exponent_ptr, v_descale_max_ptr, heads, group, seqlen_q, seqlen_k, left, right,
                              schedule_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale, softcap_scale, slopes_ptr,
-                             gated_desc, cmp_ptr, sel_ptr, gates_ptr,
                              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              PINGPONG: gl.constexpr, FP8: gl.constexpr, PERSISTENT: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr = False,
                              SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
                              SPLIT_LOOPS: gl.constexpr = False, RESCALE_EARLY: gl.constexpr = False,
-                             CONVERT_P_LATE: gl.constexpr = False, EXP2_ON_FMA: gl.constexpr = 0,
-                             GATED: gl.constexpr = False):
+                             CONVERT_P_LATE: gl.constexpr = False, EXP2_ON_FMA: gl.constexpr = 0):
     """O and lse of work tiles of 64 * CONSUMERS query rows of one (batch, head). Launch with num_warps=4.
 
     q/o_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, 64, d); k_desc over
@@ -107,10 +103,6 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     CONVERT_P_LATE: P_{j-1} becomes the P V operand after S_j is issued (FP8's e4m3 packing) instead of before.
     EXP2_ON_FMA: of every four probabilities, how many are a polynomial on the FMA units rather than a MUFU.EX2
     (:func:`.fa3_softmax.exp2_mixed`).
-    GATED: NSA's window branch also writes the gated sum of NSA's three branches through gated_desc (a descriptor
-    like o_desc): gates[..., 0] cmp + gates[..., 1] sel + gates[..., 2] O, cmp_ptr and sel_ptr the other branches'
-    outputs (B, H, Nq, d) and gates_ptr (B, H, Nq, 3), contiguous (:class:`.fa3_state.GatedSum`; not VARLEN, not
-    FP8). Otherwise they are not read.
     """
     BLOCK_M: gl.constexpr = ROWS_PER_CONSUMER * CONSUMERS
     if VARLEN:  # one work tile per (sequence, query tile) pair and head
@@ -151,8 +143,7 @@ def attention_fwd_fa3_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, q_d
     state = KernelState(q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
                         q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr,
                         QSlot(q_bufs, q_ready, q_empty), Ring(k_bufs, k_ready, k_empty), Ring(v_bufs, v_ready, v_empty),
-                        Turns(CONSUMERS), work, SPLIT_LOOPS, RESCALE_EARLY, CONVERT_P_LATE, EXP2_ON_FMA,
-                        GatedSum(gated_desc, cmp_ptr, sel_ptr, gates_ptr), GATED)
+                        Turns(CONSUMERS), work, SPLIT_LOOPS, RESCALE_EARLY, CONVERT_P_LATE, EXP2_ON_FMA)
     # warp_specialize takes a literal list of partitions, so the two consumer counts are spelled out; the
     # constexprs stay in each argument tuple (a tuple first stored in a variable makes them runtime values).
     if CONSUMERS == 2:

@@ -327,25 +327,6 @@ class WorkList:
 
 
 @aggregate
-class GatedSum:
-    """NSA's gated sum of its three branches, which the window branch's epilogue writes beside its own O
-    (:func:`.fa3_consumer._gated_sum`): out_desc, a TMA descriptor like o_desc, takes gates[..., 0] cmp +
-    gates[..., 1] sel + gates[..., 2] O; cmp_ptr, sel_ptr: the other two branches' outputs (B, H, Nq, d) and
-    gates_ptr (B, H, Nq, 3), all contiguous. Unread unless the kernel's GATED is on."""
-    out_desc: tma.tensor_descriptor
-    cmp_ptr: gl.tensor
-    sel_ptr: gl.tensor
-    gates_ptr: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, out_desc, cmp_ptr, sel_ptr, gates_ptr):
-        self.out_desc = out_desc
-        self.cmp_ptr = cmp_ptr
-        self.sel_ptr = sel_ptr
-        self.gates_ptr = gates_ptr
-
-
-@aggregate
 class KernelState:
     """What every partition of one CTA shares (built once by the kernel entry).
 
@@ -360,8 +341,7 @@ class KernelState:
     step j, once P_{j-1} V_{j-1} is done, instead of just before it issues P_j V_j (:func:`.fa3_consumer._kv_steps`);
     convert_p_late: a consumer turns P_{j-1} into the P V product's operand after issuing S_j instead of before
     (FP8's packing to e4m3; a no-op for 16-bit P); exp2_on_fma: of every four probabilities, how many a consumer
-    computes on the FMA units instead of the MUFU (:func:`.fa3_softmax.exp2_mixed`); gated_sum: the
-    :class:`GatedSum` a consumer's epilogue also writes when ``gated``.
+    computes on the FMA units instead of the MUFU (:func:`.fa3_softmax.exp2_mixed`).
     """
     q_desc: tma.tensor_descriptor
     k_desc: tma.tensor_descriptor
@@ -386,14 +366,11 @@ class KernelState:
     rescale_early: gl.constexpr
     convert_p_late: gl.constexpr
     exp2_on_fma: gl.constexpr
-    gated_sum: GatedSum
-    gated: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, o_desc, o_bufs, o_ptr, lse_ptr, qk_scale, softcap_scale, slopes_ptr,
                  q_descale_ptr, k_descale_ptr, v_exponent_ptr, v_descale_max_ptr, q, k, v, turns, work,
-                 split_loops=False, rescale_early=False, convert_p_late=False, exp2_on_fma=0, gated_sum=None,
-                 gated=False):
+                 split_loops=False, rescale_early=False, convert_p_late=False, exp2_on_fma=0):
         self.q_desc = q_desc
         self.k_desc = k_desc
         self.v_desc = v_desc
@@ -417,5 +394,3 @@ class KernelState:
         self.rescale_early = gl.constexpr(rescale_early)
         self.convert_p_late = gl.constexpr(convert_p_late)
         self.exp2_on_fma = gl.constexpr(exp2_on_fma)
-        self.gated_sum = gated_sum
-        self.gated = gl.constexpr(gated)

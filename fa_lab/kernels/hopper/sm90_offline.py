@@ -144,11 +144,10 @@ def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, **switches) 
 
 def fa3_forward_job(head_dim: int = 128, causal: bool = False, fp8: bool = False, out_dtype: str = "bf16",
                     persistent: bool = False, window: bool = False, varlen: bool = False, softcap: bool = False,
-                    alibi: bool = False, gated: bool = False, **switches) -> dict:
+                    alibi: bool = False, **switches) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_kernel.attention_fwd_fa3_kernel` as the launcher builds
     it for a call of this kind with ``switches``, :class:`.attention.HopperOptions`' fields (consumers 2 and
-    split_loops off unless given; the compile-time arguments are :func:`.attention.fa3_launch_constants`'), gated:
-    NSA's window branch writing the gated sum too (its gates in out_dtype)."""
+    split_loops off unless given; the compile-time arguments are :func:`.attention.fa3_launch_constants`')."""
     from .attention import HopperOptions, fa3_launch_constants
     from .fa3_config import descriptor_blocks
     from .fa3_kernel import attention_fwd_fa3_kernel
@@ -162,11 +161,10 @@ def fa3_forward_job(head_dim: int = 128, causal: bool = False, fp8: bool = False
                                       "v_descale_max_ptr", "slopes_ptr")},
         "heads": "i32", "group": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "left": "i32", "right": "i32",
         "schedule_ptr": "*i32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "qk_scale": "fp32",
-        "softcap_scale": "fp32", "gated_desc": descriptor_type(out_dtype, blocks["o"]),
-        **{name: f"*{out_dtype}" for name in ("cmp_ptr", "sel_ptr", "gates_ptr")},
+        "softcap_scale": "fp32",
     }
     options = HopperOptions(**{"consumers": 2, "split_loops": False, **switches})
-    constants = dict(fa3_launch_constants(options, causal, window, persistent, softcap, alibi, fp8, varlen, gated))
+    constants = dict(fa3_launch_constants(options, causal, window, persistent, softcap, alibi, fp8, varlen))
     return dict(kernel=attention_fwd_fa3_kernel, signature=signature, num_warps=constants.pop("num_warps"),
                 maxnreg=constants.pop("maxnreg"), constants=constants)
 

@@ -84,22 +84,15 @@ class GateMixFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gates, *branches = ctx.saved_tensors
-        return gate_mix_backward(grad_out, gates, branches)
-
-
-def gate_mix_backward(grad_out: torch.Tensor, gates: torch.Tensor, branches) -> tuple:
-    """The gated sum's gradients in one pass (:func:`nsa_gate_mix_bwd_kernel`): (d gates in gates' dtype, d out_cmp,
-    d out_sel, d out_win) from dO (B, H, N, d), the contiguous gates (B, H, N, 3) and the three contiguous
-    branches."""
-    grad = grad_out.contiguous()
-    grad_branches = [torch.empty_like(branch) for branch in branches]
-    grad_gates = torch.empty(gates.shape, dtype=torch.float32, device=gates.device)
-    rows, head_dim = grad.numel() // grad.shape[-1], grad.shape[-1]
-    with on_device(grad):
-        nsa_gate_mix_bwd_kernel[(triton.cdiv(rows, MIX_ROWS),)](
-            grad, *branches, gates, *grad_branches, grad_gates, rows, head_dim, ROWS=MIX_ROWS,
-            DIM=head_dim_bucket(head_dim))
-    return grad_gates.to(gates.dtype), *grad_branches
+        grad = grad_out.contiguous()
+        grad_branches = [torch.empty_like(branch) for branch in branches]
+        grad_gates = torch.empty(gates.shape, dtype=torch.float32, device=gates.device)
+        rows, head_dim = grad.numel() // grad.shape[-1], grad.shape[-1]
+        with on_device(grad):
+            nsa_gate_mix_bwd_kernel[(triton.cdiv(rows, MIX_ROWS),)](
+                grad, *branches, gates, *grad_branches, grad_gates, rows, head_dim, ROWS=MIX_ROWS,
+                DIM=head_dim_bucket(head_dim))
+        return grad_gates.to(gates.dtype), *grad_branches
 
 
 def triton_nsa_gate_mix(gates: torch.Tensor, out_cmp, out_sel, out_win) -> torch.Tensor:
