@@ -183,7 +183,7 @@ def record(csv_dir: str, out_json: str, device: str, torch_version: str, triton_
         instructions = sass_kernels(os.path.join(csv_dir, f"{name}_sass.csv"))
         total_ms = sum(k["ms"] for k in kernels)
         long_names = {k["kernel"] for k in kernels if k["ms"] >= OTHER_KERNEL_SHARE * total_ms}
-        others = {name: regions(instructions[name]) for name in sorted(long_names - {main_kernel["kernel"]})}
+        others = {kernel: regions(instructions[kernel]) for kernel in sorted(long_names - {main_kernel["kernel"]})}
         profiles[name] = {"impl": PROFILES[name][0], "case": PROFILES[name][1], "pass": PROFILES[name][2],
                           "kernels": kernels, "main_kernel_regions": regions(instructions[main_kernel["kernel"]]),
                           **({"other_kernel_regions": others} if others else {})}

@@ -148,29 +148,26 @@ def importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok,
     cols = start + tl.arange(0, BLOCK_N)  # compressed keys of this step
     summed = tl.zeros((QUERIES, BLOCK_N), dtype=tl.float32)
     if not MASKED:
-        keys = tl.load(k_base + cols[:, None] * head_dim + dims[None, :], mask=dim_ok[None, :], other=0.0)
+        keys = row_tile(k_base, cols, head_dim, dims, dim_ok)
         # each pass's LSE rows are loaded one pass ahead (the last pass loads its own again): a load in flight
         # across the pass instead of a wait for it before the exponentials
         lse_next = tl.load(lse_ptr + (first_head + packed % MEMBERS).to(tl.int64) * seqlen + rows)
         for chunk in range(0, group, MEMBERS):
             head = (first_head + chunk + packed % MEMBERS).to(tl.int64)
-            q_tile = tl.load(q_ptr + (head * seqlen + rows)[:, None] * head_dim + dims[None, :],
-                             mask=dim_ok[None, :], other=0.0)
+            q_tile = row_tile(q_ptr, head * seqlen + rows, head_dim, dims, dim_ok)
             lse2 = lse_next * log2e
             ahead = first_head + tl.minimum(chunk + MEMBERS, group - MEMBERS) + packed % MEMBERS
             lse_next = tl.load(lse_ptr + ahead.to(tl.int64) * seqlen + rows)
             probs = tl.exp2(tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2 - lse2[:, None])
             summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
     elif (start + 1) * BLOCK_CMP - 1 <= last_row:  # some key of the step is in some row's past
-        keys = tl.load(k_base + cols[:, None] * head_dim + dims[None, :],
-                       mask=(cols[:, None] < blocks_cmp) & dim_ok[None, :], other=0.0)
+        keys = row_tile(k_base, cols, head_dim, dims, dim_ok, cols < blocks_cmp)
         visible = ((cols[None, :] + 1) * BLOCK_CMP - 1 <= rows[:, None]) & (cols[None, :] < blocks_cmp)
         for chunk in range(0, group, MEMBERS):
             member = chunk + packed % MEMBERS
             ok = row_ok & (member < group)
             head = (first_head + member).to(tl.int64)
-            q_tile = tl.load(q_ptr + (head * seqlen + rows)[:, None] * head_dim + dims[None, :],
-                             mask=ok[:, None] & dim_ok[None, :], other=0.0)
+            q_tile = row_tile(q_ptr, head * seqlen + rows, head_dim, dims, dim_ok, ok)
             lse2 = tl.load(lse_ptr + head * seqlen + rows, mask=ok, other=0.0) * log2e
             scores = tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2
             probs = tl.where(visible & ok[:, None], tl.exp2(scores - lse2[:, None]), 0.0)
@@ -193,6 +190,18 @@ def importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok,
         tl.store(out_base + queries[:, None] * sel_blocks + sel[None, :], per_block,
                  mask=(queries[:, None] < seqlen) & (sel[None, :] < sel_blocks))
     return best
+
+
+@triton.jit
+def row_tile(base, row_index, head_dim, dims, dim_ok, row_ok=None):
+    """The (R, HEAD_DIM) tile of rows ``row_index`` (R,) of a row-major (rows, head_dim) tensor at ``base``: a pass's
+    Q rows or a step's compressed keys. Zeros in the columns past head_dim (``dim_ok`` (HEAD_DIM,)) and, given
+    ``row_ok`` (R,), in the rows it leaves out."""
+    pointers = base + row_index[:, None] * head_dim + dims[None, :]
+    mask = dim_ok[None, :]
+    if row_ok is not None:
+        mask = row_ok[:, None] & mask
+    return tl.load(pointers, mask=mask, other=0.0)
 
 
 @triton.jit
