@@ -15,7 +15,11 @@ compressed keys a step, warps, Triton's stages, the top by a sort or a merge), i
 choice checked against the first's by the scores it selects, then NSA's forward with the top by a sort and by a
 merge, in turn, beside dense attention's: $OUT/h200_nsa_importance_tiles.json. With ``--full-steps`` it times the
 kernel keeping its top with the steps every row of a tile sees unmasked and masked (``unmasked_full_steps``), then NSA's
-forward both ways, in turn: $OUT/h200_nsa_importance_full_steps.json.
+forward both ways, in turn: $OUT/h200_nsa_importance_full_steps.json. With ``--registers`` it times the kernel
+keeping its top at the register budgets of REGISTER_SETTINGS (each pass summed per selection block first or last,
+registers a thread, Triton's stages, Q's rows by pointers or a descriptor), in turn, then NSA's forward with
+nsa_importance's settings for two programs an SM and for three (its THREE_PROGRAMS), in turn:
+$OUT/h200_nsa_importance_registers.json.
 """
 import functools
 import os
@@ -31,6 +35,18 @@ TOP_TILES = {"64 queries, 128 keys, 8 warps, sort": dict(rows=64, keys=128, num_
              "64 queries, 128 keys, 4 warps, merge": dict(rows=64, keys=128, num_warps=4, merge=True),
              "64 queries, 256 keys, 8 warps, merge": dict(rows=64, keys=256, num_warps=8, merge=True),
              "64 queries, 64 keys, 4 warps, merge": dict(rows=64, keys=64, num_warps=4, merge=True)}
+# The kernel keeping its top at the default tile (64 queries, 128 keys a step, 4 warps, the top by a merge): each pass
+# summed per selection block first or last, the registers a thread, Triton's stages, and the unmasked steps' Q rows
+# by pointer loads or a descriptor. 255 registers and 3 stages fit two programs an SM; 168 and 2 fit three.
+REGISTER_SETTINGS = {
+    "pairs last, 255 registers, 3 stages": dict(blocks_first=False, maxnreg=255, num_stages=3, q_by_descriptor=False),
+    "blocks first, 168 registers, 2 stages": dict(blocks_first=True, maxnreg=168, num_stages=2, q_by_descriptor=False),
+    "Q by descriptor, blocks first, 255 registers, 3 stages": dict(blocks_first=True, maxnreg=255, num_stages=3,
+                                                                   q_by_descriptor=True),
+    "Q by descriptor, blocks first, 168 registers, 2 stages": dict(blocks_first=True, maxnreg=168, num_stages=2,
+                                                                   q_by_descriptor=True)}
+# nsa_importance's module settings of the first row of REGISTER_SETTINGS (THREE_PROGRAMS holds the last row's)
+TWO_PROGRAMS = dict(BLOCKS_FIRST=False, Q_BY_DESCRIPTOR=False, SELECTION_MAXNREG=255, SELECTION_STAGES=3)
 
 
 def selection_case(seqlen: int, generator) -> tuple:
@@ -137,8 +153,39 @@ def full_steps(seqlen: int, generator) -> dict:
     return entry
 
 
+def registers(seqlen: int, generator) -> dict:
+    """The kernel keeping its running top 16 at REGISTER_SETTINGS, in turn, each choice checked against the first's
+    by the scores it selects; then NSA's forward with nsa_importance's module settings as TWO_PROGRAMS and as its
+    THREE_PROGRAMS, in turn, beside dense attention's."""
+    import torch
+
+    from fa_lab.bench import in_turn, sparse
+    from fa_lab.kernels.portable import nsa_importance
+
+    _, _, importance = selection_case(seqlen, generator)
+    scores = importance()
+    entry = {}
+    calls = {name: functools.partial(importance, sparse.SELECTED, **setting)
+             for name, setting in REGISTER_SETTINGS.items()}
+    in_turn.checked_in_turn(calls, entry, lambda chosen: selected_sums(chosen, scores),
+                           "selected score sums' largest difference")
+    q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
+    with torch.no_grad():
+        forward = sparse.ours_nsa(q, k, v, None)[0]
+        calls = {}
+        for label, settings in (("two", TWO_PROGRAMS), ("three", nsa_importance.THREE_PROGRAMS)):
+            call = forward
+            for name, value in settings.items():
+                call = functools.partial(sparse.called_with, nsa_importance, name, value, call)
+            calls[f"nsa forward, {label} programs an SM"] = call
+        in_turn.checked_in_turn(calls, entry, lambda out: out.float(), "largest output difference")
+        entry["dense forward ms"] = sparse.dense_forward_ms(q, k, v)
+    return entry
+
+
 MODES = {"--tiles": (top_tiles, "h200_nsa_importance_tiles.json"),
-         "--full-steps": (full_steps, "h200_nsa_importance_full_steps.json")}
+         "--full-steps": (full_steps, "h200_nsa_importance_full_steps.json"),
+         "--registers": (registers, "h200_nsa_importance_registers.json")}
 
 
 def main(argv: list) -> None:

@@ -238,14 +238,14 @@ def test_nsa_running_top_merges_across_the_kernels_steps(top_n, merge, generator
             triton_nsa_importance(q, k_cmp, lse, block_cmp, block_sel, scale, top_n, keys=keys)
 
 
-@pytest.mark.parametrize("members", [1, None])
+@pytest.mark.parametrize("members, forms", [(1, {}), (None, {}), (1, dict(blocks_first=True, q_by_descriptor=True))])
 @pytest.mark.parametrize("top_n", [0, 3])
-def test_nsa_importance_full_steps_without_masks(top_n, members, generator):
+def test_nsa_importance_full_steps_without_masks(top_n, members, forms, generator):
     """On tiles of 16 queries taking 8 of 25 compressed keys a step, later tiles have two steps every row sees
     before their masked ones and the last tile runs past the sequence; with the group of 3 packed (4 members)
-    none is unmasked."""
+    none is unmasked. ``forms``: each pass summed per selection block first, Q read through a descriptor."""
     check_full_steps(1, 6, 2, 203, 32, 8, 16, top_n, DEVICE, generator, rows=16, keys=8, members=members,
-                     num_warps=1)
+                     num_warps=1, **forms)
 
 
 def check_full_steps(batch, heads, heads_kv, seqlen, head_dim, block_cmp, block_sel, top_n, device, generator,
@@ -615,7 +615,7 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
     (128 keys a step), and with the group packed into a tile of 128 rows at 8 warps, compiles for sm_90, scores on
     the tensor cores and keeps its tiles in registers in the loops that run the products."""
     from fa_lab.kernels import load_triton
-    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90
+    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, ctas_per_sm, ctas_per_sm_by_registers
 
     load_triton()
     from fa_lab.kernels.portable import nsa_importance as importance
@@ -625,25 +625,42 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
                                              "top_n")},
                  "qk_scale_log2": "fp32", "log2e": "fp32"}
     default, packed = importance.packed_tile(16), importance.packed_tile(16, 128, None)
-    tiles = [(default, importance.IMPORTANCE_WARPS, 0, False), (default, importance.SELECTION_WARPS, 16, False),
-             (default, importance.MERGE_WARPS, 16, True), (packed, 8, 0, False)]
+    shipped = dict(BLOCKS_FIRST=importance.BLOCKS_FIRST, Q_BY_DESCRIPTOR=importance.Q_BY_DESCRIPTOR,
+                   SELECTION_MAXNREG=importance.SELECTION_MAXNREG, SELECTION_STAGES=importance.SELECTION_STAGES)
+    tiles = [(default, importance.IMPORTANCE_WARPS, 0, False, shipped),
+             (default, importance.SELECTION_WARPS, 16, False, shipped),
+             (default, importance.MERGE_WARPS, 16, True, shipped), (packed, 8, 0, False, shipped),
+             (default, importance.MERGE_WARPS, 16, True, importance.THREE_PROGRAMS)]
     keys = {0: importance.IMPORTANCE_KEYS, 16: importance.SELECTION_KEYS}
-    builds = compile_all_for_sm90([dict(kernel=importance.nsa_importance_kernel,
-                                        signature={**signature, "out_ptr": "*i64" if top else "*fp32"},
-                                        num_warps=warps,
-                                        constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members,
-                                                       BLOCK_N=keys[top], HEAD_DIM=128, MERGE=merge,
-                                                       FULL_STEPS=importance.UNMASKED_FULL_STEPS,
-                                                       **dict(zip(("TOP", "SORT"),
-                                                                  importance.top_widths(top, keys[top], 2)))),
-                                        aligned=("q_ptr", "k_cmp_ptr", "head_dim"))
-                                   for (queries, members), warps, top, merge in tiles])
+
+    def job(queries: int, members: int, warps: int, top: int, merge: bool, settings: dict) -> dict:
+        """The build the launcher makes of this tile with the module's ``settings``."""
+        budget = {}
+        if top and merge and (queries, members, warps) == (*default, importance.MERGE_WARPS):
+            budget = dict(maxnreg=settings["SELECTION_MAXNREG"], num_stages=settings["SELECTION_STAGES"])
+        by_descriptor = settings["Q_BY_DESCRIPTOR"] and members == 1
+        return dict(kernel=importance.nsa_importance_kernel, num_warps=warps, **budget,
+                    signature={**signature, "out_ptr": "*i64" if top else "*fp32",
+                               **({"q_desc": f"tensordesc<bf16[{queries}, 128]>"} if by_descriptor else {})},
+                    constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members, BLOCK_N=keys[top],
+                                   HEAD_DIM=128, MERGE=merge, FULL_STEPS=importance.UNMASKED_FULL_STEPS,
+                                   BLOCKS_FIRST=settings["BLOCKS_FIRST"],
+                                   **({} if by_descriptor else {"q_desc": None}),
+                                   **dict(zip(("TOP", "SORT"), importance.top_widths(top, keys[top], 2)))),
+                    aligned=("q_ptr", "k_cmp_ptr", "head_dim"))
+
+    builds = compile_all_for_sm90([job(*tile, warps, top, merge, settings)
+                                   for tile, warps, top, merge, settings in tiles])
     for build in builds:
         assert "HMMA" in build.sass or "HGMMA" in build.sass, build.registers
         assert build.kv_loop_spills == 0, (build.registers, build.stack_bytes)
-    # storing the scores, nothing spills; keeping a top by a merge with its full steps' LSE rows a pass ahead, ptxas
-    # keeps a dozen values on the stack around the full steps' loop, outside the loops that run the products
-    assert [build.stack_bytes == 0 for build in builds] == [True, True, not importance.UNMASKED_FULL_STEPS, True]
+    # storing the scores, nothing spills; keeping a top by a merge, ptxas keeps values on the stack around the loops
+    # that run the products (with its full steps' LSE rows a pass ahead, or in 168 registers)
+    assert [build.stack_bytes == 0 for build in builds] == [True, True, False, True, False]
+    three = builds[-1]  # three programs an SM: by registers and by shared memory
+    assert three.registers <= importance.THREE_PROGRAMS["SELECTION_MAXNREG"]
+    assert ctas_per_sm_by_registers(three.registers, importance.MERGE_WARPS) >= 3
+    assert ctas_per_sm(three.shared_bytes) >= 3, three.shared_bytes
 
 
 def test_nsa_gate_mix_and_its_backward_against_their_float64_definitions(generator):
@@ -740,10 +757,16 @@ def test_gpu_nsa_importance(heads, heads_kv, seqlen, top_in_kernel, merge, gener
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("three_programs", [False, True])
 @pytest.mark.parametrize("top_n", [0, 16])
-def test_gpu_nsa_importance_full_steps(top_n, generator):
+def test_gpu_nsa_importance_full_steps(top_n, three_programs, generator, monkeypatch):
     """NSA's sizes at the default tiles: 8,250 tokens, 257 compressed keys, so steps of 64 or 128 keys unmasked
-    for most tiles, and a last tile past the sequence."""
+    for most tiles, and a last tile past the sequence; with the module's settings for three programs an SM too."""
+    from fa_lab.kernels.portable import nsa_importance
+
+    if three_programs:
+        for name, value in nsa_importance.THREE_PROGRAMS.items():
+            monkeypatch.setattr(nsa_importance, name, value)
     check_full_steps(1, 16, 1, 8250, 128, 32, 64, top_n, "cuda", generator)
 
 

@@ -40,6 +40,17 @@ IMPORTANCE_MEMBERS = 1  # group heads per product (None: the whole group)
 IMPORTANCE_WARPS, SELECTION_WARPS, MERGE_WARPS = 4, 8, 4
 TOP_BY_MERGE = True  # the running top by merged_top (a top-k of the step, then a merge) rather than one sort of both
 UNMASKED_FULL_STEPS = True  # the steps a whole tile sees run in a loop of their own without masks (full_steps)
+# Three programs an SM for the kernel keeping its top (THREE_PROGRAMS; built and tested, not yet timed, so off):
+# - each pass's probabilities summed per selection block before they join the group's sum (pass_sum), which halves
+#   the accumulator's registers;
+BLOCKS_FIRST = False
+# - the unmasked steps read a pass's Q rows through a tensor descriptor (a TMA copy into shared memory) rather than
+#   pointer loads (with one head a pass and head_dim a multiple of 8);
+Q_BY_DESCRIPTOR = False
+# - registers a thread and Triton's stages at the default tile (None: Triton's choice, 255 and 3 stages, two programs
+#   an SM); 168 and 2 fit three (registers and shared memory).
+SELECTION_MAXNREG, SELECTION_STAGES = None, None
+THREE_PROGRAMS = dict(BLOCKS_FIRST=True, Q_BY_DESCRIPTOR=True, SELECTION_MAXNREG=168, SELECTION_STAGES=2)
 INDEX_MASK = tl.constexpr(0x7FFFFFFF)  # a top key's low word: INDEX_MASK - block (:func:`running_top`)
 
 
@@ -72,17 +83,20 @@ def packed_tile(group: int, rows: int = IMPORTANCE_ROWS, members: int | None = I
 
 
 @triton.jit
-def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp, sel_blocks, heads, group,
+def nsa_importance_kernel(q_ptr, q_desc, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp, sel_blocks, heads, group,
                           head_dim, top_n, qk_scale_log2, log2e, BLOCK_CMP: tl.constexpr, PER: tl.constexpr,
                           QUERIES: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr,
                           HEAD_DIM: tl.constexpr, TOP: tl.constexpr, SORT: tl.constexpr, MERGE: tl.constexpr,
-                          FULL_STEPS: tl.constexpr):
+                          FULL_STEPS: tl.constexpr, BLOCKS_FIRST: tl.constexpr = False):
     """q (B, H, N, d), k_cmp (B, H_kv, blocks_cmp, d), lse (B, H, N) float32, all contiguous. A tile of QUERIES
     queries x MEMBERS group heads (:func:`packed_tile`). TOP = 0: out (B, H_kv, N, sel_blocks) float32, the
     scores. TOP > 0 (a power of two >= top_n; SORT the power of two >= TOP + BLOCK_N // PER): out
     (B, H_kv, N, top_n) int64, each query's top_n blocks (:func:`running_top`, or :func:`merged_top` with MERGE),
     best first, -1 past its last selectable block; steps wholly after the tile are skipped. FULL_STEPS: the steps
-    whose keys every row of a whole tile sees run first, in a loop of their own without masks (:func:`full_steps`)."""
+    whose keys every row of a whole tile sees run first, in a loop of their own without masks (:func:`full_steps`).
+    BLOCKS_FIRST: each pass's probabilities are summed per selection block before the group's sum (:func:`pass_sum`).
+    q_desc: None, or a descriptor over q seen as (B * H * N, d), blocks (QUERIES, HEAD_DIM), through which the
+    unmasked steps read Q (MEMBERS = 1)."""
     pid_m, pid_bkv = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)  # most keys first
     heads_kv = heads // group
     batch, kv_head = pid_bkv // heads_kv, pid_bkv % heads_kv
@@ -107,15 +121,15 @@ def nsa_importance_kernel(q_ptr, k_cmp_ptr, lse_ptr, out_ptr, seqlen, blocks_cmp
     if FULL_STEPS:
         masked_from = full_steps(pid_m * QUERIES, seqlen, blocks_cmp, group, BLOCK_CMP, QUERIES, MEMBERS, BLOCK_N)
         for start in range(0, masked_from, BLOCK_N):
-            best = importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok,
-                                   queries, packed, first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim,
-                                   top_n, qk_scale_log2, log2e, last_row, BLOCK_CMP, PER, QUERIES, MEMBERS, BLOCK_N,
-                                   HEAD_DIM, TOP, SORT, MERGE, MASKED=False)
+            best = importance_step(best, start, q_ptr, q_desc, k_base, lse_ptr, out_base, rows, row_ok, dims,
+                                   dim_ok, queries, pid_m * QUERIES, packed, first_head, seqlen, blocks_cmp,
+                                   sel_blocks, group, head_dim, top_n, qk_scale_log2, log2e, last_row, BLOCK_CMP, PER,
+                                   QUERIES, MEMBERS, BLOCK_N, HEAD_DIM, TOP, SORT, MERGE, BLOCKS_FIRST, MASKED=False)
     for start in range(masked_from, steps_end, BLOCK_N):
-        best = importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok, queries,
-                               packed, first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim, top_n,
-                               qk_scale_log2, log2e, last_row, BLOCK_CMP, PER, QUERIES, MEMBERS, BLOCK_N, HEAD_DIM,
-                               TOP, SORT, MERGE, MASKED=True)
+        best = importance_step(best, start, q_ptr, q_desc, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok,
+                               queries, pid_m * QUERIES, packed, first_head, seqlen, blocks_cmp, sel_blocks, group,
+                               head_dim, top_n, qk_scale_log2, log2e, last_row, BLOCK_CMP, PER, QUERIES, MEMBERS,
+                               BLOCK_N, HEAD_DIM, TOP, SORT, MERGE, BLOCKS_FIRST, MASKED=True)
     if TOP > 0:
         slots = tl.arange(0, TOP)
         chosen = tl.where(best > 0, INDEX_MASK.value - (best & 0xFFFFFFFF), -1)
@@ -135,31 +149,35 @@ def full_steps(first_query, seqlen, blocks_cmp, group, BLOCK_CMP: tl.constexpr, 
 
 
 @triton.jit
-def importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok, queries, packed,
-                    first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim, top_n, qk_scale_log2, log2e,
-                    last_row, BLOCK_CMP: tl.constexpr, PER: tl.constexpr, QUERIES: tl.constexpr,
+def importance_step(best, start, q_ptr, q_desc, k_base, lse_ptr, out_base, rows, row_ok, dims, dim_ok, queries,
+                    first_query, packed, first_head, seqlen, blocks_cmp, sel_blocks, group, head_dim, top_n,
+                    qk_scale_log2, log2e, last_row, BLOCK_CMP: tl.constexpr, PER: tl.constexpr, QUERIES: tl.constexpr,
                     MEMBERS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TOP: tl.constexpr,
-                    SORT: tl.constexpr, MERGE: tl.constexpr, MASKED: tl.constexpr):
+                    SORT: tl.constexpr, MERGE: tl.constexpr, BLOCKS_FIRST: tl.constexpr, MASKED: tl.constexpr):
     """One step of :func:`nsa_importance_kernel`: the BLOCK_N compressed keys from ``start`` scored for the tile's
     queries, their probabilities summed over the group and per selection block, then merged into ``best`` (TOP > 0,
     returned) or stored. Without MASKED every key is visible to every row and every row is a query of the group
     (:func:`full_steps`): no masks are built or applied. A masked step none of whose keys is in the past of the
     tile's ``last_row`` skips the products (its blocks score 0, or -inf in a row's future)."""
     cols = start + tl.arange(0, BLOCK_N)  # compressed keys of this step
-    summed = tl.zeros((QUERIES, BLOCK_N), dtype=tl.float32)
+    SEL_STEP: tl.constexpr = BLOCK_N // PER
+    summed = tl.zeros((QUERIES, SEL_STEP if BLOCKS_FIRST else BLOCK_N), dtype=tl.float32)
     if not MASKED:
         keys = row_tile(k_base, cols, head_dim, dims, dim_ok)
         # each pass's LSE rows are loaded one pass ahead (the last pass loads its own again): a load in flight
         # across the pass instead of a wait for it before the exponentials
         lse_next = tl.load(lse_ptr + (first_head + packed % MEMBERS).to(tl.int64) * seqlen + rows)
         for chunk in range(0, group, MEMBERS):
-            head = (first_head + chunk + packed % MEMBERS).to(tl.int64)
-            q_tile = row_tile(q_ptr, head * seqlen + rows, head_dim, dims, dim_ok)
+            if q_desc is None:
+                head = (first_head + chunk + packed % MEMBERS).to(tl.int64)
+                q_tile = row_tile(q_ptr, head * seqlen + rows, head_dim, dims, dim_ok)
+            else:  # one head a pass, the whole tile in the sequence (full_steps)
+                q_tile = q_desc.load([(first_head + chunk) * seqlen + first_query, 0])
             lse2 = lse_next * log2e
             ahead = first_head + tl.minimum(chunk + MEMBERS, group - MEMBERS) + packed % MEMBERS
             lse_next = tl.load(lse_ptr + ahead.to(tl.int64) * seqlen + rows)
             probs = tl.exp2(tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2 - lse2[:, None])
-            summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
+            summed += pass_sum(probs, QUERIES, MEMBERS, PER, BLOCKS_FIRST)
     elif (start + 1) * BLOCK_CMP - 1 <= last_row:  # some key of the step is in some row's past
         keys = row_tile(k_base, cols, head_dim, dims, dim_ok, cols < blocks_cmp)
         visible = ((cols[None, :] + 1) * BLOCK_CMP - 1 <= rows[:, None]) & (cols[None, :] < blocks_cmp)
@@ -171,9 +189,8 @@ def importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok,
             lse2 = tl.load(lse_ptr + head * seqlen + rows, mask=ok, other=0.0) * log2e
             scores = tl.dot(q_tile, tl.trans(keys)) * qk_scale_log2
             probs = tl.where(visible & ok[:, None], tl.exp2(scores - lse2[:, None]), 0.0)
-            summed += tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, BLOCK_N)), axis=1)
-    SEL_STEP: tl.constexpr = BLOCK_N // PER
-    per_block = tl.sum(tl.reshape(summed, (QUERIES, SEL_STEP, PER)), axis=2)
+            summed += pass_sum(probs, QUERIES, MEMBERS, PER, BLOCKS_FIRST)
+    per_block = summed if BLOCKS_FIRST else tl.sum(tl.reshape(summed, (QUERIES, SEL_STEP, PER)), axis=2)
     sel = start // PER + tl.arange(0, SEL_STEP)
     if MASKED:
         future = sel[None, :] * (PER * BLOCK_CMP) > queries[:, None]
@@ -190,6 +207,17 @@ def importance_step(best, start, q_ptr, k_base, lse_ptr, out_base, rows, row_ok,
         tl.store(out_base + queries[:, None] * sel_blocks + sel[None, :], per_block,
                  mask=(queries[:, None] < seqlen) & (sel[None, :] < sel_blocks))
     return best
+
+
+@triton.jit
+def pass_sum(probs, QUERIES: tl.constexpr, MEMBERS: tl.constexpr, PER: tl.constexpr, BLOCKS_FIRST: tl.constexpr):
+    """A pass's (QUERIES * MEMBERS, BLOCK_N) probabilities summed over its members: (QUERIES, BLOCK_N), or with
+    BLOCKS_FIRST also over each selection block's PER compressed keys: (QUERIES, BLOCK_N // PER). A thread holds
+    neighbouring keys of a row in the MMA's layout, so the block sums stay in its registers."""
+    BLOCK_N: tl.constexpr = probs.shape[1]
+    if BLOCKS_FIRST:
+        probs = tl.sum(tl.reshape(probs, (QUERIES * MEMBERS, BLOCK_N // PER, PER)), axis=2)
+    return tl.sum(tl.reshape(probs, (QUERIES, MEMBERS, probs.shape[1])), axis=1)
 
 
 @triton.jit
@@ -248,7 +276,9 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
                           block_sel: int, scale: float, top_n: int = 0, *, rows: int = IMPORTANCE_ROWS,
                           members: int | None = IMPORTANCE_MEMBERS, keys: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
-                          merge: bool | None = None, unmasked_full_steps: bool | None = None) -> torch.Tensor:
+                          merge: bool | None = None, unmasked_full_steps: bool | None = None,
+                          blocks_first: bool | None = None, maxnreg: int | None = None,
+                          q_by_descriptor: bool | None = None) -> torch.Tensor:
     """:func:`nsa_importance_kernel` on q (B, H, N, d) float16/bfloat16, the compressed keys k_cmp
     (B, H_kv, N // block_cmp, d) and the compressed branch's lse (B, H, N) (natural log, -inf where no
     compressed key is visible): float32 (B, H_kv, N, cdiv(N, block_sel)), or with ``top_n`` > 0 each query's
@@ -256,10 +286,13 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     (:func:`fa_lab.sparse.nsa_select`'s result, ties to the lower block). block_sel: see
     :func:`check_blocks_per_selection`; rows, members: the tile (:func:`packed_tile`); keys: compressed keys a
     step (a power of two, at least block_sel // block_cmp; IMPORTANCE_KEYS or SELECTION_KEYS when None);
-    num_warps its warps (IMPORTANCE_WARPS, MERGE_WARPS or SELECTION_WARPS when None), num_stages Triton's (its
-    default when None); merge: the running top by :func:`merged_top` rather than :func:`running_top`
+    num_warps its warps (IMPORTANCE_WARPS, MERGE_WARPS or SELECTION_WARPS when None), num_stages Triton's and maxnreg
+    the registers a thread (when None: SELECTION_STAGES and SELECTION_MAXNREG for the default tile keeping a top by
+    a merge, else Triton's choice); merge: the running top by :func:`merged_top` rather than :func:`running_top`
     (TOP_BY_MERGE when None); unmasked_full_steps: the steps every row of a tile sees in a loop without masks
-    (UNMASKED_FULL_STEPS when None)."""
+    (UNMASKED_FULL_STEPS when None); blocks_first: each pass summed per selection block first (BLOCKS_FIRST when
+    None); q_by_descriptor: the unmasked steps read Q through a descriptor (Q_BY_DESCRIPTOR when None; only with one
+    head a pass and head_dim a multiple of 8)."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
@@ -271,15 +304,27 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     top, sort = top_widths(top_n, keys, per)
     merge = TOP_BY_MERGE if merge is None else merge
     unmasked = UNMASKED_FULL_STEPS if unmasked_full_steps is None else unmasked_full_steps
+    blocks_first = BLOCKS_FIRST if blocks_first is None else blocks_first
+    num_warps = num_warps or (IMPORTANCE_WARPS if not top else MERGE_WARPS if merge else SELECTION_WARPS)
+    if top and merge and (queries * members, keys, num_warps) == (IMPORTANCE_ROWS, SELECTION_KEYS, MERGE_WARPS):
+        maxnreg = maxnreg or SELECTION_MAXNREG
+        num_stages = num_stages or SELECTION_STAGES
+    launch = {name: value for name, value in (("num_stages", num_stages), ("maxnreg", maxnreg)) if value}
+    q_by_descriptor = Q_BY_DESCRIPTOR if q_by_descriptor is None else q_by_descriptor
     out = (torch.empty((batch, heads_kv, seqlen, top_n), dtype=torch.int64, device=q.device) if top else
            torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
+    q_desc = None
+    if q_by_descriptor and members == 1 and head_dim % 8 == 0:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        rows_2d = q.view(-1, head_dim)
+        q_desc = TensorDescriptor(rows_2d, list(rows_2d.shape), list(rows_2d.stride()),
+                                  [queries, head_dim_bucket(head_dim)])
     with on_device(q):
         nsa_importance_kernel[(triton.cdiv(seqlen, queries), batch * heads_kv)](
-            q, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
+            q, q_desc, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
             scale * LOG2E, LOG2E, BLOCK_CMP=block_cmp, PER=per, QUERIES=queries, MEMBERS=members,
             BLOCK_N=keys, HEAD_DIM=head_dim_bucket(head_dim), TOP=top, SORT=sort, MERGE=merge,
-            FULL_STEPS=unmasked,
-            num_warps=num_warps or (IMPORTANCE_WARPS if not top else MERGE_WARPS if merge else SELECTION_WARPS),
-            **({} if num_stages is None else {"num_stages": num_stages}))
+            FULL_STEPS=unmasked, BLOCKS_FIRST=blocks_first, num_warps=num_warps, **launch)
     return out
