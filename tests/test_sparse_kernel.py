@@ -636,9 +636,9 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
     def job(queries: int, members: int, warps: int, top: int, merge: bool, settings: dict) -> dict:
         """The build the launcher makes of this tile with the module's ``settings``."""
         budget = {}
-        if top and merge and (queries, members, warps) == (*default, importance.MERGE_WARPS):
+        if importance.budgeted_tile(top, merge, queries * members, keys[top], warps):
             budget = dict(maxnreg=settings["SELECTION_MAXNREG"], num_stages=settings["SELECTION_STAGES"])
-        by_descriptor = settings["Q_BY_DESCRIPTOR"] and members == 1
+        by_descriptor = settings["Q_BY_DESCRIPTOR"] and importance.descriptor_readable(members, 128)
         return dict(kernel=importance.nsa_importance_kernel, num_warps=warps, **budget,
                     signature={**signature, "out_ptr": "*i64" if top else "*fp32",
                                **({"q_desc": f"tensordesc<bf16[{queries}, 128]>"} if by_descriptor else {})},

@@ -272,6 +272,18 @@ def running_top(best, scores, blocks, selectable, TOP: tl.constexpr, SORT: tl.co
     return tl.gather(ordered, tl.broadcast_to(tl.arange(0, TOP)[None, :], (QUERIES, TOP)), axis=1)
 
 
+def budgeted_tile(top: int, merge: bool, rows: int, keys: int, num_warps: int) -> bool:
+    """Whether a launch keeping a top of ``top`` slots is the default tile keeping it by a merge: the one whose
+    registers and stages SELECTION_MAXNREG and SELECTION_STAGES set."""
+    return bool(top) and merge and (rows, keys, num_warps) == (IMPORTANCE_ROWS, SELECTION_KEYS, MERGE_WARPS)
+
+
+def descriptor_readable(members: int, head_dim: int) -> bool:
+    """Whether the unmasked steps can read Q through a descriptor (Q_BY_DESCRIPTOR): one head a pass, and rows whose
+    bytes a TMA copy can stride over (head_dim a multiple of 8)."""
+    return members == 1 and head_dim % 8 == 0
+
+
 def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, block_cmp: int,
                           block_sel: int, scale: float, top_n: int = 0, *, rows: int = IMPORTANCE_ROWS,
                           members: int | None = IMPORTANCE_MEMBERS, keys: int | None = None,
@@ -306,7 +318,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     unmasked = UNMASKED_FULL_STEPS if unmasked_full_steps is None else unmasked_full_steps
     blocks_first = BLOCKS_FIRST if blocks_first is None else blocks_first
     num_warps = num_warps or (IMPORTANCE_WARPS if not top else MERGE_WARPS if merge else SELECTION_WARPS)
-    if top and merge and (queries * members, keys, num_warps) == (IMPORTANCE_ROWS, SELECTION_KEYS, MERGE_WARPS):
+    if budgeted_tile(top, merge, queries * members, keys, num_warps):
         maxnreg = maxnreg or SELECTION_MAXNREG
         num_stages = num_stages or SELECTION_STAGES
     launch = {name: value for name, value in (("num_stages", num_stages), ("maxnreg", maxnreg)) if value}
@@ -315,7 +327,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
            torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
     q_desc = None
-    if q_by_descriptor and members == 1 and head_dim % 8 == 0:
+    if q_by_descriptor and descriptor_readable(members, head_dim):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         rows_2d = q.view(-1, head_dim)
