@@ -19,7 +19,8 @@ forward both ways, in turn: $OUT/h200_nsa_importance_full_steps.json. With ``--r
 keeping its top at the register budgets of REGISTER_SETTINGS (each pass summed per selection block first or last,
 registers a thread, Triton's stages, Q's rows by pointers or a descriptor), in turn, then NSA's forward with
 nsa_importance's settings for two programs an SM and for three (its THREE_PROGRAMS), in turn:
-$OUT/h200_nsa_importance_registers.json.
+$OUT/h200_nsa_importance_registers.json; ``--registers-64k`` times only the first and last settings, at 64K:
+$OUT/h200_nsa_importance_registers_64k.json.
 """
 import functools
 import os
@@ -153,10 +154,11 @@ def full_steps(seqlen: int, generator) -> dict:
     return entry
 
 
-def registers(seqlen: int, generator) -> dict:
+def registers(seqlen: int, generator, settings=None, nsa_forward: bool = True) -> dict:
     """The kernel keeping its running top 16 at REGISTER_SETTINGS, in turn, each choice checked against the first's
     by the scores it selects; then NSA's forward with nsa_importance's module settings as TWO_PROGRAMS and as its
-    THREE_PROGRAMS, in turn, beside dense attention's."""
+    THREE_PROGRAMS, in turn, beside dense attention's. settings: the names of REGISTER_SETTINGS to time (all when
+    None); nsa_forward: time NSA's forward too."""
     import torch
 
     from fa_lab.bench import in_turn, sparse
@@ -166,9 +168,11 @@ def registers(seqlen: int, generator) -> dict:
     scores = importance()
     entry = {}
     calls = {name: functools.partial(importance, sparse.SELECTED, **setting)
-             for name, setting in REGISTER_SETTINGS.items()}
+             for name, setting in REGISTER_SETTINGS.items() if settings is None or name in settings}
     in_turn.checked_in_turn(calls, entry, lambda chosen: selected_sums(chosen, scores),
                            "selected score sums' largest difference")
+    if not nsa_forward:
+        return entry
     q, k, v = (t.detach() for t in sparse.bf16_inputs(sparse.HEADS, sparse.HEADS_KV, seqlen, generator))
     with torch.no_grad():
         forward = sparse.ours_nsa(q, k, v, None)[0]
@@ -183,16 +187,20 @@ def registers(seqlen: int, generator) -> dict:
     return entry
 
 
+# the first and last settings at 64K alone, the kernel only: a short call
+SHORT_REGISTERS = functools.partial(registers, settings=(next(iter(REGISTER_SETTINGS)), list(REGISTER_SETTINGS)[-1]),
+                                    nsa_forward=False)
 MODES = {"--tiles": (top_tiles, "h200_nsa_importance_tiles.json"),
          "--full-steps": (full_steps, "h200_nsa_importance_full_steps.json"),
-         "--registers": (registers, "h200_nsa_importance_registers.json")}
+         "--registers": (registers, "h200_nsa_importance_registers.json"),
+         "--registers-64k": (SHORT_REGISTERS, "h200_nsa_importance_registers_64k.json", (65536,))}
 
 
 def main(argv: list) -> None:
     from fa_lab.bench import sparse
 
-    measure, name = MODES.get(argv[0], (packings, "h200_nsa_importance.json"))
-    sparse.log_by_length(os.path.join(argv[-1], name), measure)
+    measure, name, *lengths = MODES.get(argv[0], (packings, "h200_nsa_importance.json"))
+    sparse.log_by_length(os.path.join(argv[-1], name), measure, *lengths)
 
 
 if __name__ == "__main__":
