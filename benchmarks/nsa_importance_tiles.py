@@ -40,7 +40,7 @@ TOP_TILES = {"64 queries, 128 keys, 8 warps, sort": dict(rows=64, keys=128, num_
 # summed per selection block first or last, the registers a thread, Triton's stages, and the unmasked steps' Q rows
 # by pointer loads or a descriptor. 255 registers and 3 stages fit two programs an SM; 168 and 2 fit three.
 REGISTER_SETTINGS = {
-    "pairs last, 255 registers, 3 stages": dict(blocks_first=False, maxnreg=255, num_stages=3, q_by_descriptor=False),
+    "blocks last, 255 registers, 3 stages": dict(blocks_first=False, maxnreg=255, num_stages=3, q_by_descriptor=False),
     "blocks first, 168 registers, 2 stages": dict(blocks_first=True, maxnreg=168, num_stages=2, q_by_descriptor=False),
     "Q by descriptor, blocks first, 255 registers, 3 stages": dict(blocks_first=True, maxnreg=255, num_stages=3,
                                                                    q_by_descriptor=True),
@@ -177,9 +177,9 @@ def registers(seqlen: int, generator, settings=None, nsa_forward: bool = True) -
     with torch.no_grad():
         forward = sparse.ours_nsa(q, k, v, None)[0]
         calls = {}
-        for label, settings in (("two", TWO_PROGRAMS), ("three", nsa_importance.THREE_PROGRAMS)):
+        for label, module_settings in (("two", TWO_PROGRAMS), ("three", nsa_importance.THREE_PROGRAMS)):
             call = forward
-            for name, value in settings.items():
+            for name, value in module_settings.items():
                 call = functools.partial(sparse.called_with, nsa_importance, name, value, call)
             calls[f"nsa forward, {label} programs an SM"] = call
         in_turn.checked_in_turn(calls, entry, lambda out: out.float(), "largest output difference")
