@@ -188,7 +188,7 @@ def registers(seqlen: int, generator, settings=None, nsa_forward: bool = True) -
 
 
 # the first and last settings at 64K alone, the kernel only: a short call
-SHORT_REGISTERS = functools.partial(registers, settings=(next(iter(REGISTER_SETTINGS)), list(REGISTER_SETTINGS)[-1]),
+SHORT_REGISTERS = functools.partial(registers, settings=[*REGISTER_SETTINGS][::len(REGISTER_SETTINGS) - 1],
                                     nsa_forward=False)
 MODES = {"--tiles": (top_tiles, "h200_nsa_importance_tiles.json"),
          "--full-steps": (full_steps, "h200_nsa_importance_full_steps.json"),

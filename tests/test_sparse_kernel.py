@@ -641,7 +641,7 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
         by_descriptor = settings["Q_BY_DESCRIPTOR"] and importance.descriptor_readable(members, 128)
         return dict(kernel=importance.nsa_importance_kernel, num_warps=warps, **budget,
                     signature={**signature, "out_ptr": "*i64" if top else "*fp32",
-                               **({"q_desc": f"tensordesc<bf16[{queries}, 128]>"} if by_descriptor else {})},
+                               **({"q_desc": f"tensordesc<bf16[1, 1, {queries}, 128]>"} if by_descriptor else {})},
                     constants=dict(BLOCK_CMP=32, PER=2, QUERIES=queries, MEMBERS=members, BLOCK_N=keys[top],
                                    HEAD_DIM=128, MERGE=merge, FULL_STEPS=importance.UNMASKED_FULL_STEPS,
                                    BLOCKS_FIRST=settings["BLOCKS_FIRST"],

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import LOG2E, cdiv, head_dim_bucket, on_device
+from ..common import LOG2E, cdiv, descriptor, head_dim_bucket, on_device
 
 IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # packed rows (queries x members) a program; compressed keys a step
 SELECTION_KEYS = 128  # compressed keys a step when keeping a running top (64 blocks: half the merges of 64 keys)
@@ -95,8 +95,8 @@ def nsa_importance_kernel(q_ptr, q_desc, k_cmp_ptr, lse_ptr, out_ptr, seqlen, bl
     best first, -1 past its last selectable block; steps wholly after the tile are skipped. FULL_STEPS: the steps
     whose keys every row of a whole tile sees run first, in a loop of their own without masks (:func:`full_steps`).
     BLOCKS_FIRST: each pass's probabilities are summed per selection block before the group's sum (:func:`pass_sum`).
-    q_desc: None, or a descriptor over q seen as (B * H * N, d), blocks (QUERIES, HEAD_DIM), through which the
-    unmasked steps read Q (MEMBERS = 1)."""
+    q_desc: None, or a descriptor over q seen as (1, B * H, N, d), tiles (1, 1, QUERIES, HEAD_DIM), through which
+    the unmasked steps read Q (MEMBERS = 1)."""
     pid_m, pid_bkv = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)  # most keys first
     heads_kv = heads // group
     batch, kv_head = pid_bkv // heads_kv, pid_bkv % heads_kv
@@ -172,7 +172,7 @@ def importance_step(best, start, q_ptr, q_desc, k_base, lse_ptr, out_base, rows,
                 head = (first_head + chunk + packed % MEMBERS).to(tl.int64)
                 q_tile = row_tile(q_ptr, head * seqlen + rows, head_dim, dims, dim_ok)
             else:  # one head a pass, the whole tile in the sequence (full_steps)
-                q_tile = q_desc.load([(first_head + chunk) * seqlen + first_query, 0])
+                q_tile = q_desc.load([0, first_head + chunk, first_query, 0]).reshape(QUERIES, HEAD_DIM)
             lse2 = lse_next * log2e
             ahead = first_head + tl.minimum(chunk + MEMBERS, group - MEMBERS) + packed % MEMBERS
             lse_next = tl.load(lse_ptr + ahead.to(tl.int64) * seqlen + rows)
@@ -326,13 +326,9 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     out = (torch.empty((batch, heads_kv, seqlen, top_n), dtype=torch.int64, device=q.device) if top else
            torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
-    q_desc = None
-    if q_by_descriptor and descriptor_readable(members, head_dim):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        rows_2d = q.view(-1, head_dim)
-        q_desc = TensorDescriptor(rows_2d, list(rows_2d.shape), list(rows_2d.stride()),
-                                  [queries, head_dim_bucket(head_dim)])
+    # the heads of every batch as one dimension, so that a pass's head is one coordinate
+    by_descriptor = q_by_descriptor and descriptor_readable(members, head_dim)
+    q_desc = descriptor(q.view(1, batch * heads, seqlen, head_dim), queries) if by_descriptor else None
     with on_device(q):
         nsa_importance_kernel[(triton.cdiv(seqlen, queries), batch * heads_kv)](
             q, q_desc, k_cmp, lse_cmp, out, seqlen, blocks_cmp, sel_blocks, heads, heads // heads_kv, head_dim, top_n,
