@@ -19,7 +19,7 @@ forward both ways, in turn: $OUT/h200_nsa_importance_full_steps.json. With ``--r
 keeping its top at the register budgets of REGISTER_SETTINGS (each pass summed per selection block first or last,
 registers a thread, Triton's stages, Q's rows by pointers or a descriptor), in turn, then NSA's forward with
 nsa_importance's settings for two programs an SM and for three (its THREE_PROGRAMS), in turn:
-$OUT/h200_nsa_importance_registers.json; ``--registers-64k`` times only the first and last settings, at 64K:
+$OUT/h200_nsa_importance_registers.json; ``--registers-64k`` times only the first and last settings and NSA's forward, at 64K:
 $OUT/h200_nsa_importance_registers_64k.json.
 """
 import functools
@@ -187,9 +187,8 @@ def registers(seqlen: int, generator, settings=None, nsa_forward: bool = True) -
     return entry
 
 
-# the first and last settings at 64K alone, the kernel only: a short call
-SHORT_REGISTERS = functools.partial(registers, settings=[*REGISTER_SETTINGS][::len(REGISTER_SETTINGS) - 1],
-                                    nsa_forward=False)
+# the first and last settings at 64K alone, then NSA's forward both ways: a short call
+SHORT_REGISTERS = functools.partial(registers, settings=[*REGISTER_SETTINGS][::len(REGISTER_SETTINGS) - 1])
 MODES = {"--tiles": (top_tiles, "h200_nsa_importance_tiles.json"),
          "--full-steps": (full_steps, "h200_nsa_importance_full_steps.json"),
          "--registers": (registers, "h200_nsa_importance_registers.json"),

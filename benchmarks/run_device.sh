@@ -70,7 +70,7 @@
 #            benchmarks/nsa_importance_tiles.py --full-steps)
 #   nsa-importance-registers - the importance kernel keeping its top at other register budgets and stages, then NSA's
 #            forward with the settings for two and for three programs an SM, in turn (<h100|h200>_nsa_importance_registers.json, by
-#            benchmarks/nsa_importance_tiles.py --registers; with -64k, the first and last settings at 64K alone)
+#            benchmarks/nsa_importance_tiles.py --registers; with -64k, the first and last settings and NSA's forward at 64K alone)
 #   nsa-select-tiles - NSA's selected-blocks forward at other warps and stages (h200_nsa_select_tiles.json, by
 #            benchmarks/nsa_select_tiles.py)
 #   nsa-top - NSA's forward with its selection's top kept in the importance kernel against torch.topk, in turn, beside
