@@ -18,9 +18,9 @@ kernel keeping its top with the steps every row of a tile sees unmasked and mask
 forward both ways, in turn: $OUT/h200_nsa_importance_full_steps.json. With ``--registers`` it times the kernel
 keeping its top at the register budgets of REGISTER_SETTINGS (each pass summed per selection block first or last,
 registers a thread, Triton's stages, Q's rows by pointers or a descriptor), in turn, then NSA's forward with
-nsa_importance's settings for two programs an SM and for three (its THREE_PROGRAMS), in turn:
-$OUT/h200_nsa_importance_registers.json; ``--registers-64k`` times only the first and last settings and NSA's forward, at 64K:
-$OUT/h200_nsa_importance_registers_64k.json.
+nsa_importance's settings for two programs an SM (its TWO_PROGRAMS) and for three (its defaults), in turn:
+$OUT/h200_nsa_importance_registers.json; ``--registers-64k`` times only the first and last settings and NSA's
+forward, at 64K: $OUT/h200_nsa_importance_registers_64k.json.
 """
 import functools
 import os
@@ -46,8 +46,6 @@ REGISTER_SETTINGS = {
                                                                    q_by_descriptor=True),
     "Q by descriptor, blocks first, 168 registers, 2 stages": dict(blocks_first=True, maxnreg=168, num_stages=2,
                                                                    q_by_descriptor=True)}
-# nsa_importance's module settings of the first row of REGISTER_SETTINGS (THREE_PROGRAMS holds the last row's)
-TWO_PROGRAMS = dict(BLOCKS_FIRST=False, Q_BY_DESCRIPTOR=False, SELECTION_MAXNREG=255, SELECTION_STAGES=3)
 
 
 def selection_case(seqlen: int, generator) -> tuple:
@@ -156,9 +154,9 @@ def full_steps(seqlen: int, generator) -> dict:
 
 def registers(seqlen: int, generator, settings=None, nsa_forward: bool = True) -> dict:
     """The kernel keeping its running top 16 at REGISTER_SETTINGS, in turn, each choice checked against the first's
-    by the scores it selects; then NSA's forward with nsa_importance's module settings as TWO_PROGRAMS and as its
-    THREE_PROGRAMS, in turn, beside dense attention's. settings: the names of REGISTER_SETTINGS to time (all when
-    None); nsa_forward: time NSA's forward too."""
+    by the scores it selects; then NSA's forward with nsa_importance's module settings as its TWO_PROGRAMS and as
+    its defaults (three programs an SM), in turn, beside dense attention's. settings: the names of REGISTER_SETTINGS
+    to time (all when None); nsa_forward: time NSA's forward too."""
     import torch
 
     from fa_lab.bench import in_turn, sparse
@@ -177,7 +175,7 @@ def registers(seqlen: int, generator, settings=None, nsa_forward: bool = True) -
     with torch.no_grad():
         forward = sparse.ours_nsa(q, k, v, None)[0]
         calls = {}
-        for label, module_settings in (("two", TWO_PROGRAMS), ("three", nsa_importance.THREE_PROGRAMS)):
+        for label, module_settings in (("two", nsa_importance.TWO_PROGRAMS), ("three", {})):  # {}: the defaults
             call = forward
             for name, value in module_settings.items():
                 call = functools.partial(sparse.called_with, nsa_importance, name, value, call)

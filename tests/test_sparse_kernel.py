@@ -628,9 +628,9 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
     shipped = dict(BLOCKS_FIRST=importance.BLOCKS_FIRST, Q_BY_DESCRIPTOR=importance.Q_BY_DESCRIPTOR,
                    SELECTION_MAXNREG=importance.SELECTION_MAXNREG, SELECTION_STAGES=importance.SELECTION_STAGES)
     tiles = [(default, importance.IMPORTANCE_WARPS, 0, False, shipped),
-             (default, importance.SELECTION_WARPS, 16, False, shipped),
-             (default, importance.MERGE_WARPS, 16, True, shipped), (packed, 8, 0, False, shipped),
-             (default, importance.MERGE_WARPS, 16, True, importance.THREE_PROGRAMS)]
+             (default, importance.SELECTION_WARPS, 16, False, shipped), (packed, 8, 0, False, shipped),
+             (default, importance.MERGE_WARPS, 16, True, importance.TWO_PROGRAMS),
+             (default, importance.MERGE_WARPS, 16, True, shipped)]
     keys = {0: importance.IMPORTANCE_KEYS, 16: importance.SELECTION_KEYS}
 
     def job(queries: int, members: int, warps: int, top: int, merge: bool, settings: dict) -> dict:
@@ -656,9 +656,9 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
         assert build.kv_loop_spills == 0, (build.registers, build.stack_bytes)
     # storing the scores, nothing spills; keeping a top by a merge, ptxas keeps values on the stack around the loops
     # that run the products (with its full steps' LSE rows a pass ahead, or in 168 registers)
-    assert [build.stack_bytes == 0 for build in builds] == [True, True, False, True, False]
-    three = builds[-1]  # three programs an SM: by registers and by shared memory
-    assert three.registers <= importance.THREE_PROGRAMS["SELECTION_MAXNREG"]
+    assert [build.stack_bytes == 0 for build in builds] == [True, True, True, False, False]
+    three = builds[-1]  # the shipped settings: three programs an SM, by registers and by shared memory
+    assert three.registers <= importance.SELECTION_MAXNREG
     assert ctas_per_sm_by_registers(three.registers, importance.MERGE_WARPS) >= 3
     assert ctas_per_sm(three.shared_bytes) >= 3, three.shared_bytes
 
@@ -757,15 +757,15 @@ def test_gpu_nsa_importance(heads, heads_kv, seqlen, top_in_kernel, merge, gener
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("three_programs", [False, True])
+@pytest.mark.parametrize("two_programs", [False, True])
 @pytest.mark.parametrize("top_n", [0, 16])
-def test_gpu_nsa_importance_full_steps(top_n, three_programs, generator, monkeypatch):
+def test_gpu_nsa_importance_full_steps(top_n, two_programs, generator, monkeypatch):
     """NSA's sizes at the default tiles: 8,250 tokens, 257 compressed keys, so steps of 64 or 128 keys unmasked
-    for most tiles, and a last tile past the sequence; with the module's settings for three programs an SM too."""
+    for most tiles, and a last tile past the sequence; with the module's settings for two programs an SM too."""
     from fa_lab.kernels.portable import nsa_importance
 
-    if three_programs:
-        for name, value in nsa_importance.THREE_PROGRAMS.items():
+    if two_programs:
+        for name, value in nsa_importance.TWO_PROGRAMS.items():
             monkeypatch.setattr(nsa_importance, name, value)
     check_full_steps(1, 16, 1, 8250, 128, 32, 64, top_n, "cuda", generator)
 

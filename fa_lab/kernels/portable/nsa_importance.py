@@ -40,17 +40,19 @@ IMPORTANCE_MEMBERS = 1  # group heads per product (None: the whole group)
 IMPORTANCE_WARPS, SELECTION_WARPS, MERGE_WARPS = 4, 8, 4
 TOP_BY_MERGE = True  # the running top by merged_top (a top-k of the step, then a merge) rather than one sort of both
 UNMASKED_FULL_STEPS = True  # the steps a whole tile sees run in a loop of their own without masks (full_steps)
-# Three programs an SM for the kernel keeping its top (THREE_PROGRAMS; built and tested, not yet timed, so off):
+# Three programs an SM for the kernel keeping its top (0.94-0.95x its time at 64K on an H100, against the settings
+# of TWO_PROGRAMS; docs/experiments/sparse_kernels.md, "The importance kernel at three programs an SM"):
 # - each pass's probabilities summed per selection block before they join the group's sum (pass_sum), which halves
 #   the accumulator's registers;
-BLOCKS_FIRST = False
+BLOCKS_FIRST = True
 # - the unmasked steps read a pass's Q rows through a tensor descriptor (a TMA copy into shared memory) rather than
-#   pointer loads (with one head a pass and head_dim a multiple of 8);
-Q_BY_DESCRIPTOR = False
+#   pointer loads (with one head a pass, head_dim a multiple of 8 and q 16-byte aligned);
+Q_BY_DESCRIPTOR = True
 # - registers a thread and Triton's stages at the default tile (None: Triton's choice, 255 and 3 stages, two programs
 #   an SM); 168 and 2 fit three (registers and shared memory).
-SELECTION_MAXNREG, SELECTION_STAGES = None, None
-THREE_PROGRAMS = dict(BLOCKS_FIRST=True, Q_BY_DESCRIPTOR=True, SELECTION_MAXNREG=168, SELECTION_STAGES=2)
+SELECTION_MAXNREG, SELECTION_STAGES = 168, 2
+# the settings before: two programs an SM (the A/B's and the tests' other case)
+TWO_PROGRAMS = dict(BLOCKS_FIRST=False, Q_BY_DESCRIPTOR=False, SELECTION_MAXNREG=None, SELECTION_STAGES=None)
 INDEX_MASK = tl.constexpr(0x7FFFFFFF)  # a top key's low word: INDEX_MASK - block (:func:`running_top`)
 
 
@@ -278,10 +280,10 @@ def budgeted_tile(top: int, merge: bool, rows: int, keys: int, num_warps: int) -
     return bool(top) and merge and (rows, keys, num_warps) == (IMPORTANCE_ROWS, SELECTION_KEYS, MERGE_WARPS)
 
 
-def descriptor_readable(members: int, head_dim: int) -> bool:
+def descriptor_readable(members: int, head_dim: int, data_ptr: int = 0) -> bool:
     """Whether the unmasked steps can read Q through a descriptor (Q_BY_DESCRIPTOR): one head a pass, and rows whose
-    bytes a TMA copy can stride over (head_dim a multiple of 8)."""
-    return members == 1 and head_dim % 8 == 0
+    bytes a TMA copy can stride over (head_dim a multiple of 8) from a 16-byte aligned start (q's ``data_ptr``)."""
+    return members == 1 and head_dim % 8 == 0 and data_ptr % 16 == 0
 
 
 def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, block_cmp: int,
@@ -303,8 +305,8 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
     a merge, else Triton's choice); merge: the running top by :func:`merged_top` rather than :func:`running_top`
     (TOP_BY_MERGE when None); unmasked_full_steps: the steps every row of a tile sees in a loop without masks
     (UNMASKED_FULL_STEPS when None); blocks_first: each pass summed per selection block first (BLOCKS_FIRST when
-    None); q_by_descriptor: the unmasked steps read Q through a descriptor (Q_BY_DESCRIPTOR when None; only with one
-    head a pass and head_dim a multiple of 8)."""
+    None); q_by_descriptor: the unmasked steps read Q through a descriptor (Q_BY_DESCRIPTOR when None; only where
+    :func:`descriptor_readable`)."""
     batch, heads, seqlen, head_dim = q.shape
     heads_kv, blocks_cmp = k_cmp.shape[1], k_cmp.shape[2]
     per = check_blocks_per_selection(block_cmp, block_sel)
@@ -327,7 +329,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
            torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
     # the heads of every batch as one dimension, so that a pass's head is one coordinate
-    by_descriptor = q_by_descriptor and descriptor_readable(members, head_dim)
+    by_descriptor = q_by_descriptor and descriptor_readable(members, head_dim, q.data_ptr())
     q_desc = descriptor(q.view(1, batch * heads, seqlen, head_dim), queries) if by_descriptor else None
     with on_device(q):
         nsa_importance_kernel[(triton.cdiv(seqlen, queries), batch * heads_kv)](
