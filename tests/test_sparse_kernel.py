@@ -238,12 +238,13 @@ def test_nsa_running_top_merges_across_the_kernels_steps(top_n, merge, generator
             triton_nsa_importance(q, k_cmp, lse, block_cmp, block_sel, scale, top_n, keys=keys)
 
 
-@pytest.mark.parametrize("members, forms", [(1, {}), (None, {}), (1, dict(blocks_first=True, q_by_descriptor=True))])
+@pytest.mark.parametrize("members, forms", [(1, {}), (None, {}), (1, dict(blocks_first=False, q_by_descriptor=False))])
 @pytest.mark.parametrize("top_n", [0, 3])
 def test_nsa_importance_full_steps_without_masks(top_n, members, forms, generator):
     """On tiles of 16 queries taking 8 of 25 compressed keys a step, later tiles have two steps every row sees
     before their masked ones and the last tile runs past the sequence; with the group of 3 packed (4 members)
-    none is unmasked. ``forms``: each pass summed per selection block first, Q read through a descriptor."""
+    none is unmasked. ``forms``: the earlier ones too, each pass summed per selection block last and Q read by
+    pointer loads."""
     check_full_steps(1, 6, 2, 203, 32, 8, 16, top_n, DEVICE, generator, rows=16, keys=8, members=members,
                      num_warps=1, **forms)
 
@@ -291,6 +292,24 @@ def test_nsa_importance_kernel_tiles_pack_the_group(heads, heads_kv, rows, membe
                                 num_warps=1)
     want = nsa_importance(q.double(), k_cmp.double(), block_cmp, block_sel, scale).to(got.device)
     assert_importance_close(got, want, heads // heads_kv)
+
+
+def test_nsa_importance_reads_a_misaligned_q_by_pointers(generator):
+    """q starting 2 bytes past a 16-byte boundary (a contiguous view one element into its storage), which a tensor
+    descriptor cannot read: the kernel reads it by pointer loads, its scores within rounding of the definition."""
+    from fa_lab.kernels.portable.nsa_importance import descriptor_readable, triton_nsa_importance
+    from fa_lab.sparse import nsa_compressed_attention, nsa_importance
+
+    block_cmp, block_sel, seqlen, head_dim, heads = 8, 16, 45, 32, 4
+    q, k, _ = make_qkv(1, heads, seqlen, seqlen, head_dim, torch.bfloat16, DEVICE, generator, heads_kv=1,
+                       requires_grad=False)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
+    assert shifted.is_contiguous() and not descriptor_readable(1, head_dim, shifted.data_ptr())
+    k_cmp, scale = nsa_compress(k, block_cmp), head_dim ** -0.5
+    lse = nsa_compressed_attention(q, k_cmp, k_cmp, block_cmp, scale, "triton")[1]
+    got = triton_nsa_importance(shifted, k_cmp, lse, block_cmp, block_sel, scale, q_by_descriptor=True)
+    want = nsa_importance(q.double(), k_cmp.double(), block_cmp, block_sel, scale).to(got.device)
+    assert_importance_close(got, want, heads)
 
 
 def assert_importance_close(got, want, group: int) -> None:
