@@ -304,7 +304,7 @@ def test_nsa_importance_reads_a_misaligned_q_by_pointers(generator):
     q, k, _ = make_qkv(1, heads, seqlen, seqlen, head_dim, torch.bfloat16, DEVICE, generator, heads_kv=1,
                        requires_grad=False)
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
-    assert shifted.is_contiguous() and not descriptor_readable(1, head_dim, shifted.data_ptr())
+    assert shifted.is_contiguous() and not descriptor_readable(1, shifted)
     k_cmp, scale = nsa_compress(k, block_cmp), head_dim ** -0.5
     lse = nsa_compressed_attention(q, k_cmp, k_cmp, block_cmp, scale, "triton")[1]
     got = triton_nsa_importance(shifted, k_cmp, lse, block_cmp, block_sel, scale, q_by_descriptor=True)
@@ -644,8 +644,7 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
                                              "top_n")},
                  "qk_scale_log2": "fp32", "log2e": "fp32"}
     default, packed = importance.packed_tile(16), importance.packed_tile(16, 128, None)
-    shipped = dict(BLOCKS_FIRST=importance.BLOCKS_FIRST, Q_BY_DESCRIPTOR=importance.Q_BY_DESCRIPTOR,
-                   SELECTION_MAXNREG=importance.SELECTION_MAXNREG, SELECTION_STAGES=importance.SELECTION_STAGES)
+    shipped = {name: getattr(importance, name) for name in importance.TWO_PROGRAMS}  # the module's own settings
     tiles = [(default, importance.IMPORTANCE_WARPS, 0, False, shipped),
              (default, importance.SELECTION_WARPS, 16, False, shipped), (packed, 8, 0, False, shipped),
              (default, importance.MERGE_WARPS, 16, True, importance.TWO_PROGRAMS),
@@ -657,7 +656,8 @@ def test_nsa_importance_builds_for_sm90_on_tensor_cores_without_spills():
         budget = {}
         if importance.budgeted_tile(top, merge, queries * members, keys[top], warps):
             budget = dict(maxnreg=settings["SELECTION_MAXNREG"], num_stages=settings["SELECTION_STAGES"])
-        by_descriptor = settings["Q_BY_DESCRIPTOR"] and importance.descriptor_readable(members, 128)
+        q = torch.empty(1, 1, queries * members, 128, dtype=torch.bfloat16)  # a q of the tile's rows, for its layout
+        by_descriptor = settings["Q_BY_DESCRIPTOR"] and importance.descriptor_readable(members, q)
         return dict(kernel=importance.nsa_importance_kernel, num_warps=warps, **budget,
                     signature={**signature, "out_ptr": "*i64" if top else "*fp32",
                                **({"q_desc": f"tensordesc<bf16[1, 1, {queries}, 128]>"} if by_descriptor else {})},

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import LOG2E, cdiv, descriptor, head_dim_bucket, on_device
+from ..common import LOG2E, cdiv, descriptor, head_dim_bucket, on_device, tma_readable
 
 IMPORTANCE_ROWS, IMPORTANCE_KEYS = 64, 64  # packed rows (queries x members) a program; compressed keys a step
 SELECTION_KEYS = 128  # compressed keys a step when keeping a running top (64 blocks: half the merges of 64 keys)
@@ -46,7 +46,7 @@ UNMASKED_FULL_STEPS = True  # the steps a whole tile sees run in a loop of their
 #   the accumulator's registers;
 BLOCKS_FIRST = True
 # - the unmasked steps read a pass's Q rows through a tensor descriptor (a TMA copy into shared memory) rather than
-#   pointer loads (with one head a pass, head_dim a multiple of 8 and q 16-byte aligned);
+#   pointer loads (with one head a pass and q in a layout a descriptor can describe);
 Q_BY_DESCRIPTOR = True
 # - registers a thread and Triton's stages at the default tile (None: Triton's choice, 255 and 3 stages, two programs
 #   an SM); 168 and 2 fit three (registers and shared memory).
@@ -280,10 +280,10 @@ def budgeted_tile(top: int, merge: bool, rows: int, keys: int, num_warps: int) -
     return bool(top) and merge and (rows, keys, num_warps) == (IMPORTANCE_ROWS, SELECTION_KEYS, MERGE_WARPS)
 
 
-def descriptor_readable(members: int, head_dim: int, data_ptr: int = 0) -> bool:
-    """Whether the unmasked steps can read Q through a descriptor (Q_BY_DESCRIPTOR): one head a pass, and rows whose
-    bytes a TMA copy can stride over (head_dim a multiple of 8) from a 16-byte aligned start (q's ``data_ptr``)."""
-    return members == 1 and head_dim % 8 == 0 and data_ptr % 16 == 0
+def descriptor_readable(members: int, q: torch.Tensor) -> bool:
+    """Whether the unmasked steps can read q (B, H, N, d) through a descriptor (Q_BY_DESCRIPTOR): one head a pass,
+    and q in a layout a descriptor can describe (:func:`tma_readable`: 16-byte aligned start and row strides)."""
+    return members == 1 and tma_readable(q)
 
 
 def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, block_cmp: int,
@@ -329,7 +329,7 @@ def triton_nsa_importance(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.T
            torch.empty((batch, heads_kv, seqlen, sel_blocks), dtype=torch.float32, device=q.device))
     q, k_cmp, lse_cmp = q.contiguous(), k_cmp.to(q.dtype).contiguous(), lse_cmp.float().contiguous()
     # the heads of every batch as one dimension, so that a pass's head is one coordinate
-    by_descriptor = q_by_descriptor and descriptor_readable(members, head_dim, q.data_ptr())
+    by_descriptor = q_by_descriptor and descriptor_readable(members, q)
     q_desc = descriptor(q.view(1, batch * heads, seqlen, head_dim), queries) if by_descriptor else None
     with on_device(q):
         nsa_importance_kernel[(triton.cdiv(seqlen, queries), batch * heads_kv)](
