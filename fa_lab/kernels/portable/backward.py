@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .. import common
 from .block_range import key_range, query_range, window_key_range, window_query_range
-from .score_mod import in_window, modified_scores, softcap_tanh
+from .score_mod import in_window, modified_scores, softcap_tanh, visible_keys
 
 LOG2E = tl.constexpr(common.LOG2E)
 
@@ -252,11 +252,7 @@ def _dq_step(dq, q, do, lse2, delta, desc_k, desc_v, batch, kv_head, k_row0, sta
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
     if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        if WINDOW:
-            visible = visible & in_window(offs_m[:, None], offs_n[None, :], causal_offset, left, right)
+        visible = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_k, causal_offset, left, right, CAUSAL, WINDOW)
         p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])

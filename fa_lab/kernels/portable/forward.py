@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .. import common
 from .block_range import key_range, window_key_range
-from .score_mod import in_window, modified_scores
+from .score_mod import modified_scores, visible_keys
 
 LN2 = tl.constexpr(common.LN2)  # (jit code reads module-level numbers only as constexprs)
 LOG2E = tl.constexpr(common.LOG2E)
@@ -33,16 +33,12 @@ def online_softmax_tile(qk, l_i, m_i, qk_scale, offs_m, start_n, seqlen_k, causa
     Returns (p, alpha, l_i, m_new): the unnormalized probabilities exp2(qk * qk_scale - m_new),
     the factor exp2(m_old - m_new) that rescales everything accumulated so far, and the
     new running sum and max (in log2 units, since qk_scale = scale * log2(e)).
-    WINDOW: mask with the band (left, right) too (:func:`.score_mod.in_window`).
+    WINDOW: mask with the band (left, right) too (:func:`.score_mod.visible_keys`).
     """
     if MASKED:
         # Only the tiles on the causal diagonal or at the ragged end pay for a mask.
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        if WINDOW:
-            visible = visible & in_window(offs_m[:, None], offs_n[None, :], causal_offset, left, right)
+        visible = visible_keys(offs_m[:, None], offs_n[None, :], seqlen_k, causal_offset, left, right, CAUSAL, WINDOW)
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row that has seen no key yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.

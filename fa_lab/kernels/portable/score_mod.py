@@ -1,4 +1,4 @@
-"""The plain-Triton kernels' score modifiers and window mask: jit copies of :mod:`fa_lab.score_mods`.
+"""The plain-Triton kernels' score modifiers and masks: jit copies of :mod:`fa_lab.score_mods`.
 
 The forward works in log2 units (exp2 is the fast exponential), so a modified score is returned
 as ``log2(e) * s``, where ``s`` is the natural-unit score of :func:`fa_lab.score_mods.modify_scores`:
@@ -58,3 +58,16 @@ def in_window(rows, cols, offset, left, right):
     """True where query ``rows`` sees key ``cols`` under the window (left, right) (both bounds finite:
     ``BlockInfo.window_bounds``); rows, cols broadcastable."""
     return (cols >= rows + offset - left) & (cols <= rows + offset + right)
+
+
+@triton.jit
+def visible_keys(rows, cols, key_end, offset, left, right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr = False):
+    """True where query ``rows`` sees key ``cols``: the keys before ``key_end``, with CAUSAL those up to
+    ``rows + offset`` (bottom-right aligned), with WINDOW those in the band (left, right) (:func:`in_window`).
+    rows, cols broadcastable: (M, 1) and (1, N) for a tile of scores, (1, M) and (N, 1) for its transpose."""
+    visible = cols < key_end
+    if CAUSAL:
+        visible = visible & (cols <= rows + offset)
+    if WINDOW:
+        visible = visible & in_window(rows, cols, offset, left, right)
+    return visible

@@ -46,6 +46,7 @@ from .backward import attention_bwd_preprocess_kernel
 from .block_range import row_key_end
 from .configs import TileConfig
 from .forward import online_softmax_tile, write_output_rows
+from .score_mod import visible_keys
 
 
 @triton.jit
@@ -186,9 +187,7 @@ def load_backward_rows(q_ptr, do_ptr, lse2_ptr, delta_ptr, rows, valid, head_dim
 def probabilities(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, qk_scale, CAUSAL: tl.constexpr):
     """(P, dS) of a tile of packed rows against a chunk of keys, from the saved LSE: P = exp2(S qk_scale
     - lse2) where visible (keys before ``stop``, and causally), dS = P (dO V^T - delta), dS unscaled."""
-    visible = keys[None, :] < stop
-    if CAUSAL:
-        visible = visible & (keys[None, :] <= query[:, None] + causal_offset)
+    visible = visible_keys(query[:, None], keys[None, :], stop, causal_offset, 0, 0, CAUSAL)
     p = tl.where(visible, tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None]), 0.0)
     return p, p * (tl.dot(do, tl.trans(v)) - delta[:, None])
 
@@ -240,9 +239,7 @@ def probabilities_t(q, k, v, do, lse2, delta, keys, stop, query, causal_offset, 
     dK and dV take them as they come. Transposing a tl.dot result instead (tl.trans(dS)) miscompiles on
     Hopper with Triton 3.4 to 3.7.0: wrong, run-to-run different dK (flash-linear-attention met it in its
     ``chunk_bwd_dqkwg``)."""
-    visible = keys[:, None] < stop
-    if CAUSAL:
-        visible = visible & (keys[:, None] <= query[None, :] + causal_offset)
+    visible = visible_keys(query[None, :], keys[:, None], stop, causal_offset, 0, 0, CAUSAL)
     p_t = tl.where(visible, tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]), 0.0)
     return p_t, p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
 
