@@ -118,6 +118,7 @@ def _attend_tile(q, k, v, keys, key_end, query, offset, left, right, qk_scale, s
         s = softcap_tanh(qk, softcap_scale) * softcap_log2
     else:
         s = qk * qk_scale
+    # score_mod.visible_keys' rule, its key-end test made before the broadcast: that order is the tuned SASS.
     visible = (keys < key_end)[None, :]
     if CAUSAL:
         visible = visible & (keys[None, :] <= query[:, None] + offset)
