@@ -18,6 +18,14 @@ def dense_mask(seqlen_q: int, seqlen_k: int, causal: bool) -> torch.Tensor:
                          for i in range(seqlen_q)], dtype=torch.bool).reshape(seqlen_q, seqlen_k)
 
 
+def check_tile(info: BlockInfo, dense: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
+    """The tile [q0, q1) x [k0, k1): BlockInfo's mask of it is the dense one, and its kind follows from it."""
+    tile = dense[q0:q1, k0:k1]
+    assert torch.equal(info.mask(q0, q1, k0, k1), tile)
+    expected = "full" if bool(tile.all()) else "skipped" if not bool(tile.any()) else "masked"
+    assert info.tile_kind(q0, q1, k0, k1) == expected, (q0, q1, k0, k1)
+
+
 def shapes():
     return [(nq, nk, causal) for nq, nk in itertools.product(SEQLENS, SEQLENS) for causal in (False, True)]
 
@@ -42,10 +50,7 @@ def test_tiles(seqlen_q, seqlen_k, causal):
     for block_m, block_n in BLOCKS:
         for q0, k0 in itertools.product(range(0, seqlen_q, block_m), range(0, seqlen_k, block_n)):
             q1, k1 = q0 + block_m, k0 + block_n
-            tile = dense[q0:q1, k0:k1]
-            assert torch.equal(info.mask(q0, q1, k0, k1), tile)
-            expected = "full" if bool(tile.all()) else "skipped" if not bool(tile.any()) else "masked"
-            assert info.tile_kind(q0, q1, k0, k1) == expected, (q0, k0, block_m, block_n)
+            check_tile(info, dense, q0, q1, k0, k1)
             rows = dense[q0:q1]
             any_seen = rows.any(0).nonzero()
             end = int(any_seen[-1]) + 1 if len(any_seen) else 0
@@ -152,10 +157,7 @@ def test_windows_rows_ranges_and_tiles(seqlen_q, seqlen_k, causal, window):
     for block_m, block_n in ((16, 16), (32, 64)):
         for q0, k0 in itertools.product(range(0, seqlen_q, block_m), range(0, seqlen_k, block_n)):
             q1, k1 = q0 + block_m, k0 + block_n
-            tile = dense[q0:q1, k0:k1]
-            assert torch.equal(info.mask(q0, q1, k0, k1), tile)
-            expected = "full" if bool(tile.all()) else "skipped" if not bool(tile.any()) else "masked"
-            assert info.tile_kind(q0, q1, k0, k1) == expected, (q0, k0, block_m, block_n)
+            check_tile(info, dense, q0, q1, k0, k1)
             union = dense[q0:q1].any(0).nonzero().flatten()
             start, end = info.key_range(q0, q1)
             if len(union):
