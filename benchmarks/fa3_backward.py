@@ -246,21 +246,10 @@ def plot(results_path: str, png_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "run":
-        run(sys.argv[2])
-    elif sys.argv[1] == "dq":
-        dq_modes(sys.argv[2])
-    elif sys.argv[1] == "rows":
-        step_rows(sys.argv[2])
-    elif sys.argv[1] == "row-vectors":
-        row_vectors(sys.argv[2])
-    elif sys.argv[1] == "varlen-row-vectors":
-        varlen_row_vectors(sys.argv[2])
-    elif sys.argv[1] == "head-groups":
-        head_groups(sys.argv[2])
-    elif sys.argv[1] == "rows-ahead":
-        rows_ahead(sys.argv[2])
-    elif sys.argv[1] == "kv-split":
-        kv_split(sys.argv[2])
+    steps = {"run": run, "dq": dq_modes, "rows": step_rows, "row-vectors": row_vectors,
+             "varlen-row-vectors": varlen_row_vectors, "head-groups": head_groups, "rows-ahead": rows_ahead,
+             "kv-split": kv_split}
+    if sys.argv[1] in steps:
+        steps[sys.argv[1]](sys.argv[2])
     else:
         plot(sys.argv[2], sys.argv[3])
