@@ -45,3 +45,43 @@ def test_the_sanitizer_replaces_the_code_but_keeps_the_frame(capsys):
     assert shown != edited and _sanitize(shown) == _sanitize(edited)
     assert _sanitize(shown).startswith("# fa_lab/block_info.py\nSOURCE\n# (end of causal_visible)")
     assert _sanitize(shown.replace("block_info.py", "reference.py")) != _sanitize(shown)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+LISTING = re.compile(r"(?s)# ([\w./-]+\.py)\n(.*?)\n# \(end of (\w+)\)")
+STORED_NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+
+
+def stale_listings(notebook: Path) -> list[str]:
+    """The listings of `source` in a notebook's stored outputs whose code is no longer in the file they name,
+    as 'cell N: path (name)'."""
+    import nbformat
+
+    stale = []
+    for index, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
+        for output in cell.get("outputs", []):
+            for path, code, name in LISTING.findall(output.get("text", "")):
+                shown = ROOT / path
+                if not shown.is_file() or code not in shown.read_text():
+                    stale.append(f"cell {index}: {path} ({name})")
+    return stale
+
+
+@pytest.mark.parametrize("notebook", STORED_NOTEBOOKS, ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_stored_listings_show_the_current_source(notebook):
+    """nbval skips the code inside a listing, so this is what keeps a learner from reading code the package no
+    longer has: after an edit to a listed function, re-execute the notebook that prints it."""
+    assert not stale_listings(notebook), f"re-execute {notebook.relative_to(ROOT)}: {stale_listings(notebook)}"
+
+
+def test_a_listing_of_edited_code_is_stale(tmp_path, capsys):
+    import nbformat
+
+    source(causal_visible)
+    shown = capsys.readouterr().out
+    for text, stale in ((shown, False), (shown.replace("return", "return  # an edit", 1), True)):
+        cell = nbformat.v4.new_code_cell("source(causal_visible)", outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text=text)])
+        path = tmp_path / "listing.ipynb"
+        nbformat.write(nbformat.v4.new_notebook(cells=[cell]), path)
+        assert stale_listings(path) == (["cell 0: fa_lab/block_info.py (causal_visible)"] if stale else [])
