@@ -1,4 +1,5 @@
-"""fa_lab.show.source: what it prints, and that nbval's sanitizer compares the frame, not the code."""
+"""fa_lab.show.source: what it prints, that nbval's sanitizer compares the frame, not the code, and that the
+listings stored in notebooks are still the package's code."""
 from __future__ import annotations
 
 import re
@@ -10,6 +11,9 @@ from fa_lab.block_info import causal_visible
 from fa_lab.show import source
 
 CONFIG = Path(__file__).with_name("nbval_sanitize.cfg")
+ROOT = Path(__file__).resolve().parents[1]
+LISTING = re.compile(r"(?s)# ([\w./-]+\.py)\n(.*?)\n# \(end of (\w+)\)")
+STORED_NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
 
 
 def _sanitize(text: str) -> str:
@@ -47,10 +51,6 @@ def test_the_sanitizer_replaces_the_code_but_keeps_the_frame(capsys):
     assert _sanitize(shown.replace("block_info.py", "reference.py")) != _sanitize(shown)
 
 
-ROOT = Path(__file__).resolve().parents[1]
-LISTING = re.compile(r"(?s)# ([\w./-]+\.py)\n(.*?)\n# \(end of (\w+)\)")
-STORED_NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
-
 
 def stale_listings(notebook: Path) -> list[str]:
     """The listings of `source` in a notebook's stored outputs whose code is no longer in the file they name,
@@ -71,7 +71,8 @@ def stale_listings(notebook: Path) -> list[str]:
 def test_stored_listings_show_the_current_source(notebook):
     """nbval skips the code inside a listing, so this is what keeps a learner from reading code the package no
     longer has: after an edit to a listed function, re-execute the notebook that prints it."""
-    assert not stale_listings(notebook), f"re-execute {notebook.relative_to(ROOT)}: {stale_listings(notebook)}"
+    stale = stale_listings(notebook)
+    assert not stale, f"re-execute {notebook.relative_to(ROOT)}: {stale}"
 
 
 def test_a_listing_of_edited_code_is_stale(tmp_path, capsys):
