@@ -19,9 +19,7 @@ on a packed batch, into $OUT/h200_varlen_row_vectors.json; ``... fa3_backward.py
 launch's CTAs head by head against in groups of heads, key tile by key tile, into $OUT/h200_backward_head_groups.json;
 ``... fa3_backward.py rows-ahead $OUT`` the producer's loads of a step's rows one step ahead against after its wait
 for the slot, into $OUT/h200_backward_rows_ahead.json; ``... fa3_backward.py kv-split $OUT`` a grouped-query call's
-group split over 1, 2 and 4 CTAs, into $OUT/h200_backward_kv_split.json; ``... fa3_backward.py rotated-walk $OUT``
-every CTA walking its query tiles from its first against from a tile of its own (``rotated_walk``), into
-$OUT/backward_rotated_walk.json.
+group split over 1, 2 and 4 CTAs, into $OUT/h200_backward_kv_split.json.
 """
 import functools
 import json
@@ -222,16 +220,6 @@ def kv_split(out_dir: str) -> None:
                 grouped_query=(128,))
 
 
-def rotated_walk(out_dir: str) -> None:
-    """d = 128, 2K-16K, causal and not, the FA3-paper shape and chapter 05's grouped-query shape: every CTA walking
-    a head's query tiles from its first (the CTAs of one head, which run side by side, then read the same Q tile and
-    add into the same dQ tile at each step) against from the tile of its key tile's index, wrapping around
-    (``rotated_walk``), in turn, two rounds: backward_rotated_walk.json."""
-    alternating(out_dir, "backward_rotated_walk.json", (128,), (2048, 4096, 8192, 16384),
-                lambda head_dim: {"aligned": {"rotated_walk": False}, "rotated": {"rotated_walk": True}},
-                grouped_query=(128,))
-
-
 def plot(results_path: str, png_path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -260,7 +248,7 @@ def plot(results_path: str, png_path: str) -> None:
 if __name__ == "__main__":
     steps = {"run": run, "dq": dq_modes, "rows": step_rows, "row-vectors": row_vectors,
              "varlen-row-vectors": varlen_row_vectors, "head-groups": head_groups, "rows-ahead": rows_ahead,
-             "kv-split": kv_split, "rotated-walk": rotated_walk}
+             "kv-split": kv_split}
     if sys.argv[1] in steps:
         steps[sys.argv[1]](sys.argv[2])
     else:

@@ -43,8 +43,6 @@
 #            slot (h200_backward_rows_ahead.json)
 #   backward-kv-split - chapter 05's grouped-query backward with its group split over 1, 2 and 4 CTAs
 #            (h200_backward_kv_split.json)
-#   backward-rotated-walk - its CTAs walking their query tiles from the first against from a tile of their own, in
-#            turn (backward_rotated_walk.json, committed as <h100|h200>_backward_rotated_walk.json)
 #   three-consumers - the d = 64 forward with two consumer warpgroups against three (h200_three_consumers.json, by
 #            benchmarks/three_consumers_ab.py)
 #   persistent-bf16 - the bf16 Gluon forward, one CTA per work tile against the persistent kernel, on the protocol's
@@ -189,8 +187,6 @@ case "$step" in
   backward-head-groups) python3 benchmarks/fa3_backward.py head-groups "$out" 2>&1 | tee "$out/backward_head_groups.log" ;;
   backward-rows-ahead) python3 benchmarks/fa3_backward.py rows-ahead "$out" 2>&1 | tee "$out/backward_rows_ahead.log" ;;
   backward-kv-split) python3 benchmarks/fa3_backward.py kv-split "$out" 2>&1 | tee "$out/backward_kv_split.log" ;;
-  backward-rotated-walk) python3 benchmarks/fa3_backward.py rotated-walk "$out" 2>&1 \
-                         | tee "$out/backward_rotated_walk.log" ;;
   varlen-row-vectors) python3 benchmarks/fa3_backward.py varlen-row-vectors "$out" 2>&1 \
            | tee "$out/varlen_row_vectors.log" ;;
   backward) python3 benchmarks/fa3_backward.py run "$out" 2>&1 | tee "$out/backward.log"
@@ -252,5 +248,5 @@ case "$step" in
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|backward-rotated-walk|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-importance-full-steps|nsa-importance-registers|nsa-importance-registers-64k|nsa-top|nsa-compressed|nsa-checks|nsa-overlap|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-importance-full-steps|nsa-importance-registers|nsa-importance-registers-64k|nsa-top|nsa-compressed|nsa-checks|nsa-overlap|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac

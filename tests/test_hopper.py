@@ -1411,27 +1411,6 @@ def test_gpu_gluon_backward_with_the_group_split_across_ctas(case, kv_split, gen
     _check_gluon_backward_with(dict(kv_split=kv_split), case, generator, monkeypatch)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GLUON_BACKWARD_CASES, ids=str)
-def test_gpu_gluon_backward_with_rotated_walks(case, generator, monkeypatch):
-    """gluon_backward(rotated_walk=True): each CTA starts its walk over a head's query tiles at a tile of its own
-    and wraps around; the rule holds (grouped K/V, causal with more or fewer queries than keys, ragged tiles, a
-    walk of one tile, d = 64 and 128, bf16 and fp16)."""
-    _check_gluon_backward_with(dict(rotated_walk=True), case, generator, monkeypatch)
-
-
-def test_the_rotated_walk_builds_for_sm90_without_spills():
-    """ROTATED adds a wrap-around to each step's query tile in all four partitions; the loops stay free of spills
-    and stack, causal and not at d = 128 and 64 and with a window."""
-    from fa_lab.kernels.hopper.sm90_offline import compile_all_for_sm90, fa3_backward_job
-
-    configs = [dict(head_dim=128, causal=False), dict(head_dim=128, causal=True), dict(head_dim=64, causal=False),
-               dict(head_dim=128, causal=False, window=True)]
-    builds = compile_all_for_sm90([fa3_backward_job(**config, rotated_walk=True) for config in configs])
-    for config, build in zip(configs, builds):
-        assert build.kv_loop_spills == 0 and build.stack_bytes == 0, config
-
-
 def test_the_group_split_must_divide_the_group():
     """gluon_backward refuses a kv_split that does not divide the query heads per K/V head before anything runs
     (CPU tensors: nothing is launched)."""

@@ -386,14 +386,9 @@ def uses_gluon_backward(q, k, causal, options: ScoreOptions, window: bool = Fals
 DQ_MODES = ("turns", "partial", "split", "named")  # fa3_backward.DQ_SCHEMES's names; "split" at d = 128 only
 
 
-# Whether gluon_backward's CTAs start their walks over the query tiles at rotated tiles (rotated_walk=None).
-ROTATED_WALK = False
-
-
 def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_mode: str | None = None,
                    rows: int | None = None, rows_by_producer: bool = True, head_group: int | None = None,
-                   rows_ahead: bool = False, kv_split: int = 1, row_vectors=None, dq=None, window=(-1, -1),
-                   rotated_walk: bool | None = None):
+                   rows_ahead: bool = False, kv_split: int = 1, row_vectors=None, dq=None, window=(-1, -1)):
     """The Gluon FA3 backward on prepared operands q, out, grad_out: (B, H, Nq, d), k, v: (B, Hkv, Nk, d),
     d = 64 or 128, lse (B, H, Nq) float32: (dq, dk, dv) in q's dtype, dk and dv summed over each group.
     row_vectors, dq: as :func:`fa_lab.kernels.portable.attention.triton_backward` takes them. window: flash-attn's
@@ -412,9 +407,7 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     runs on K and V repeated kv_split times along the heads (each copy a K/V head of its own, group / kv_split query
     heads to a copy) and stores float32 partial dK, dV per copy, summed here. kv_split times as many CTAs, each
     kv_split times shorter, for a copy of K and V and the partials' bytes (FA3 adds dK and dV of a grouped call
-    across CTAs in float32 too). rotated_walk: each key tile's CTA starts its walk over a head's query tiles at the
-    tile of its own index and wraps around (:func:`.fa3_backward._step_rows`), so that the CTAs running side by side
-    add into different dQ tiles; None: :data:`ROTATED_WALK`."""
+    across CTAs in float32 too)."""
     from .fa3_backward import BWD_BLOCK_N
 
     batch, heads, seqlen_q, head_dim = q.shape
@@ -434,8 +427,7 @@ def gluon_backward(q, k, v, out, lse, grad_out, causal: bool, scale: float, dq_m
     delta, lse2 = row_vectors
     dq_sum, dk, dv = _backward_outputs(q, k_run, v_run, torch.float32 if kv_split > 1 else None)
     _launch_backward((key_tiles * kv_pairs,), (q, k_run, v_run, grad_out, dq_sum), dk, dv, lse2, delta, heads,
-                     seqlen_q, seqlen_k, head_group, None, info, scale, dq_mode, rows, rows_by_producer, rows_ahead,
-                     ROTATED_WALK if rotated_walk is None else rotated_walk)
+                     seqlen_q, seqlen_k, head_group, None, info, scale, dq_mode, rows, rows_by_producer, rows_ahead)
     if kv_split > 1:  # the copies' partial sums, added in float32 and rounded once
         dk, dv = (t.view(batch, heads_kv, kv_split, seqlen_k, head_dim).sum(2).to(k.dtype) for t in (dk, dv))
     return _scaled_dq(dq_sum, scale, q.dtype, dq), dk, dv
@@ -481,13 +473,13 @@ def _backward_outputs(q, k, v, kv_dtype: torch.dtype | None = None):
 
 
 def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqlen_k, head_group, packing,
-                     info: BlockInfo, scale, dq_mode, rows, rows_by_producer, rows_ahead, rotated_walk=False):
+                     info: BlockInfo, scale, dq_mode, rows, rows_by_producer, rows_ahead):
     """Launch :func:`.fa3_backward.attention_bwd_fa3_kernel`. operands: q, k, v, grad_out and the float32 dQ as
     its descriptors see them, (B, H, N, d) (packed: (1, H, total, d) views); head_group: the kernel's argument
     (dense launches); packing: None, or (schedule,
     cu_seqlens_q, cu_seqlens_k) of a packed batch, whose seqlen_q and seqlen_k are then the totals; info: the
-    call's mask (its causal flag and band); dq_mode, rows, rows_by_producer, rows_ahead, rotated_walk: as the two
-    launchers take them."""
+    call's mask (its causal flag and band); dq_mode, rows, rows_by_producer, rows_ahead: as the two launchers take
+    them."""
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, DQ_SPLIT, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
 
@@ -506,7 +498,7 @@ def _launch_backward(grid, operands, dk, dv, lse2, delta, heads, seqlen_q, seqle
         dk, dv, lse2, delta, heads, heads // k.shape[1], seqlen_q, seqlen_k, head_group, *_window_bounds(info),
         *(packing or (lse2,) * 3), scale * LOG2E, scale, CAUSAL=info.causal_only, STAGES=2,
         VARLEN=packing is not None, DQ_SCHEME=scheme, ROWS_BY_PRODUCER=rows_by_producer,
-        ROWS_AHEAD=rows_by_producer and rows_ahead, WINDOW=info.banded, ROTATED=rotated_walk, num_warps=4,
+        ROWS_AHEAD=rows_by_producer and rows_ahead, WINDOW=info.banded, num_warps=4,
         maxnreg=launch_maxnreg(BWD_CONSUMERS.value))
 
 

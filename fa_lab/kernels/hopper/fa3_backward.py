@@ -131,25 +131,12 @@ def async_reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _step_rows(t, first_q, q_tiles, kv_head, group, walk, BLOCK_M: gl.constexpr, ROTATED: gl.constexpr):
+def _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M: gl.constexpr):
     """Step t's query head and first row: the group's heads one after another, each over its query tiles
-    (of BLOCK_M rows) from first_q on; ROTATED: each head's walk starts at its tile ``walk`` (0 <= walk < q_tiles)
-    and wraps around to first_q, so that CTAs of neighbouring key tiles, which run side by side, read a different
-    query tile at each step and add into a different dQ tile (:func:`walk_start`)."""
+    (of BLOCK_M rows) from first_q on."""
     head = kv_head * group + t // q_tiles
-    tile = t % q_tiles
-    if ROTATED:
-        tile = tile + walk
-        tile = gl.where(tile >= q_tiles, tile - q_tiles, tile)
-    start_m = (first_q + tile) * BLOCK_M
+    start_m = (first_q + t % q_tiles) * BLOCK_M
     return head, start_m
-
-
-@gluon.jit
-def walk_start(start_n, q_tiles, BLOCK_N: gl.constexpr):
-    """The query tile a rotated walk starts at (:func:`_step_rows`): the key tile's index, modulo the walk's
-    tiles."""
-    return (start_n // BLOCK_N) % gl.maximum(q_tiles, 1)
 
 
 @gluon.jit
@@ -163,11 +150,11 @@ def _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start
 
 
 @gluon.jit
-def _rows_of_step(t, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q, q_tiles, walk, seqlen_q,
-                  q_start, lse_rows, BLOCK_M: gl.constexpr, row_layout: gl.constexpr, ROTATED: gl.constexpr):
+def _rows_of_step(t, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q, q_tiles, seqlen_q, q_start,
+                  lse_rows, BLOCK_M: gl.constexpr, row_layout: gl.constexpr):
     """Step t's lse2 and D rows (:func:`_step_row_vectors`, BLOCK_M of them in row_layout), none read past the last
     of ``steps``."""
-    head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, walk, BLOCK_M, ROTATED)
+    head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
     rows = start_m + gl.arange(0, BLOCK_M, layout=row_layout)
     return _step_row_vectors(lse2_ptr, delta_ptr, batch, heads, head, lse_rows, q_start, rows,
                              (rows < seqlen_q) & (t < steps))
@@ -213,9 +200,8 @@ def _widen(x):
 
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr, delta_ptr,
-                  batch, kv_head, start_n, heads, group, first_q, q_tiles, walk, seqlen_q, q_start, k_start,
-                  lse_rows, qk_scale, ROWS_BY_PRODUCER: gl.constexpr, ROWS_AHEAD: gl.constexpr,
-                  ROTATED: gl.constexpr):
+                  batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start, k_start, lse_rows,
+                  qk_scale, ROWS_BY_PRODUCER: gl.constexpr, ROWS_AHEAD: gl.constexpr):
     """TMA copies: K and V of the CTA's keys once, then Q_i and dO_i of every step (q_start, k_start: the
     sequence's first row in a packed batch, else 0). ROWS_BY_PRODUCER: also the start rows of step i's two products
     (:func:`_product_starts`), into row_bufs[2 slot] and [2 slot + 1] before Q_i's copy is announced on the slot's
@@ -230,9 +216,9 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
     steps = group * q_tiles
     if ROWS_AHEAD:
         lse2, delta = _rows_of_step(0, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q, q_tiles,
-                                    walk, seqlen_q, q_start, lse_rows, BLOCK_M, row_layout, ROTATED)
+                                    seqlen_q, q_start, lse_rows, BLOCK_M, row_layout)
     for t in range(steps):
-        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, walk, BLOCK_M, ROTATED)
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         q_tile = q_ring.at(t)
         if ROWS_AHEAD:
             q_tile.fill(q_desc, [batch, head, q_start + start_m, 0])  # (waits for the free slot)
@@ -241,7 +227,7 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
             _store_starts(row_bufs, q_tile.slot, s_rows, dp_rows)
             mbarrier.arrive(q_ring.ready.index(q_tile.slot))
             lse2, delta = _rows_of_step(t + 1, steps, lse2_ptr, delta_ptr, batch, heads, kv_head, group, first_q,
-                                        q_tiles, walk, seqlen_q, q_start, lse_rows, BLOCK_M, row_layout, ROTATED)
+                                        q_tiles, seqlen_q, q_start, lse_rows, BLOCK_M, row_layout)
         else:
             if ROWS_BY_PRODUCER:
                 wait_until_empty(q_ring.empty.index(q_tile.slot), ring_phase(t, q_ring.bufs.type.shape[0]))
@@ -254,13 +240,13 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ri
 
 
 @gluon.jit
-def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, walk, q_start,
-                   DQ_SCHEME: gl.constexpr, ROTATED: gl.constexpr):
+def _bwd_dq_writer(dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
+                   DQ_SCHEME: gl.constexpr):
     """Each step's dQ_i from shared memory into the float32 dQ (TMA reduce-adds): the whole tile of step i's slot
     (turns); the two consumers' partial tiles (buffer c of consumer c); or the slot's two column halves (buffer
     2 * slot + c holds consumer c's columns)."""
     for t in range(group * q_tiles):
-        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, walk, dq_desc.block_type.shape[2], ROTATED)
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, dq_desc.block_type.shape[2])
         if DQ_SCHEME == DQ_PARTIAL:
             for c in gl.static_range(BWD_CONSUMERS):
                 mbarrier.wait(dq_full.index(c), ring_phase(t, 1))
@@ -317,10 +303,9 @@ def _turn_dq(step, ds_bufs, k_all, ds_ready, ds_free, dq_bufs, dq_full, dq_empty
 @gluon.jit
 def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                   row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
-                  q_tiles, walk, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
-                  window_right, CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                  DQ_SCHEME: gl.constexpr, ROWS_BY_PRODUCER: gl.constexpr, WINDOW: gl.constexpr,
-                  ROTATED: gl.constexpr):
+                  q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left, window_right,
+                  CONSUMER: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DQ_SCHEME: gl.constexpr,
+                  ROWS_BY_PRODUCER: gl.constexpr, WINDOW: gl.constexpr):
     """Consumer warpgroup CONSUMER: keys [start_n + 64 * CONSUMER, +64) through every step, then its dK, dV rows;
     it also computes the dQ tile of every step whose dS slot is its own (t % 2 == CONSUMER), or (DQ_PARTIAL) its
     partial dQ tile of every step, or (DQ_SPLIT) its half of every step's dQ columns. Rows and keys are
@@ -353,7 +338,7 @@ def _bwd_consumer(k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, d
     if DQ_SCHEME == DQ_NAMED:
         named_barrier("bar.arrive", DS_FREE + CONSUMER)  # this consumer's slot is free for the other's first rows
     for t in range(group * q_tiles):
-        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, walk, BLOCK_M, ROTATED)
+        head, start_m = _step_rows(t, first_q, q_tiles, kv_head, group, BLOCK_M)
         rows = start_m + gl.arange(0, BLOCK_M, layout=query_layout)
         q_tile = q_ring.at(t)
         do_tile = do_ring.at(t)
@@ -497,7 +482,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
                              cu_seqlens_q, cu_seqlens_k, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                              VARLEN: gl.constexpr = False, DQ_SCHEME: gl.constexpr = DQ_TURNS,
                              ROWS_BY_PRODUCER: gl.constexpr = False, ROWS_AHEAD: gl.constexpr = False,
-                             WINDOW: gl.constexpr = False, ROTATED: gl.constexpr = False):
+                             WINDOW: gl.constexpr = False):
     """dK, dV (stored) and dQ (added) of one tile of 128 keys of one (batch, K/V head). Launch with num_warps=4.
 
     q/do_desc: TMA descriptors over (B, H, Nq, d), block (1, 1, rows, d) (rows: :func:`bwd_rows`); k/v_desc over
@@ -515,8 +500,7 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     it stores the step's rows (:func:`_bwd_producer`). WINDOW (dense calls only; CAUSAL off, a causal band folded
     into its bounds): the band of ``BlockInfo.window_bounds`` (window_left, window_right); each CTA walks only the
     query tiles that see its key tile (:func:`.block_range.window_query_plan`) and masks the steps across the band's
-    edges. ROTATED: each CTA's walk over a head's query tiles starts at the tile :func:`walk_start` gives and wraps
-    around (:func:`_step_rows`), instead of every CTA starting at its first.
+    edges.
 
     VARLEN: a packed batch. The descriptors see the packed (total, heads, d) tensors as (1, heads, total, d)
     (dQ's too); dk_ptr, dv_ptr: (total_k, H // group, d); lse2_ptr, delta_ptr: (H, total_q); seqlen_q: total_q;
@@ -550,9 +534,6 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     if WINDOW:
         gl.static_assert(not (CAUSAL or VARLEN), "a window folds causal in, and packed batches take none")
         first_q, q_tiles = window_query_plan(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N)
-    walk = 0
-    if ROTATED:
-        walk = walk_start(start_n, q_tiles, BLOCK_N)
 
     # K and V are loaded once, through one-slot Rings; nothing arrives on their empty barriers, whose
     # fresh state lets the producer's single fill through.
@@ -608,15 +589,15 @@ def attention_bwd_fa3_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, dk_ptr, d
     gl.warp_specialize([
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
-                         q_tiles, walk, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
-                         window_right, 0, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW, ROTATED)),
+                         q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
+                         window_right, 0, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW)),
         (_bwd_consumer, (k_ring, v_ring, q_ring, do_ring, ds_bufs, ds_ready, ds_free, dq_bufs, dq_full, dq_empty,
                          row_bufs, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, batch, kv_head, start_n, heads, group, first_q,
-                         q_tiles, walk, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
-                         window_right, 1, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW, ROTATED)),
+                         q_tiles, seqlen_q, seqlen_k, q_start, k_start, lse_rows, qk_scale, scale, window_left,
+                         window_right, 1, CAUSAL, VARLEN, DQ_SCHEME, ROWS_BY_PRODUCER, WINDOW)),
         (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, k_ring, v_ring, q_ring, do_ring, row_bufs, lse2_ptr,
-                         delta_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles, walk, seqlen_q, q_start,
-                         k_start, lse_rows, qk_scale, ROWS_BY_PRODUCER, ROWS_AHEAD, ROTATED)),
-        (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, walk,
-                          q_start, DQ_SCHEME, ROTATED)),
+                         delta_ptr, batch, kv_head, start_n, heads, group, first_q, q_tiles, seqlen_q, q_start,
+                         k_start, lse_rows, qk_scale, ROWS_BY_PRODUCER, ROWS_AHEAD)),
+        (_bwd_dq_writer, (dq_desc, dq_bufs, dq_full, dq_empty, batch, kv_head, group, first_q, q_tiles, q_start,
+                          DQ_SCHEME)),
     ], [4, 1, 1], [BWD_CONSUMER_REGS, BWD_WORKER_REGS, BWD_WORKER_REGS])

@@ -182,14 +182,12 @@ def census_row_job(row: dict) -> dict:
 
 def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf16", varlen: bool = False,
                      dq_mode: str | None = None, rows: int | None = None, rows_by_producer: bool = True,
-                     rows_ahead: bool = False, kv_split: int = 1, window: bool = False,
-                     rotated_walk: bool = False) -> dict:
+                     rows_ahead: bool = False, kv_split: int = 1, window: bool = False) -> dict:
     """The :func:`compile_all_for_sm90` job of :func:`.fa3_backward.attention_bwd_fa3_kernel` as
     :func:`.attention.gluon_backward` (or, varlen, ``gluon_varlen_backward``) launches it with ``dq_mode`` (None:
     :func:`.attention.dq_mode_by_default`) and ``rows`` query rows per step (None: by head_dim),
     ``rows_by_producer`` (both launchers' default: True), ``rows_ahead``, ``kv_split`` (above 1: float32 dK, dV
-    partials), ``window`` (a band; ``causal`` must then be False, as the launcher folds it in) and ``rotated_walk``
-    (each CTA's walk over the query tiles starting at a tile of its own)."""
+    partials) and ``window`` (a band; ``causal`` must then be False, as the launcher folds it in)."""
     from .attention import dq_mode_by_default
     from .fa3_backward import BWD_CONSUMERS, DQ_SCHEMES, attention_bwd_fa3_kernel, backward_blocks
     from .fa3_config import launch_maxnreg
@@ -207,7 +205,7 @@ def fa3_backward_job(head_dim: int = 128, causal: bool = False, dtype: str = "bf
     return dict(kernel=attention_bwd_fa3_kernel, signature=signature,
                 constants=dict(CAUSAL=causal, STAGES=2, VARLEN=varlen, DQ_SCHEME=scheme,
                                ROWS_BY_PRODUCER=rows_by_producer, ROWS_AHEAD=rows_by_producer and rows_ahead,
-                               WINDOW=window, ROTATED=rotated_walk),
+                               WINDOW=window),
                 num_warps=4, maxnreg=launch_maxnreg(BWD_CONSUMERS.value),
                 aligned=("dk_ptr", "dv_ptr", "lse2_ptr", "delta_ptr"))
 
