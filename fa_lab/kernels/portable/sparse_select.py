@@ -116,41 +116,10 @@ def attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start_n, stop, query, 
 
 
 @triton.jit
-def paired_keys(index_ptr, slot, slots, seqlen_k, block_k, key_limit, BLOCK_N: tl.constexpr):
-    """(keys, stop) of the two blocks in slots ``slot`` and ``slot + 1`` laid side by side in a step of BLOCK_N =
-    2 block_k keys: each column's key and the end of its block's range (cut as :func:`selected_keys` cuts it; a
-    slot past ``slots`` or unused gives an empty range)."""
-    columns = tl.arange(0, BLOCK_N)
-    second = columns >= BLOCK_N // 2
-    slot_of = slot + second.to(tl.int32)
-    block = tl.load(index_ptr + slot_of, mask=slot_of < slots, other=-1)
-    start = block * block_k
-    keys = start + tl.where(second, columns - BLOCK_N // 2, columns)
-    stop = tl.minimum(tl.minimum(start + block_k, seqlen_k), key_limit)
-    return keys, tl.where(block >= 0, stop, start)
-
-
-@triton.jit
-def attend_pair(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, keys, stop, query, causal_offset, head_dim, qk_scale,
-                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
-    """:func:`attend_chunk` over a step of two blocks (:func:`paired_keys`)."""
-    offsets, mask = row_tile(kv_row0 + keys, keys < stop, head_dim, HEAD_DIM=HEAD_DIM)
-    k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
-    visible = visible_keys(query[:, None], keys[None, :], stop[None, :], causal_offset, 0, 0, CAUSAL)
-    qk = tl.where(visible, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_sub[:, None])
-    alpha = tl.math.exp2(m_i - m_sub)
-    return tl.dot(p.to(v.dtype), v, acc * alpha[:, None]), l_i * alpha + tl.sum(p, 1), m_new
-
-
-@triton.jit
 def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
                             group, seqlen_q, seqlen_k, head_dim, block_q, block_k, slots, qk_scale,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            CAUSAL: tl.constexpr, ONE_CHUNK: tl.constexpr, PAIRED: tl.constexpr = False):
+                            CAUSAL: tl.constexpr, ONE_CHUNK: tl.constexpr):
     """O and the LSE of one tile of packed rows over the blocks its selection row lists.
 
     q_ptr, o_ptr: (B, H, seqlen_q, head_dim); k_ptr, v_ptr: (B, H // group, seqlen_k, head_dim);
@@ -171,23 +140,16 @@ def block_select_fwd_kernel(q_ptr, k_ptr, v_ptr, index_ptr, o_ptr, lse_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if PAIRED:  # two blocks a step (BLOCK_N = 2 block_k)
-        for slot in tl.range(0, slots, 2):
-            keys, stop = paired_keys(selection, slot, slots, seqlen_k, block_k, key_limit, BLOCK_N=BLOCK_N)
-            acc, l_i, m_i = attend_pair(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, keys, stop, query, causal_offset,
-                                        head_dim, qk_scale, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL)
-    else:
-        for slot in tl.range(0, slots):
-            start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
-            if ONE_CHUNK:
-                acc, l_i, m_i = attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start, stop, query,
+    for slot in tl.range(0, slots):
+        start, stop = selected_keys(selection, slot, seqlen_k, block_k, key_limit)
+        if ONE_CHUNK:
+            acc, l_i, m_i = attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start, stop, query, causal_offset,
+                                         head_dim, qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL)
+        else:
+            for start_n in tl.range(start, stop, BLOCK_N):
+                acc, l_i, m_i = attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start_n, stop, query,
                                              causal_offset, head_dim, qk_scale, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
                                              CAUSAL=CAUSAL)
-            else:
-                for start_n in tl.range(start, stop, BLOCK_N):
-                    acc, l_i, m_i = attend_chunk(q, acc, l_i, m_i, k_ptr, v_ptr, kv_row0, start_n, stop, query,
-                                                 causal_offset, head_dim, qk_scale, BLOCK_N=BLOCK_N,
-                                                 HEAD_DIM=HEAD_DIM, CAUSAL=CAUSAL)
 
     # The epilogue of a packed batch, over the group's rows of o as (group * seqlen_q, 1, head_dim) and
     # of lse as (1, group * seqlen_q) (offsets within one group fit in int32): padding rows are sent
@@ -400,13 +362,8 @@ def launch_meta(config: TileConfig, head_dim: int, causal: bool) -> dict:
                 num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-# Two selected blocks a step in the forward (block_select_forward's paired=None), at these warps and stages when
-# the caller names no config.
-PAIRED_BLOCKS, PAIRED_WARPS, PAIRED_STAGES = False, 8, 2
-
-
 def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: bool, scale: float, *,
-                         config: TileConfig | None = None, paired: bool | None = None):
+                         config: TileConfig | None = None):
     """Forward on contiguous q (B, H, Nq, d), k, v (B, Hkv, Nk, d) and int32 indices (B, Hkv, R, S), at
     ``config`` (:func:`tile_config`'s when None).
 
@@ -414,19 +371,13 @@ def block_select_forward(q, k, v, indices, block_q: int, block_k: int, causal: b
     """
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
-    paired = PAIRED_BLOCKS if paired is None else paired
-    if config is None:
-        config = tile_config(group * block_q, block_k, head_dim, backward=False)
-        if paired:
-            config = replace(config, num_warps=PAIRED_WARPS, num_stages=PAIRED_STAGES)
+    config = config or tile_config(group * block_q, block_k, head_dim, backward=False)
     out = torch.empty_like(q)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    if paired:  # two blocks a step
-        config = replace(config, block_n=2 * block_k)
     grid = (indices.shape[2], batch * heads_kv, cdiv(group * block_q, config.block_m))
     block_select_fwd_kernel[grid](
         q, k, v, indices, out, lse, group, seqlen_q, seqlen_k, head_dim, block_q, block_k, indices.shape[3],
-        scale * LOG2E, ONE_CHUNK=block_k <= config.block_n, PAIRED=paired, **launch_meta(config, head_dim, causal))
+        scale * LOG2E, ONE_CHUNK=block_k <= config.block_n, **launch_meta(config, head_dim, causal))
     return out, lse
 
 
