@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from fa_lab.block_info import causal_visible
@@ -51,18 +52,17 @@ def test_the_sanitizer_replaces_the_code_but_keeps_the_frame(capsys):
     assert _sanitize(shown.replace("block_info.py", "reference.py")) != _sanitize(shown)
 
 
-
 def stale_listings(notebook: Path) -> list[str]:
     """The listings of `source` in a notebook's stored outputs whose code is no longer in the file they name,
     as 'cell N: path (name)'."""
-    import nbformat
-
-    stale = []
+    stale, texts = [], {}  # texts: each named file read once
     for index, cell in enumerate(nbformat.read(notebook, as_version=4).cells):
         for output in cell.get("outputs", []):
             for path, code, name in LISTING.findall(output.get("text", "")):
-                shown = ROOT / path
-                if not shown.is_file() or code not in shown.read_text():
+                if path not in texts:
+                    shown = ROOT / path
+                    texts[path] = shown.read_text() if shown.is_file() else None
+                if texts[path] is None or code not in texts[path]:
                     stale.append(f"cell {index}: {path} ({name})")
     return stale
 
@@ -76,8 +76,6 @@ def test_stored_listings_show_the_current_source(notebook):
 
 
 def test_a_listing_of_edited_code_is_stale(tmp_path, capsys):
-    import nbformat
-
     source(causal_visible)
     shown = capsys.readouterr().out
     for text, stale in ((shown, False), (shown.replace("return", "return  # an edit", 1), True)):
