@@ -357,3 +357,38 @@ def test_the_linear_tuner_times_stages_at_the_committed_warps_and_restores_both_
     assert linear_launch.LAUNCH_WARPS == warps and linear_launch.LAUNCH_STAGES == stages
     with pytest.raises(ValueError, match="knob"):
         bench.tune_launches(tmp_path / "x.json", knob="num_threads")
+
+
+def test_the_sparse_benchmarks_bars_are_timed_in_turn(monkeypatch):
+    """bars_in_turn: each case's call and dense attention's at its shape, timed once untimed and then in turn,
+    round after round; the ratio is the rounds' medians' (dense over ours), and bar_ratios reads it back."""
+    from fa_lab.bench import sparse as bench
+
+    def maker(name):
+        return lambda q, k, v, _selection: ((lambda: name), (q, k, v))
+
+    def fake_inputs(heads, heads_kv, seqlen, _generator):
+        return torch.randn(1, heads, 4, 8), torch.randn(1, heads_kv, 4, 8), torch.randn(1, heads_kv, 4, 8)
+
+    for name in ("ours_nsa", "ours_moba", "dense"):
+        monkeypatch.setattr(bench, name, maker(name))
+    monkeypatch.setattr(bench, "bf16_inputs", fake_inputs)
+    random_ms = torch.Generator().manual_seed(7)
+    order = []
+
+    def timer(call, return_mode):
+        assert return_mode == "median"
+        order.append(call())
+        base = {"ours_nsa": 20.0, "ours_moba": 15.0, "dense": 80.0}[order[-1]]
+        return base * (1 + 0.1 * torch.rand((), generator=random_ms).item())
+
+    entry = bench.bars_in_turn(None, 65536, rounds=3, timer=timer)
+    assert order == ["ours_nsa", "dense"] * 4 + ["ours_moba", "dense"] * 4  # one timing thrown away, three rounds
+    for case in ("nsa", "moba"):
+        assert len(entry[f"{case} ms"]) == len(entry[f"{case} dense ms"]) == 3
+        expected = sorted(entry[f"{case} dense ms"])[1] / sorted(entry[f"{case} ms"])[1]
+        assert entry[f"{case}: dense time / ours fwd"] == pytest.approx(expected, abs=1e-4)
+    found = dict(bench.bar_ratios({"bars_in_turn": entry}))
+    assert found == {"nsa: dense time / ours fwd, 64K, in turn (3 rounds)": entry["nsa: dense time / ours fwd"],
+                     "moba: dense time / ours fwd, 64K, in turn (3 rounds)": entry["moba: dense time / ours fwd"]}
+    assert bench.bar_ratios({"rows": []}) == []

@@ -272,7 +272,7 @@ def _run_sparse(args) -> int:
         sparse.breakdowns()
         return 0
     results = sparse.run_sparse(args.json, seqlens=tuple(args.seqlens or sparse.SEQLENS))
-    lines = [f"{what}: {value:.3f}" for what, value in sparse.speedups(results["rows"])]
+    lines = [f"{what}: {value:.3f}" for what, value in sparse.speedups(results["rows"]) + sparse.bar_ratios(results)]
     lines += [f"NSA selection at {sparse.SWEEP_SEQLEN // 1024}K keeping {100 * kept:.2f}% of the causal pairs: "
               f"{fwd:.1f}x dense forward, " + (f"{bwd:.1f}x backward" if bwd else "backward not measured")
               for kept, fwd, bwd in sparse.sparsity_curve(results["rows"])]

@@ -14,11 +14,12 @@ def checked_in_turn(calls: dict, entry: dict, value, label: str, rounds: int = 2
     medians_in_turn(calls, entry, rounds)
 
 
-def medians_in_turn(calls: dict, entry: dict, rounds: int = 2) -> None:
+def medians_in_turn(calls: dict, entry: dict, rounds: int = 2, timer=None) -> None:
     """Time each of ``calls`` (name -> callable) in turn, ``rounds`` times over: entry[f"{name} ms"] lists its
-    do_bench medians, one a round."""
-    from triton.testing import do_bench
+    medians by ``timer`` (``triton.testing.do_bench`` when None), one a round."""
+    if timer is None:
+        from triton.testing import do_bench as timer
 
     for _round in range(rounds):
         for name, call in calls.items():
-            entry.setdefault(f"{name} ms", []).append(round(do_bench(call, return_mode="median"), 3))
+            entry.setdefault(f"{name} ms", []).append(round(timer(call, return_mode="median"), 3))

@@ -29,6 +29,11 @@ installed, as on the H200 here, :mod:`.fa2_api` serves those calls with flash-at
 TFLOP/s count 4 * d FLOPs per visible (query, key) pair per query head (2.5 times that for the
 backward), the pairs of the selection (or of the causal mask for ``dense``). Times are medians of
 ``triton.testing.do_bench``. Rows follow :mod:`.schema` with its sparse keys.
+
+The chapter's bars compare NSA's and MoBA's forward with dense attention's at the longest length. Each row is
+timed once, minutes apart from its peer, and dense attention's forward alone has moved by up to 7% from run to
+run; so the file's ``bars_in_turn`` also times each of those two pairs in turn, BAR_ROUNDS rounds
+(:func:`bars_in_turn`).
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ NSA_BLOCK_CMP, NSA_WINDOW = 32, 512  # NSA's compression block and window (its p
 MOBA_HEADS, MOBA_BLOCK, MOBA_TOP_K = 32, 4096, 3
 MOBA_SEQLENS = (32768, 65536)
 MOBA_IMPLS = ("triton", "fla_moba", "dense")
+BAR_ROUNDS = 3  # rounds of the bars' forward ratios timed in turn (bars_in_turn)
 
 
 def nsa_selection(seqlen: int, generator: torch.Generator, device="cuda", selected: int = SELECTED) -> torch.Tensor:
@@ -240,9 +246,10 @@ def bf16_inputs(heads: int, heads_kv: int, seqlen: int, generator: torch.Generat
 
 
 def run_sparse(json_path=None, seqlens=SEQLENS, impls=IMPLS, timer=None, moba_seqlens=MOBA_SEQLENS,
-               sweep_selected=SWEEP_SELECTED, progress=print) -> dict:
+               sweep_selected=SWEEP_SELECTED, progress=print, bars=True) -> dict:
     """The NSA selection at every length (and its sparsity sweep at SWEEP_SEQLEN), then MoBA at every
-    length; saved to ``json_path`` after each length."""
+    length, then (``bars``) :func:`bars_in_turn` at the longest of ``seqlens``; saved to ``json_path`` after each
+    length."""
     if timer is None:
         from triton.testing import do_bench as timer
     makers = {"triton": ours, "fla_nsa": fla_nsa, "dense": dense}
@@ -288,7 +295,48 @@ def run_sparse(json_path=None, seqlens=SEQLENS, impls=IMPLS, timer=None, moba_se
         del tensors
         if json_path:
             save_results(results, json_path)
+    if bars and "triton" in impls:
+        results["bars_in_turn"] = bars_in_turn(generator, max(seqlens), timer=timer)
+        progress(f"in turn at {max(seqlens) // 1024}K: " + ", ".join(f"{what} {value:.3f}"
+                                                                    for what, value in bar_ratios(results)))
+        if json_path:
+            save_results(results, json_path)
     return results
+
+
+def bars_in_turn(generator: torch.Generator, seqlen: int, rounds: int = BAR_ROUNDS, timer=None) -> dict:
+    """NSA end to end and MoBA, each beside dense attention at its shape, forward, timed in turn ``rounds`` times
+    over (:func:`.in_turn.medians_in_turn`) after one timing of each call that is thrown away (as the rows' is):
+    {"seqlen", "rounds", "nsa ms", "nsa dense ms", "moba ms", "moba dense ms" (one median a round), and
+    "<case>: dense time / ours fwd" (the ratio of the rounds' medians)}."""
+    from statistics import median
+
+    from .in_turn import medians_in_turn
+
+    if timer is None:
+        from triton.testing import do_bench as timer
+    entry = {"seqlen": seqlen, "rounds": rounds}
+    for case, make, heads in (("nsa", ours_nsa, (HEADS, HEADS_KV)), ("moba", ours_moba, (MOBA_HEADS, MOBA_HEADS))):
+        tensors = bf16_inputs(*heads, seqlen, generator)
+        calls = {case: make(*tensors, None)[0], f"{case} dense": dense(*tensors, None)[0]}
+        for call in calls.values():
+            timer(call, return_mode="median")
+        medians_in_turn(calls, entry, rounds, timer=timer)
+        entry[f"{case}: dense time / ours fwd"] = round(median(entry[f"{case} dense ms"]) /
+                                                        median(entry[f"{case} ms"]), 4)
+        del tensors, calls
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return entry
+
+
+def bar_ratios(results: dict) -> list[tuple[str, float]]:
+    """(what, value) of a results file's :func:`bars_in_turn` entry (none where the run had none)."""
+    entry = results.get("bars_in_turn")
+    if not entry:
+        return []
+    return [(f"{what}, {entry['seqlen'] // 1024}K, in turn ({entry['rounds']} rounds)", value)
+            for what, value in entry.items() if what.endswith("/ ours fwd")]
 
 
 def breakdowns(seqlen: int = 65536, progress=print) -> None:
