@@ -110,6 +110,8 @@
 #            benchmarks/nsa_dkdv_variants.py; fla-core on PYTHONPATH as for sparse)
 #   nsa-gather-order - the dK/dV gather's programs heads innermost against head row by head row
 #            (h200_nsa_gather_order.json, by benchmarks/nsa_dkdv_variants.py --order)
+#   sparse-bars - the sparse run's bar ratios alone (NSA and MoBA against dense attention at 64K, forward, in turn,
+#            three rounds): <h100|h200>_sparse_bars_in_turn.json, by benchmarks/sparse_bars_in_turn.py
 #   moba-gaps - MoBA's forward at 64K with its gate beside pass 1, on one stream and precomputed, pass 1 persistent
 #            with SMs spare, beside dense; its idle GPU time and kernels (h200_moba_forward_gaps.json, by
 #            benchmarks/moba_forward_gaps.py)
@@ -236,6 +238,7 @@ case "$step" in
   gqa-mha-ab) OUT="$out" python3 benchmarks/gqa_mha_ab.py 2>&1 | tee "$out/gqa_mha_ab.log" ;;
   three-consumers) python3 benchmarks/three_consumers_ab.py "$out" 2>&1 | tee "$out/three_consumers.log" ;;
   moba-gaps) python3 benchmarks/moba_forward_gaps.py "$out" 2>&1 | tee "$out/moba_forward_gaps.log" ;;
+  sparse-bars) python3 benchmarks/sparse_bars_in_turn.py "$out" 2>&1 | tee "$out/sparse_bars_in_turn.log" ;;
   nsa-dkdv-variants) python3 benchmarks/nsa_dkdv_variants.py "$out" 2>&1 | tee "$out/nsa_dkdv_variants.log" ;;
   nsa-gather-order) python3 benchmarks/nsa_dkdv_variants.py --order "$out" 2>&1 | tee "$out/nsa_gather_order.log" ;;
   tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
@@ -248,5 +251,5 @@ case "$step" in
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-importance-full-steps|nsa-importance-registers|nsa-importance-registers-64k|nsa-top|nsa-compressed|nsa-checks|nsa-overlap|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-importance-full-steps|nsa-importance-registers|nsa-importance-registers-64k|nsa-top|nsa-compressed|nsa-checks|nsa-overlap|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse-bars|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
