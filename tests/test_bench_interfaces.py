@@ -360,8 +360,9 @@ def test_the_linear_tuner_times_stages_at_the_committed_warps_and_restores_both_
 
 
 def test_the_sparse_benchmarks_bars_are_timed_in_turn(monkeypatch):
-    """bars_in_turn: each case's call and dense attention's at its shape, timed once untimed and then in turn,
-    round after round; the ratio is the rounds' medians' (dense over ours), and bar_ratios reads it back."""
+    """bars_in_turn: each case's call and dense attention's at its shape, one timing of each thrown away, then
+    timed in turn, round after round; the ratio is that of the rounds' medians (dense over ours), and bar_ratios
+    reads it back."""
     from fa_lab.bench import sparse as bench
 
     def maker(name):
