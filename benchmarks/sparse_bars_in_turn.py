@@ -10,16 +10,11 @@ import sys
 
 
 def main(out_dir: str) -> None:
-    import torch
-
     from fa_lab.bench import sparse
-    from fa_lab.bench.schema import environment, write_log
-    from fa_lab.kernels import load_triton
 
-    load_triton()
-    entry = sparse.bars_in_turn(torch.Generator(device="cuda").manual_seed(0), max(sparse.SEQLENS))
-    print(entry, flush=True)
-    write_log({**environment("cuda"), "log": [entry]}, os.path.join(out_dir, "sparse_bars_in_turn.json"))
+    sparse.log_by_length(os.path.join(out_dir, "sparse_bars_in_turn.json"),
+                         lambda seqlen, generator: sparse.bars_in_turn(generator, seqlen),
+                         seqlens=(max(sparse.SEQLENS),))
 
 
 if __name__ == "__main__":
