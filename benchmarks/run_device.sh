@@ -123,7 +123,7 @@
 #            peers-warm on the same machine, or fla autotunes first), our NSA selection, NSA and MoBA at 64K
 #            (arguments after OUTDIR: linear or sparse alone)
 #   linear-tune - our linear kernels at 2, 4 and 8 warps, every launch's time at 4K (h200_linear_tuning.json);
-#            the winners go into LAUNCH_WARPS in fa_lab/kernels/portable/linear_chunk.py
+#            the winners go into LAUNCH_WARPS in fa_lab/kernels/portable/linear_launch.py
 #   gla-tiles - GLA's h pass and score kernel over tile widths, warps and stages (h200_gla_tile_sweep.json, by
 #            benchmarks/gla_tile_sweep.py); the winners go into linear_launch.h_pass_tiles, SCORE_BLOCK_K,
 #            LAUNCH_WARPS and LAUNCH_STAGES

@@ -27,7 +27,7 @@ per key dimension, ``q_t o dq_t - k_t o dk_t``.
 The gate's gradient follows from writing every decay through the global cumulative sum G of g:
 each term pairs q_t e^{G_t} with k_s e^{-G_s}, so dL/dG_t = q_t . dq_t - k_t . dk_t, plus, at the last
 token, the final state's <h_N, dh_N> (h_N carries e^{G_N}); g_i enters every G_t with t >= i, so dg
-is the reverse cumulative sum of dL/dG (a PyTorch op on (B, H, N)). The states h_c are recomputed
+is the reverse cumulative sum of dL/dG (``reverse_cumsum``'s kernel, over (B, H, N)). The states h_c are recomputed
 by the forward's ``h`` kernel rather than kept from the forward (they are d_k d_v floats per chunk).
 Precision: the dv passes take operands in the inputs' dtype, dH and the decayed scores rounded to it, as
 fla's do. Every other matmul that involves a float32 quantity (a state, its gradient, a decayed or scaled
