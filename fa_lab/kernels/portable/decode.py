@@ -69,7 +69,7 @@ DECODE_CUDA = DecodeConfig(128, 4, 3, per_sm=1)  # 139 KB of shared memory
 TMA_DENSE = DecodeConfig(128, 4, 2, per_sm=1, tma=True)
 SHORT_SPLIT = DecodeConfig(64, 4, 4, per_sm=2)
 SHORT_SPLIT_KEYS = 512  # a dense split of at most this many keys runs SHORT_SPLIT
-SMALL_TILE = DecodeConfig(SMALL_TILE_KEYS, 4, 3, per_sm=SMALL_TILES_PER_SM)  # 71 KB of shared memory
+SMALL_TILE = DecodeConfig(SMALL_TILE_KEYS, 4, 3, per_sm=SMALL_TILES_PER_SM)  # 72 KB of shared memory
 SMALL_TILE_WAVE_KEYS = 4096  # more programs than SMs, splits of at most this many keys: SMALL_TILE
 INTERPRETER = DecodeConfig(16, 4, 1)
 # What ``fa-lab bench decode --tune`` times on the GPU.
