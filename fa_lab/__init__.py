@@ -39,7 +39,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
     impl: "naive" (materializes S and P), "torch" (tiled online softmax in plain
         PyTorch), "triton" (Triton kernels: compiled on CUDA, interpreted on CPU;
         float16 and bfloat16 only), "triton_hopper" (the FlashAttention-3-style
-        forward for Hopper, with the "triton" backward), "triton_hopper_fp8" (FP8
+        forward and backward for Hopper; the "triton" backward for causal calls below 2K keys, where
+        it measured faster, head_dims other than 64 and 128, and the soft cap and ALiBi), "triton_hopper_fp8" (FP8
         e4m3 forward with per-tile scales and a Hadamard rotation of q and k;
         forward only: a backward through it raises RuntimeError). window, softcap and
         alibi_slopes are in every impl but "triton_hopper_fp8"; "triton_hopper" takes them in
