@@ -11,8 +11,9 @@ is represented by its mean key, and query ``i`` keeps its own block (always, att
 ``top_k - 1`` past blocks whose mean key scores highest against it (future blocks are never selected).
 :func:`moba_attention` computes it in MoBA's two passes: the own block as causal attention within each
 block, the selected past blocks as full attention per query, merged by their log-sum-exp
-(:func:`fa_lab.online_softmax.merge_splits`); with ``impl="triton"`` both passes run on chapter 05's
-varlen kernels, one sequence per block, the second key-block-major (:mod:`fa_lab.kernels.portable.moba`).
+(:func:`fa_lab.online_softmax.merge_splits`); with ``impl="triton"`` the first pass runs on the
+dense causal kernel with each block a head (on chapter 05's varlen kernel, one sequence per block, when N is not a
+multiple of the block), the second on the varlen kernel, key-block-major (:mod:`fa_lab.kernels.portable.moba`).
 
 NSA (DeepSeek's native sparse attention): three causal branches mixed by a learned gate, the query
 over the mean keys of compressed blocks (:func:`nsa_compress`), over the raw keys of the ``top_n``
@@ -195,8 +196,9 @@ def moba_mask(selected, seqlen: int, block: int) -> torch.Tensor:
 
 def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None, impl: str = "torch"):
     """MoBA's output and LSE in two passes merged by their LSE. Returns (out (B, H, N, d), lse (B, H, N)),
-    differentiable in q, k, v (the gate's selection is discrete). impl="triton": both passes on the varlen
-    kernels (float16/bfloat16; lse detached)."""
+    differentiable in q, k, v (the gate's selection is discrete). impl="triton": the own blocks on the dense
+    causal kernel, each block a head (varlen when N is not a multiple of block), the past blocks on the varlen
+    kernel (float16/bfloat16; lse detached)."""
     check_moba_gate(q, k, block, top_k, impl)
     scale = resolve_scale(scale, q.shape[-1])
     batch, heads, seqlen, head_dim = q.shape

@@ -9,9 +9,10 @@ and a sequence may be empty. The output is packed the same way; the LSE is
 :func:`attention_varlen` with ``impl="triton"`` launches each kernel once for the whole batch:
 every program takes one tile of one sequence from a schedule built over the sequences' tiles
 (:func:`fa_lab.kernels.portable.attention.varlen_schedule`). ``impl="triton_hopper"`` walks the same
-schedule in one launch of its Gluon forward (on sm_90; the portable kernels elsewhere) and takes the
-portable backward. The other impls run each sequence through the dense impl
-on views of the packed tensors. Either way nothing is padded, and
+schedule in one launch of its Gluon forward (on sm_90; the portable kernels elsewhere); its backward
+(``hopper_varlen_backward``) is the Gluon FA3 backward where ``uses_gluon_backward`` and
+``gluon_backward_is_faster`` allow it, else the portable kernels. The other impls run each sequence
+through the dense impl on views of the packed tensors. Either way nothing is padded, and
 gradients flow to the packed inputs.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ An op built from several kernels (the chunkwise linear attention's WY, h, o and 
 slow because of one launch that its total hides. :func:`kernel_times` profiles a call with
 ``torch.profiler`` and returns each kernel's time per call, largest first; ``fa-lab bench linear
 --breakdown`` prints it for ours and fla's forward and backward of every case, ``fa-lab bench sparse
---breakdown`` for our NSA selection and MoBA (whose gate, gathers and merge run around its kernels).
+--breakdown`` for our NSA selection, NSA end to end and MoBA (whose gate, gathers and merge run around its kernels).
 """
 from __future__ import annotations
 

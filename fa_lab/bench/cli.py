@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Chapter 07's benchmark: the cases of fa_lab.bench.sparse.")
     p.add_argument("--seqlens", type=int, nargs="+", help=f"NSA selection lengths, default {list(sparse.SEQLENS)}")
     p.add_argument("--breakdown", action="store_true", help="instead, print our kernels and their times, forward "
-                   "and backward, for the NSA selection and MoBA at 64K")
+                   "and backward, for the NSA selection, NSA end to end and MoBA at 64K")
     _add_outputs(p, "save a PNG of the times, MoBA's and the speed-up against the pairs kept")
     p.set_defaults(handler=_run_sparse)
 
@@ -263,8 +263,9 @@ def _run_decode(args) -> int:
 
 
 def _run_sparse(args) -> int:
-    if args.breakdown and _refused("--breakdown", "prints a profile of the NSA selection and MoBA at 64K and writes "
-                                   "no results", {"--seqlens": args.seqlens, "--json": args.json, "--plot": args.plot}):
+    if args.breakdown and _refused("--breakdown", "prints a profile of the NSA selection, NSA end to end and MoBA "
+                                   "at 64K and writes no results",
+                                   {"--seqlens": args.seqlens, "--json": args.json, "--plot": args.plot}):
         return 2
     if _needs_cuda("sparse"):
         return 2

@@ -2,8 +2,8 @@
 
 Each time is a wall-clock median after warm-up (:func:`median_ms`), each peak the
 extra memory :func:`fa_lab.memory.peak_memory` records. Naive runs only up to
-``naive_max_seqlen`` (it needs 4 GiB at 8K and 16 GiB at 16K for B=1, H=8, d=64,
-fp32); beyond, its peak comes from the IO model and its time is null.
+``naive_max_seqlen`` (it peaks at about 6 GiB at 8K and 24 GiB at 16K for B=1, H=8,
+d=64, fp32: three (N, N) float32 matrices); beyond, its peak comes from the IO model and its time is null.
 """
 from __future__ import annotations
 

@@ -3,13 +3,14 @@ cache, measured as bytes of K and V read per second next to the copy bandwidth o
 
 Shapes: bf16, 32 query heads, 8 KV heads, head_dim 128, seqlen_q 1, batch 1/8/32 x cache 4K/16K/64K.
 Rows: ``triton`` (fa_lab.attention_with_kvcache, impl="triton", check_values=False) over a dense cache
-and paged caches of 256/64/16-token pages, with the split count it picks and with each forced count of
-:data:`SPLIT_SWEEP` (the heuristic's check); ``triton_checked`` (the same call with its default
+and paged caches of 256/64/16-token pages, with the split count it picks; ``triton_forced`` (the same call at
+each forced count of :data:`SPLIT_SWEEP`, on the dense cache and 256-token pages: the heuristic's check);
+``triton_checked`` (the same call with its default
 check_values=True, dense); ``sdpa_gqa`` (SDPA with ``enable_gqa=True`` on the dense cache); ``fa4`` and
-``fa4_paged`` (the upstream flash-attn-4 kernels, where installed and where they take the case); and
-``chunked_prefill`` rows: 512 new queries appended to a 16K cache, in TFLOP/s next to
-``attention_varlen``'s forward on the same shapes (``triton`` with the default value check, which
-reads back once, and ``triton_unchecked`` without it).
+``fa4_paged`` (the upstream flash-attn-4 kernels, where installed and where they take the case); and the
+chunked-prefill rows (``seqlen_q`` 512): 512 new queries appended to a 16K cache, in TFLOP/s, ``triton`` with
+the default value check, which reads back once, ``triton_unchecked`` without it, and ``triton_varlen``
+(``attention_varlen``'s forward on the same shapes).
 
 Our rows with the chosen count (dense and paged) and SDPA's are timed in :data:`ROUNDS` interleaved rounds,
 each keeping its median (:func:`interleaved`); the forced counts, the checked call and flash-attn-4 once.
@@ -275,7 +276,7 @@ def tune_decode(json_path=None, shapes=TUNING_SHAPES, page_sizes=(None, 256, 64)
 
     Returns (and writes to ``json_path`` after each shape) ``{device, torch, triton, date, log}``, one log
     entry per timing:
-    batch, seqlen_k, page_size, block_n, num_warps, num_stages, num_splits, us, tbps. The winners go into
+    batch, seqlen_k, page_size, every DecodeConfig field, num_splits, us, tbps. The winners go into
     the decode kernel's table (``fa_lab.kernels.portable.decode``) by hand.
     """
     from ..kernels import load_triton

@@ -58,10 +58,10 @@ def with_end_to_end(results: dict) -> dict:
 
 
 def plot_hopper(results: dict, impls=None, panel_size=(4.2, 3.8), **options):
-    """Forward TFLOP/s against the sequence length, one panel per mask (:func:`fa_lab.bench.plot_results`), with
-    the FP8 kernel alone and with its quantization as two lines, and one legend below the panels. ``impls``:
-    the lines in order (default: triton_hopper, the two FP8 lines, then the peers as they come); ``options``
-    go to plot_results. Returns a matplotlib Figure."""
+    """Forward TFLOP/s against the sequence length, one panel per (head_dim, mask)
+    (:func:`fa_lab.bench.plot_results`), with the FP8 kernel alone and with its quantization as two lines, and
+    one legend below the panels. ``impls``: the lines in order (default: triton_hopper, the two FP8 lines, then
+    the peers as they come); ``options`` go to plot_results. Returns a matplotlib Figure."""
     plotted = with_end_to_end(results)
     if impls is None:
         first = ["triton_hopper", FP8_KERNEL, FP8_END_TO_END]

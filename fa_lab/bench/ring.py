@@ -21,7 +21,7 @@ run records:
   (visible pairs at ``tokens_per_gpu`` / the single-GPU call's time at that length, same causal flag).
   ``exposed_ms`` is the transfer time that compute did not hide on the slowest rank.
 
-Nothing here crosses a link: the multi-GPU run measures that (``benchmarks/h200x{N}_ring.json``).
+Nothing here crosses a link: the multi-GPU run measures that (``benchmarks/h200x{N}_ring.json``; none recorded yet).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ is one implementation at one shape, with exactly these keys (a figure that was n
   4·B·H·seqlen_q·seqlen_k·d, halved for causal; the backward counts 2.5x the forward);
 - ``fwd_peak_bytes``: peak extra memory of the forward; ``fwd_peak_source``: ``"measured"``, or
   ``"model"`` when it comes from :mod:`fa_lab.iomodel`;
-- memory-bound rows (decode): ``bytes``, the HBM bytes the call reads and writes; ``tbps``, bytes over
+- memory-bound rows (decode): ``bytes``, the HBM bytes of K and V the call reads; ``tbps``, bytes over
   fwd_ms in TB/s; ``copy_tbps``, the copy bandwidth measured on the same device in the same run, TB/s.
 
 ``tbps`` is only a result next to its peer: a row that has it also has ``bytes`` and ``copy_tbps``.

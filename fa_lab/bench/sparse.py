@@ -22,7 +22,7 @@ Case ``moba``: bf16, d = 128, batch 1, 32 heads (MoBA gates per head, so K/V hav
 ``fa_lab.sparse.moba_attention(impl="triton")`` end to end (the gate, both passes and their merge,
 :mod:`fa_lab.kernels.portable.moba`; on the H200 the passes run on the Gluon FA3 kernels); ``fla_moba`` is
 ``fla.ops.moba.parallel_moba``, which calls flash-attn 2's varlen kernels: where only flash-attn-4 is
-installed, as on the H200 here, :mod:`.fa2_api` serves those calls with flash-attn-4's kernels (the file's
+installed, as on the device here, :mod:`.fa2_api` serves those calls with flash-attn-4's kernels (the file's
 ``fla_moba_attention`` says which ran); ``dense`` as above. The rows'
 ``block_k`` and ``selected`` are the block size and top-k.
 

@@ -189,7 +189,7 @@ def triton_chunk_linear_attention(q, k, v, g, initial_state, scale, chunk_size):
 
 
 def triton_chunk_delta_rule(q, k, v, beta, g, initial_state, scale, chunk_size):
-    """The chunkwise (gated) delta rule: WY in PyTorch, the h and o passes in Triton; returns (o, final_state).
+    """The chunkwise (gated) delta rule: the WY factors, the h and o passes in Triton; returns (o, final_state).
     See :mod:`fa_lab.kernels.portable.linear_delta`."""
     load_triton()
     from .portable.linear_delta import triton_chunk_delta_rule as run

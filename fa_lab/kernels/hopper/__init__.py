@@ -7,9 +7,11 @@ bounds :mod:`.block_range`. Around it: the persistent kernel's schedule (:mod:`.
 the fused FP8 quantization of its operands (:mod:`.fp8_quant`, plain Triton, and on sm_90 its Gluon pass
 :mod:`.fp8_quant_gluon`) and its offline
 sm_90 build (:mod:`.sm90_offline`). Elsewhere both impls run the portable kernel
-(:mod:`fa_lab.kernels.portable.pipelined_forward`).
+(:mod:`fa_lab.kernels.portable.pipelined_forward`; calls with a window, soft cap or ALiBi the portable
+``triton_forward``).
 
-The launchers' API is importable from here; none of it imports triton before it runs.
+Importing this package imports triton (through ``..launch``): import it after ``fa_lab`` (or after
+:func:`fa_lab.kernels.load_triton`).
 """
 from .attention import FP8_OPTIONS, HopperOptions, gluon_forward, hopper_forward, triton_hopper_attention, uses_gluon
 from .fp8_attention import (

@@ -1,10 +1,12 @@
-"""impl="triton_hopper": the FA3 forward (Gluon on sm_90, the portable pipelined kernel elsewhere).
+"""impl="triton_hopper": the FA3 forward (Gluon on sm_90, the portable pipelined kernel elsewhere, the portable
+``triton_forward`` for calls with score options there).
 
 The Gluon kernel takes grouped-query K/V, packed batches (``cu_seqlens``), a local window, the soft cap
 and ALiBi itself. Gradients, from this forward's O and LSE: the Gluon FA3 backward
-(:mod:`.fa3_backward`) on sm_90 for calls without score options at head_dim 64 or 128 (grouped K/V,
-causal and packed batches included), and the portable recomputation kernels (``impl="triton"``) for the
-rest (windows, the soft cap, ALiBi, other head sizes, other GPUs).
+(:mod:`.fa3_backward`) on sm_90 for calls without a soft cap or ALiBi at head_dim 64 or 128 (grouped K/V,
+causal calls, dense windows and packed batches included; under "auto" causal calls from
+``GLUON_BACKWARD_MIN_KEYS`` keys), and the portable recomputation kernels (``impl="triton"``) for the rest (the
+soft cap, ALiBi, windowed packed batches, shorter causal calls, other head sizes, other GPUs).
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class HopperOptions:
     ``kernel="gluon"``: the warp-specialized FA3 kernel of :mod:`fa_lab.kernels.hopper.fa3_kernel`
     (producer warp + ``consumers`` consumer warpgroups, ``stages`` K/V slots, ``pingpong`` to
     alternate the consumers' WGMMAs explicitly, ``persistent`` for one CTA per SM walking a tile
-    schedule). It runs on sm_90 for head_dim <= 128 (padded to 64 or 128); other shapes and the
+    schedule). It runs on sm_90 for head_dim 33 to 128 (padded to 64 or 128); other shapes and the
     CPU interpreter use ``kernel="triton"``.
 
     ``kernel="triton"``: the plain-Triton kernel of :mod:`fa_lab.kernels.portable.pipelined_forward`,
@@ -57,7 +59,8 @@ class HopperOptions:
     The defaults (2 stages, free-running consumers) are the bf16 variant the H200 measurements chose
     (docs/experiments/hopper_forward.md); ``persistent=None`` picks by :data:`PERSISTENT_MAX_KEYS`, and
     ``consumers=None`` by :data:`THREE_CONSUMERS_MIN_KEYS`: three consumers (192-row tiles, persistent) leave
-    each 160 registers, which holds a d = 64 work tile's loop without spills, not a d = 128 one's (see
+    each 160 registers, which holds a d = 64 work tile's loop (without spills without a mask; 8 spilled loads and
+    stores in the causal build's masked loops), not a d = 128 one's (see
     :mod:`fa_lab.kernels.hopper.sm90_offline`); ``split_loops=None`` by :data:`SPLIT_LOOPS_MIN_KEYS`, and the
     backward's ``backward_dq=None`` by :data:`DQ_MODE_BY_HEAD_DIM`.
     """
@@ -121,7 +124,7 @@ def persistent_by_default(head_dim: int, causal: bool, seqlen_k: int, banded: bo
 # persistent kernel with three consumers measured 1.05-1.09x two consumers without a mask from 4K keys, causal
 # 1.04-1.06x at 16K, 1.00-1.02x at 8K and 0.94x at 4K (benchmarks/h200_three_consumers.json and a rerun,
 # docs/experiments/hopper_forward.md). At d = 128 a consumer's loop does not fit its 160 registers, nor at d = 64 with
-# ALiBi (112-196 spilled loads and stores in the K/V loops, none with two consumers: a CPU test builds both), so
+# ALiBi (112-140 spilled loads and stores in the K/V loops, none with two consumers: a CPU test builds both), so
 # ALiBi calls keep two. A CPU test holds the table to the recorded run.
 THREE_CONSUMERS_MIN_KEYS = {(64, False): 4096, (64, True): 16384}
 
@@ -162,7 +165,8 @@ def split_loops_by_default(head_dim: int, causal: bool, seqlen_k: int, fp8: bool
 # benchmarks/h200_backward_dq.json (two rounds each, FA3-paper shapes 2K-16K) "named" (dS handed between the
 # consumers through named barriers, one empty barrier for Q and dO) ran 1.010x "turns" at d = 128 (geometric mean of
 # the shapes' medians; 0.99-1.03x) and 0.993x at d = 64 (0.96-1.01x); the edit it came from had measured 1.00-1.04x
-# at d = 128 (benchmarks/h200_backward_variants_ab.json). "partial" and "split" were slower everywhere. A CPU test
+# at d = 128 (benchmarks/h200_backward_variants_ab.json). "partial" was slower everywhere (0.80-0.93x "turns"),
+# "split" ran 0.97-1.01x. A CPU test
 # holds the table to the run.
 DQ_MODE_BY_HEAD_DIM = {64: "turns", 128: "named"}
 
@@ -302,7 +306,8 @@ def gluon_varlen_forward(q, k, v, cu_q, cu_k, bounds, causal, scale, options: Sc
     (total_k, Hkv, d8), cu_q, cu_k int32 offsets, bounds their values as :func:`host_bounds` takes them (or
     ``DeviceTiles``, no mask):
     (out (total_q, H, d8), lse (H, total_q) float32). One work tile per (sequence, query tile) of
-    ``varlen_schedule`` (longest first) and head; nothing is padded to the longest sequence."""
+    ``varlen_schedule`` (longest first; or ``DeviceTiles.schedule``, built on the device in sequence order) and
+    head; nothing is padded to the longest sequence."""
     from .fa3_config import ROWS_PER_CONSUMER, descriptor_blocks
 
     total_q, heads, _ = q.shape

@@ -7,14 +7,14 @@ what FlashAttention-3 needs and what plain Triton decides on its own. The
 kernel below is organised the way the FA3 paper describes it:
 
 * **Warp specialization.** One CTA computes ``BLOCK_M = 64 * CONSUMERS`` query
-  rows (128 by default) of one (batch, head) with a *producer* warp that only
+  rows (128, or 192 where three consumers run) of one (batch, head) with a *producer* warp that only
   issues TMA copies of Q, K and V into shared memory, and ``CONSUMERS``
   *consumer* warpgroups (4 warps each) that own 64 query rows each and only
   compute. The producer gets 24 registers per thread, two consumers 240 each
   (``setmaxnreg``).
 * **A circular buffer of K/V tiles** (``STAGES`` slots). Each slot has a
   ``ready`` mbarrier (the TMA completes it, counting bytes) and an ``empty``
-  mbarrier that both consumers arrive on once they no longer read the slot, so
+  mbarrier that every consumer arrives on once they no longer read the slot, so
   the producer runs up to ``STAGES`` tiles ahead. K and V have separate
   barriers: a consumer frees K as soon as its scores are computed.
 * **Intra-warpgroup pipelining.** In iteration j a consumer issues
@@ -34,12 +34,14 @@ kernel below is organised the way the FA3 paper describes it:
   in groups). The ring's slots and phases run on across tiles, so the next tile's
   K/V (and, once the consumers release it, Q) load while this tile ends.
 * **Epilogue through shared memory.** A consumer's Q tile is dead after its last
-  ``Q K^T``, so O is written into that buffer and stored with one TMA copy,
-  which also drops the rows past ``seqlen_q``.
-* **Packed batches** (``VARLEN``): one launch over a host-built list of (sequence,
-  query tile) pairs; each work tile reads its sequence's offsets from ``cu_seqlens``.
-  Past a sequence's end lie the next sequence's rows, not zeros: their keys are
-  masked like a ragged end, and a sequence's partial last tile stores O row by row.
+  ``Q K^T``, so, one tile per CTA, O is written into that buffer and stored with
+  one TMA copy, which also drops the rows past ``seqlen_q``; in FP8, and in a
+  persistent CTA where they fit, O has buffers of its own (``SEPARATE_O``).
+* **Packed batches** (``VARLEN``): one launch over a list of (sequence,
+  query tile) pairs (built on the host, or on the device for ``DeviceTiles``); each
+  work tile reads its sequence's offsets from ``cu_seqlens``. Past a sequence's end
+  lie the next sequence's rows, not zeros: their keys are masked like a ragged end,
+  and a sequence's partial last tile stores O row by row.
 * **Score modifiers** (``SOFTCAP``, ``ALIBI``): applied to each score tile in
   registers, before the masks (:func:`.fa3_softmax.softmax_tile`).
 

@@ -134,7 +134,8 @@ class QSlot:
 
     @gluon.jit
     def release(self):
-        """Consumer: done with this work tile's Q rows (and, in bf16, with the O stored from them)."""
+        """Consumer: done with this work tile's Q rows (and, without separate O buffers, with the O stored from
+        them)."""
         mbarrier.arrive(self.empty)
 
 
@@ -242,7 +243,8 @@ class WorkList:
     bounds (``BlockInfo.window_bounds``; read only with WINDOW).
 
     A packed batch (VARLEN): schedule_ptr holds m_tiles (sequence, first row) pairs
-    (``varlen_schedule``, longest first), each computed for every head; seqlen_q is the packed total of
+    (``varlen_schedule``, longest first, or ``DeviceTiles.schedule``, built on the device in sequence order),
+    each computed for every head; seqlen_q is the packed total of
     query rows (the LSE's row length), seqlen_k unused; cu_seqlens_q/k: int32 (batch + 1,) offsets
     (read only with VARLEN)."""
     m_tiles: gl.tensor

@@ -41,9 +41,9 @@ def quantize_for_kernel(q, k, v, config: TileConfig, rotate: bool = True, gluon:
     ``gluon`` (for the Gluon kernel only): V^T's keys in the order of
     :func:`fa_lab.kernels.common.gluon_fp8_key_order`,
     and V's descales given as the exponents log2(v_descale / v_descale_max) that the kernel adds to P's.
-    On a GPU this runs as one pass and a finish (:mod:`.fp8_quant`: in Gluon on sm_90, in Triton elsewhere; both
-    rotate in float32 rather than in q's dtype) where they apply; ``fused=False`` keeps the PyTorch operations
-    below.
+    For the Gluon kernel's operands (``gluon``, on sm_90) this runs as one pass and a finish (:mod:`.fp8_quant`:
+    the Gluon pass, or the Triton one where that does not apply; both rotate in float32 rather than in q's
+    dtype); elsewhere, and with ``fused=False``, the PyTorch operations below.
     """
     from ...fp8 import incoherent_rotation, quantize_e4m3
 

@@ -26,7 +26,7 @@ here, the input's dtype there), so to one e4m3 step at most, in a few values. V'
 (both take the IEEE quotient amax / 448 as a tile's scale and divide by it with IEEE division), but in a
 tile below the floor. This module's kernels are plain Triton, so the CPU tests run them in the interpreter; a
 gpu test holds the Gluon pass to their bytes. Like the other kernel modules it imports triton: import it after
-:func:`fa_lab.kernels.load_triton` (``quantize_for_kernel`` does, on a GPU only).
+:func:`fa_lab.kernels.load_triton` (``quantize_for_kernel`` does, for the Gluon kernel's operands on sm_90 only).
 """
 from __future__ import annotations
 
@@ -200,8 +200,8 @@ def quantize_fp8_operands(q, k, v, signs, block: int, v_scale_floor: float, prog
     module's kernel (benchmarks/h200_fp8_quant.json). programs (default: two per SM on a GPU, four in the interpreter);
     num_warps, maxnreg, stages: the Triton kernel's launch (8 warps capped at 128 registers fit two programs an
     SM; loops pipelined over two tiles and one program per SM measured slower: docs/experiments/hopper_forward.md).
-    Both kernels and V's finish go through :func:`fa_lab.kernels.launch.cached_launch`, so an eager call takes
-    about the GPU's time.
+    Both kernels and V's finish go through :func:`fa_lab.kernels.launch.cached_launch`, so from 4K an eager call takes
+    about the GPU's time (113 us; at 1K-2K the eager call is host-bound, 173-201 us).
 
     q: (B, H, Nq, d), k, v: (B, H, Nk, d), bf16 or fp16, d a power of 2; signs: (d,) of +-1, or None
     for no rotation. q8, k8: (B, H, N, d) e4m3; vt8: (B, H, d, Nk rounded up to 32) e4m3 in the Gluon

@@ -312,7 +312,7 @@ def triton_decode(q, k_cache, v_cache, lengths, block_table, layout, causal: boo
     descriptors = {}
     if config.tma:  # (a config given by a caller may ask for it where the layout does not allow it)
         if not reads_by_tma(layout, info.banded):
-            raise ValueError("a TMA decode config reads a dense cache of head_dim 16 to 256 (a multiple of 8) "
+            raise ValueError("a TMA decode config reads a dense cache of head_dim a power of two from 16 to 256 "
                              "without a window")
         from triton.tools.tensor_descriptor import TensorDescriptor
 

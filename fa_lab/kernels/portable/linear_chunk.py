@@ -47,7 +47,7 @@ import triton.language as tl
 from .linear_launch import SCORE_BLOCK_K, block_size, h_pass_tiles, launch_meta
 
 GATE_CODES = {"none": 0, "scalar": 1, "per_dim": 2}  # the kernels' GATE constexpr, by fa_lab.linear's gate kind
-SUB_CHUNK = 16  # the per-dim o pass's sub-chunk: the smallest tl.dot tile
+SUB_CHUNK = 16  # GLA's intra-chunk score kernel's (and its dqk pass's) sub-chunk: the smallest tl.dot tile
 CHUNK_SIZES = (16, 32, 64, 128)
 
 

@@ -18,8 +18,8 @@ def block_size(dim: int, cap: int = 64) -> int:
 # kernel name, or by "name/variant" where one kind of launch of a kernel differs (a gate kind, "delta", the dv
 # pass with its carried term, the WY factors recomputed from the forward's T); the
 # offline sm_90 build (tests/test_portable_sm90_builds.py) checks each for shared memory and bounds the two
-# spills that timed faster than the settings without them (the WY backward's (C, C) float32 tiles and the gated
-# delta rule's dh pass, which holds all d_k rows of its state slice and h_{c+1}'s tile).
+# spills that timed faster than the settings without them (simple GLA's dh pass at 2 warps, and the gated delta
+# rule's dh pass, which holds all d_k rows of its state slice and h_{c+1}'s tile).
 #
 # num_warps: `fa-lab bench linear --tune` (h200_linear_tuning.json) over 2, 4 and 8; GLA's score kernel one warp
 # per 16-row sub-chunk (gla_tile_sweep.py, h200_gla_tile_sweep.json); the state passes of simple GLA and of the

@@ -1,12 +1,12 @@
 """NSA's gated sum of its three branches in one pass: out = g_cmp o_cmp + g_sel o_sel + g_win o_win.
 
-In PyTorch the sum over float32 copies of the branches moves about 36 bytes per output element in float32
-temporaries (each branch widened, three products, two sums, the cast back): at 64K tokens, 64 heads and d = 128
-that is about 36 GB, several milliseconds against an NSA forward of about thirty. :func:`nsa_gate_mix_kernel`
-reads the three branches and the gates once, adds in float32 in registers and writes the output once: 8 bytes
-per element in 16-bit dtypes. The backward, d branch_i = g_i dO and d g_i = sum_d(o_i dO), is one pass too
-(:func:`nsa_gate_mix_bwd_kernel`): dO and the branches read once, the three branch gradients written once, where
-PyTorch's float32 temporaries moved about three times the bytes.
+In PyTorch the sum over float32 copies of the branches moves about 72 bytes per output element (reads and
+writes) through float32 temporaries (each branch widened, three products, two sums, the cast back): at 64K
+tokens, 64 heads and d = 128 that is about 36 GiB, several milliseconds against an NSA forward of about thirty.
+:func:`nsa_gate_mix_kernel` reads the three branches and the gates once, adds in float32 in registers and writes
+the output once: 8 bytes per element in 16-bit dtypes. The backward, d branch_i = g_i dO and
+d g_i = sum_d(o_i dO), is one pass too (:func:`nsa_gate_mix_bwd_kernel`): dO and the branches read once, the
+three branch gradients written once, where PyTorch's float32 temporaries moved about three times the bytes.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A FlashAttention-3-style forward in plain Triton: TMA, intra-warpgroup pipelining, FP8.
 
 ``impl="triton_hopper"`` and ``"triton_hopper_fp8"`` run it wherever the Gluon kernel of
-:mod:`fa_lab.kernels.hopper` does not apply (the CPU interpreter, head_dim 256, other GPUs).
+:mod:`fa_lab.kernels.hopper` does not apply (the CPU interpreter, head_dims outside the
+Gluon kernel's buckets of 64 and 128, other GPUs), for calls without score options.
 It computes the same thing as :mod:`fa_lab.kernels.portable.forward` and differs
 in how the loop over K/V tiles is written, following FlashAttention-3:
 
