@@ -13,22 +13,33 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from .argtypes import output_file, positive_float
+
 GRADING_FAILED = 2  # exit status when a submission could not be graded at all
+INTERRUPTED = 130  # exit status after Ctrl-C, as a shell reports a process ended by SIGINT
 
 
 def _assign(args) -> int:
-    from .grading.assign import assign
+    from .grading.assign import AssignError, assign, orphan_labs
 
-    stale = assign(check=args.check)
+    try:
+        stale = assign(check=args.check, prune=args.prune)
+        orphans = [] if args.prune else orphan_labs()
+    except (AssignError, FileNotFoundError) as exc:
+        print(f"fa-lab assign: {exc}", file=sys.stderr)
+        return 1
+    kept = set(orphans)
     if args.check:
         for path in stale:
             print(f"out of date: {path} (run fa-lab assign)")
-        return 1 if stale else 0
-    for path in stale:
-        print(f"{'wrote' if path.exists() else 'removed'} {path}")
-    if not stale:
+    else:
+        for path in stale:
+            print(f"{'wrote' if path.exists() else 'removed'} {path}")
+    for path in orphans:
+        print(f"no solution for {path}: fa-lab assign --prune removes it", file=sys.stderr)
+    if not args.check and not stale and not kept:
         print("labs/ is up to date")
-    return 0
+    return 1 if (args.check and stale) or kept else 0
 
 
 def _start(args) -> int:
@@ -114,6 +125,11 @@ def _grade(args) -> int:
     if path.is_dir() and args.json:
         print("fa-lab grade: --json takes one notebook; use --csv for a folder", file=sys.stderr)
         return GRADING_FAILED
+    if path.is_dir():
+        from .grading.grade import find_notebooks
+        if not find_notebooks(path):
+            print(f"fa-lab grade: no .ipynb files under {path}", file=sys.stderr)
+            return GRADING_FAILED
     options = _grade_options(args)
     if options.sandboxed and unavailable_reason():
         print(f"fa-lab grade: no sandbox on this machine: {unavailable_reason()}", file=sys.stderr)
@@ -147,6 +163,7 @@ def _doctor(args) -> int:
     import torch
 
     from . import __version__
+    from .grading.sandbox import unavailable_reason
     from .kernels import interpreting
 
     cuda = torch.cuda.is_available()
@@ -160,6 +177,7 @@ def _doctor(args) -> int:
     else:
         mode, kernels = "interpreted", "interpreted (Triton's interpreter on CPU tensors: small shapes, slow)"
     hopper = capability is not None and capability[0] == 9  # sm_90: H100, H200
+    no_sandbox = unavailable_reason()
     rows = [
         ("python", f"{platform.python_version()} ({platform.system()} {platform.machine()})"),
         ("fa_lab", __version__),
@@ -172,6 +190,8 @@ def _doctor(args) -> int:
         ("", f"03 on (Triton kernels): {f'yes, {mode}' if mode else 'no, Triton is missing'}"),
         ("", "Hopper sections (FlashAttention-3 kernels, live benchmarks): "
              + ("yes" if hopper else "recorded H200 results only (live runs need a Hopper GPU, sm_90)")),
+        ("grading", "fa-lab grade runs notebooks in a bubblewrap sandbox" if no_sandbox is None
+         else f"no sandbox, so fa-lab grade refuses: {no_sandbox}"),
     ]
     for name, value in rows:
         print(f"{name:<10}{value}")
@@ -186,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("assign", help="write labs/ from solutions/")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if labs/ is out of date")
+    p.add_argument("--prune", action="store_true", help="also remove the labs that have no solution (kept, "
+                   "and named, without it)")
     p.set_defaults(handler=_assign)
 
     p = commands.add_parser("start", help="copy a lab into work/ (git-ignored) to work on it")
@@ -201,15 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
                                         "be graded or no sandbox is available.")
     p.add_argument("path", help="a notebook, or a folder of notebooks (one CSV row each)")
     p.add_argument("--seed", type=int, default=0, help="seed of the hidden cases (default 0)")
-    p.add_argument("--json", metavar="FILE", help="write the report of one notebook as JSON")
-    p.add_argument("--csv", metavar="FILE",
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write the report of one notebook as JSON")
+    p.add_argument("--csv", metavar="FILE", type=output_file,
                    help="write one CSV row per notebook (for a folder, default: to stdout)")
-    p.add_argument("--timeout", type=float, metavar="SECONDS",
+    p.add_argument("--timeout", type=positive_float, metavar="SECONDS",
                    help="time limit per cell and per exercise (default 60)")
-    p.add_argument("--budget", type=float, metavar="SECONDS",
+    p.add_argument("--budget", type=positive_float, metavar="SECONDS",
                    help="time limit for a whole notebook, kernel restarts included "
                         f"(default {Limits.budget:g})")
-    p.add_argument("--memory", type=float, metavar="GIB",
+    p.add_argument("--memory", type=positive_float, metavar="GIB",
                    help=f"address space per process of the sandbox, in GiB (default {Limits.memory >> 30})")
     p.add_argument("--no-sandbox", action="store_true",
                    help="run notebooks as yourself, without bubblewrap: only for notebooks you trust (they "
@@ -226,11 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        from .bench import main as bench_main
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        if argv[:1] == ["bench"]:
+            from .bench import main as bench_main
+            return bench_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print(f"fa-lab {' '.join(argv[:1])}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

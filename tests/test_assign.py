@@ -8,7 +8,7 @@ import nbformat
 import pytest
 
 from fa_lab import cli
-from fa_lab.grading.assign import assign, make_lab, start, strip_solutions
+from fa_lab.grading.assign import AssignError, assign, make_lab, orphan_labs, start, strip_solutions
 from fa_lab.grading.registry import UnknownLab, get_lab, lab_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,18 +89,37 @@ def _course_copy(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_assign_rewrites_stale_labs_and_removes_orphans(tmp_path):
+def test_assign_rewrites_stale_labs_and_removes_orphans_only_when_asked(tmp_path):
     root = _course_copy(tmp_path)
     notebook = get_lab("lab01").notebook
     lab_path = root / "labs" / notebook
     lab_path.write_text(lab_path.read_text().replace("raise NotImplementedError", "pass", 1))
     orphan = root / "labs" / "lab77_gone.ipynb"
     orphan.write_text("{}")
-    assert set(assign(root, check=True)) == {lab_path, orphan}
-    assert orphan.exists()
-    assert set(assign(root)) == {lab_path, orphan}
-    assert not orphan.exists() and assign(root, check=True) == []
+    assert assign(root, check=True) == [lab_path] and orphan_labs(root) == [orphan]
+    assert set(assign(root, check=True, prune=True)) == {lab_path, orphan}
+    assert assign(root) == [lab_path] and orphan.exists()  # a file in labs/ may be someone's work
     assert lab_path.read_text() == (ROOT / "labs" / notebook).read_text()
+    assert assign(root, prune=True) == [orphan]
+    assert not orphan.exists() and assign(root, check=True, prune=True) == [] and orphan_labs(root) == []
+
+
+def test_assign_changes_nothing_without_solutions_or_with_a_broken_one(tmp_path):
+    root = _course_copy(tmp_path)
+    labs = {p.name: p.read_bytes() for p in (root / "labs").iterdir()}
+    shutil.rmtree(root / "solutions")
+    with pytest.raises(AssignError, match="no solutions/ folder"):
+        assign(root, prune=True)
+    assert {p.name: p.read_bytes() for p in (root / "labs").iterdir()} == labs
+    root = _course_copy(tmp_path / "second")
+    broken = root / "solutions" / get_lab("lab02").notebook
+    for text, said in (("", "JSON"), (broken.read_text().replace("# END SOLUTION", "# END SOLUTON", 1),
+                                      "never closed")):
+        broken.write_text(text)
+        with pytest.raises(AssignError, match=said) as caught:
+            assign(root)
+        assert str(broken) in str(caught.value)
+    assert {p.name: p.read_bytes() for p in (root / "labs").iterdir()} == labs
 
 
 def test_start_copies_a_lab_into_work_and_keeps_the_learners_copy(tmp_path):
@@ -116,6 +135,18 @@ def test_start_copies_a_lab_into_work_and_keeps_the_learners_copy(tmp_path):
     assert copy.read_bytes() == (root / "labs" / copy.name).read_bytes()
     with pytest.raises(UnknownLab, match="lab01"):
         start("lab42", root)
+
+
+def test_start_refuses_a_folder_where_its_copy_or_work_would_go(tmp_path):
+    root = _course_copy(tmp_path)
+    (root / "work" / get_lab("lab02").notebook).mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="is a folder, not a notebook"):
+        start("lab02", root, force=True)
+    root = _course_copy(tmp_path / "second")
+    (root / "work").write_text("notes")
+    with pytest.raises(FileExistsError, match="is a file"):
+        start("lab02", root)
+    assert (root / "work").read_text() == "notes"
 
 
 def test_cli_assign_check_passes_on_the_repository(capsys):

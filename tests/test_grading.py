@@ -157,7 +157,7 @@ def test_grade_exit_status_says_when_a_notebook_cannot_be_graded(tmp_path, capsy
 def test_doctor_reports_the_machine(capsys):
     assert cli.main(["doctor"]) == 0
     report = capsys.readouterr().out
-    assert torch.__version__ in report and "chapters" in report and "kernels" in report
+    assert torch.__version__ in report and "chapters" in report and "kernels" in report and "grading" in report
 
 
 def test_bench_forwards_its_arguments(monkeypatch):

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import sys
 
+from ..argtypes import non_negative_int, output_file, plot_file, positive_int
 from . import cpu, decode, gpu, hopper_report, interfaces, linear, ring, sparse
 from .plots import plot_results
 from .report import describe, format_table
@@ -38,8 +39,9 @@ def _reject(parser, flags, reason: str) -> None:
 
 
 def _add_outputs(parser, plot_help: str) -> None:
-    parser.add_argument("--json", metavar="FILE", help="write the results here (schema: fa_lab.bench.schema)")
-    parser.add_argument("--plot", metavar="FILE", help=plot_help)
+    parser.add_argument("--json", metavar="FILE", type=output_file,
+                        help="write the results here (schema: fa_lab.bench.schema)")
+    parser.add_argument("--plot", metavar="FILE", type=plot_file, help=plot_help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,17 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     full = cpu.FULL
     p = commands.add_parser("cpu", help="naive, torch and sdpa on this CPU: wall-clock time and peak memory")
-    p.add_argument("--seqlens", type=int, nargs="+", help=f"default {list(full.seqlens)}")
-    p.add_argument("--batch", type=int, help=f"default {full.batch}")
-    p.add_argument("--heads", type=int, help=f"default {full.heads}")
-    p.add_argument("--head-dim", type=int, help=f"default {full.head_dim}")
+    p.add_argument("--seqlens", type=positive_int, nargs="+", help=f"default {list(full.seqlens)}")
+    p.add_argument("--batch", type=positive_int, help=f"default {full.batch}")
+    p.add_argument("--heads", type=positive_int, help=f"default {full.heads}")
+    p.add_argument("--head-dim", type=positive_int, help=f"default {full.head_dim}")
     p.add_argument("--dtype", choices=sorted(cpu.DTYPES), help=f"default {full.dtype}")
     p.add_argument("--causal", choices=CAUSAL_CHOICES, help="causal masking: no (default), yes or both")
     p.add_argument("--impls", nargs="+", choices=full.impls, metavar="IMPL",
                    help=f"any of {', '.join(full.impls)} (default: all)")
-    p.add_argument("--repeats", type=int, help=f"timed calls per point, default {full.repeats}")
-    p.add_argument("--warmup", type=int, help=f"untimed calls first, default {full.warmup}")
-    p.add_argument("--naive-max-seqlen", type=int, help="longest seqlen naive runs at, modelled beyond "
+    p.add_argument("--repeats", type=positive_int, help=f"timed calls per point, default {full.repeats}")
+    p.add_argument("--warmup", type=non_negative_int, help=f"untimed calls first, default {full.warmup}")
+    p.add_argument("--naive-max-seqlen", type=non_negative_int, help="longest seqlen naive runs at, modelled "
+                   "beyond "
                    f"(default {full.naive_max_seqlen})")
     p.add_argument("--quick", action="store_true", help="smoke run of tiny shapes (the flags above still apply)")
     _add_outputs(p, "save a PNG of time and memory vs seqlen")
@@ -71,13 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("gpu", help="the FA3-paper protocol on a CUDA GPU, every peer in the same run",
                             description=f"The FA3-paper protocol with every peer: {PROTOCOL_FIXES}.")
-    p.add_argument("--seqlens", type=int, nargs="+", default=list(gpu.SEQLENS), help="default %(default)s")
-    p.add_argument("--head-dims", type=int, nargs="+", default=list(gpu.HEAD_DIMS), help="default %(default)s")
+    p.add_argument("--seqlens", type=positive_int, nargs="+", default=list(gpu.SEQLENS), help="default %(default)s")
+    p.add_argument("--head-dims", type=positive_int, nargs="+", default=list(gpu.HEAD_DIMS),
+                   help="default %(default)s")
     p.add_argument("--causal", choices=CAUSAL_CHOICES, default="both", help="causal masking: no, yes or both "
                    "(default)")
     p.add_argument("--impls", nargs="+", choices=gpu.GPU_IMPLS, default=list(gpu.GPU_IMPLS), metavar="IMPL",
                    help=f"any of {', '.join(gpu.GPU_IMPLS)} (default: all)")
-    p.add_argument("--tune", metavar="FILE", help="first time candidate tiles of the Triton kernels at 8K, both "
+    p.add_argument("--tune", metavar="FILE", type=output_file, help="first time candidate tiles of the Triton "
+                   "kernels at 8K, both "
                    "masks, for the --head-dims; measure with the fastest; write the tuning log here")
     _add_outputs(p, "save a PNG of TFLOP/s vs seqlen")
     _reject(p, ("--batch", "--heads", "--dtype"), PROTOCOL_FIXES)
@@ -86,10 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("hopper", help="the Hopper kernels (sm_90): ablation at 8K, then the protocol at d=128 "
                             "and 64 with the upstream FlashAttention kernels (fa4) where installed",
                             description=f"The Hopper kernels' ablation and protocol: {PROTOCOL_FIXES}.")
-    p.add_argument("--log", metavar="FILE", help="run the ablation first (variants, FP8 errors) and write it here")
-    p.add_argument("--seqlens", type=int, nargs="+", help="protocol lengths, default 1K to 16K (the ablation "
+    p.add_argument("--log", metavar="FILE", type=output_file,
+                   help="run the ablation first (variants, FP8 errors) and write it here")
+    p.add_argument("--seqlens", type=positive_int, nargs="+", help="protocol lengths, default 1K to 16K (the ablation "
                    "runs at 8K)")
-    p.add_argument("--head-dims", type=int, nargs="+", choices=(64, 128), help="protocol head dims, default 128 64")
+    p.add_argument("--head-dims", type=positive_int, nargs="+", choices=(64, 128),
+                   help="protocol head dims, default 128 64")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --json (same device and "
                    "versions) and measure only the shapes it lacks")
     p.add_argument("--causal", choices=CAUSAL_CHOICES, default="both", help="causal masking of the ablation and "
@@ -111,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the copy bandwidth, SDPA and the upstream kernels (fa4) where installed",
                             description="Chapter 06's decode benchmark: the shapes of fa_lab.bench.decode.")
     p.add_argument("--no-fa4", action="store_true", help="leave out the upstream flash-attn-4 rows")
-    p.add_argument("--tune", metavar="PATH", help="instead, time the decode kernel's candidate configs and split "
+    p.add_argument("--tune", metavar="PATH", type=output_file, help="instead, time the decode kernel's candidate "
+                   "configs and split "
                    "counts and write the log to PATH (alone: no --json, --plot or --no-fa4)")
     _add_outputs(p, "save a PNG of TB/s against the cache length")
     p.set_defaults(handler=_run_decode)
@@ -119,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("sparse", help="NSA's selected-blocks attention and MoBA on a CUDA GPU, next to "
                             "fla-core's where installed and to dense attention",
                             description="Chapter 07's benchmark: the cases of fa_lab.bench.sparse.")
-    p.add_argument("--seqlens", type=int, nargs="+", help=f"NSA selection lengths, default {list(sparse.SEQLENS)}")
+    p.add_argument("--seqlens", type=positive_int, nargs="+",
+                   help=f"NSA selection lengths, default {list(sparse.SEQLENS)}")
     p.add_argument("--breakdown", action="store_true", help="instead, print our kernels and their times, forward "
                    "and backward, for the NSA selection, NSA end to end and MoBA at 64K")
     _add_outputs(p, "save a PNG of the times, MoBA's and the speed-up against the pairs kept")
@@ -128,13 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("linear", help="chunkwise linear attention (simple GLA, GLA, the delta rule) on a CUDA "
                             "GPU, next to fla-core's kernels where installed and to softmax attention",
                             description="Chapter 08's benchmark: the cases of fa_lab.bench.linear.")
-    p.add_argument("--seqlens", type=int, nargs="+", default=list(linear.SEQLENS), help="default %(default)s")
+    p.add_argument("--seqlens", type=positive_int, nargs="+", default=list(linear.SEQLENS), help="default %(default)s")
     p.add_argument("--cases", nargs="+", choices=linear.CASES, default=list(linear.CASES))
     p.add_argument("--breakdown", action="store_true", help="instead, print each impl's kernels and their times, "
                    "forward and backward, per case at the first --seqlens")
-    p.add_argument("--tune", metavar="PATH", help="instead, time our kernels at each candidate num_warps (at the "
+    p.add_argument("--tune", metavar="PATH", type=output_file, help="instead, time our kernels at each candidate "
+                   "num_warps (at the "
                    "first --seqlens, for the --cases) and write the log to PATH (no --json or --plot)")
-    p.add_argument("--stages", type=int, nargs="+", metavar="S", help="with --tune: time these num_stages "
+    p.add_argument("--stages", type=positive_int, nargs="+", metavar="S", help="with --tune: time these num_stages "
                    "(at the committed num_warps) instead")
     _add_outputs(p, "save a PNG of forward and backward time against the sequence length")
     p.set_defaults(handler=_run_linear)
@@ -142,11 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("ring", help="ring attention's step compute and shard copies on one CUDA GPU, and "
                             "the overlap they predict for W GPUs", description="Chapter 09's one-GPU measurement: "
                             "fa_lab.bench.ring.")
-    p.add_argument("--tokens", type=int, nargs="+", default=list(ring.TOKENS_PER_GPU),
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=list(ring.TOKENS_PER_GPU),
                    help="positions per GPU, default %(default)s")
-    p.add_argument("--gpus", type=int, metavar="W", help="instead, run the ring over W GPUs of this host "
+    p.add_argument("--gpus", type=positive_int, metavar="W", help="instead, run the ring over W GPUs of this host "
                    "(fa_lab.bench.ring_gpus) at whole-sequence lengths of W x each --tokens")
-    p.add_argument("--json", metavar="PATH", help="write the log (JSON) to PATH, or with --gpus the results")
+    p.add_argument("--json", metavar="PATH", type=output_file,
+                   help="write the log (JSON) to PATH, or with --gpus the results")
     p.set_defaults(handler=_run_ring)
     return parser
 

@@ -17,6 +17,12 @@ import nbformat
 
 from .registry import get_lab
 
+
+class AssignError(ValueError):
+    """labs/ cannot be generated: solutions/ is missing, or a solution notebook cannot be read or stripped
+    (the message names the notebook and, where it applies, the cell and line)."""
+
+
 BEGIN = "# BEGIN SOLUTION"
 END = "# END SOLUTION"
 DEFAULT_TODO = "your code here"
@@ -77,33 +83,50 @@ def make_lab(solution):
 
 
 def _lab_text(solution_path: Path) -> str:
-    solution = nbformat.read(solution_path, as_version=4)
-    if not isinstance(solution.metadata.get("fa_lab"), dict):
-        raise ValueError(f'{solution_path}: no {{"fa_lab": {{"lab": ...}}}} in the notebook metadata')
-    return nbformat.writes(make_lab(solution)) + "\n"
+    try:
+        solution = nbformat.read(solution_path, as_version=4)
+        if not isinstance(solution.metadata.get("fa_lab"), dict):
+            raise ValueError('no {"fa_lab": {"lab": ...}} in the notebook metadata')
+        return nbformat.writes(make_lab(solution)) + "\n"
+    except Exception as exc:  # not JSON, not a notebook, no lab id, unbalanced markers
+        raise AssignError(f"{solution_path}: {exc}") from None
 
 
-def assign(root=None, check: bool = False) -> list[Path]:
-    """Write labs/labNN_*.ipynb from solutions/labNN_*.ipynb and remove labs without a solution.
+def _solutions(root: Path) -> list[Path]:
+    folder = root / "solutions"
+    if not folder.is_dir():
+        raise AssignError(f"no solutions/ folder in {root}: labs/ is generated from it, so nothing was changed")
+    return sorted(folder.glob("lab*.ipynb"))
 
-    With ``check``, change nothing. Returns the labs that were out of date (written
-    or removed, or to be with ``check``).
+
+def orphan_labs(root=None) -> list[Path]:
+    """The labs/lab*.ipynb that have no solution notebook of the same name."""
+    root = Path(root) if root else repo_root()
+    names = {p.name for p in _solutions(root)}
+    return [p for p in sorted((root / "labs").glob("lab*.ipynb")) if p.name not in names]
+
+
+def assign(root=None, check: bool = False, prune: bool = False) -> list[Path]:
+    """Write labs/labNN_*.ipynb from solutions/labNN_*.ipynb; with ``prune``, also remove the labs that have no
+    solution (:func:`orphan_labs`; without it they stay, since a file in labs/ may be someone's work).
+
+    With ``check``, change nothing. Returns the labs that were out of date (written or removed, or to be with
+    ``check``). Every solution is read and stripped before anything is written: a broken one raises
+    :class:`AssignError` with labs/ untouched.
     """
     root = Path(root) if root else repo_root()
     labs_dir = root / "labs"
+    texts = {solution_path.name: _lab_text(solution_path) for solution_path in _solutions(root)}
     stale = []
-    solutions = sorted((root / "solutions").glob("lab*.ipynb"))
-    for solution_path in solutions:
-        lab_path = labs_dir / solution_path.name
-        text = _lab_text(solution_path)
+    for name, text in texts.items():
+        lab_path = labs_dir / name
         if not lab_path.exists() or lab_path.read_text(encoding="utf-8") != text:
             stale.append(lab_path)
             if not check:
                 labs_dir.mkdir(exist_ok=True)
                 lab_path.write_text(text, encoding="utf-8")
-    names = {p.name for p in solutions}
-    for orphan in sorted(labs_dir.glob("lab*.ipynb")):
-        if orphan.name not in names:
+    if prune:
+        for orphan in orphan_labs(root):
             stale.append(orphan)
             if not check:
                 orphan.unlink()
@@ -121,6 +144,11 @@ def start(lab_id: str, root=None, force: bool = False) -> Path:
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist; run fa-lab assign first")
     target = root / "work" / lab.notebook
+    if target.parent.exists() and not target.parent.is_dir():
+        raise FileExistsError(f"{target.parent} is a file; the labs are copied into a folder of that name: "
+                              "move the file away")
+    if target.is_dir():
+        raise FileExistsError(f"{target} is a folder, not a notebook: move it away")
     if target.exists() and not force:
         raise FileExistsError(f"{target} already exists and holds your work; open it, or pass --force "
                               "to replace it with a fresh copy of the lab")

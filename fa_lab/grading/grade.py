@@ -78,7 +78,7 @@ def _read(path: Path):
             raise ValueError(f"larger than {MAX_NOTEBOOK_BYTES >> 20} MiB")
         return data, nbformat.reads(data.decode("utf-8"), as_version=4)
     except Exception as exc:  # unreadable, not JSON, not a notebook
-        raise GradingError(f"cannot read {path}: {exc}") from exc
+        raise GradingError(f"cannot read {path} as a notebook: {exc}") from exc
 
 
 def _reply_limit(cases) -> int:
@@ -294,8 +294,9 @@ def grade_notebook(path, seed: int = 0, options: Options = Options()) -> GradeRe
             raise GradingError(f"grading {path} failed: {type(exc).__name__}: {exc}") from exc
     frames = outcome.frames
     if not any(f.header.get("type") == "started" for f in frames) and not outcome.budget_exceeded:
-        raise GradingError(f"grading {path} failed: no kernel could be started in the sandbox; the runner's "
-                           f"last output was:\n{outcome.stderr.strip()[-2000:]}")
+        raise GradingError(f"grading {path} failed: no kernel could be started in the sandbox (each of its "
+                           f"processes may map {options.memory / (1 << 30):g} GiB: --memory raises that); the "
+                           f"runner's last output was:\n{outcome.stderr.strip()[-2000:]}")
     problems = {f.header["index"]: str(f.header.get("problem"))[:4000] for f in frames
                 if f.header.get("type") == "cell" and type(f.header.get("index")) is int}
     replies = {}
