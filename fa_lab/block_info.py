@@ -85,8 +85,11 @@ class QueryBlocks(NamedTuple):
     end: int
 
 
+MAX_WINDOW = 2 ** 30  # a window side the kernels' int32 bounds (row + offset + side) hold; -1 is unbounded
+
+
 def check_window(window) -> tuple[int, int]:
-    """``window`` as (left, right) ints, each -1 (unbounded) or >= 0; raises ValueError/TypeError."""
+    """``window`` as (left, right) ints, each -1 (unbounded) or 0 to MAX_WINDOW; raises ValueError/TypeError."""
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a pair (left, right), got {window!r}")
     for side, value in zip(("left", "right"), window, strict=True):
@@ -94,6 +97,8 @@ def check_window(window) -> tuple[int, int]:
             raise TypeError(f"window's {side} size must be an int, got {value!r}")
         if value < -1:
             raise ValueError(f"window's {side} size must be -1 (unbounded) or >= 0, got {value}")
+        if value > MAX_WINDOW:
+            raise ValueError(f"window's {side} size must be at most 2**30 (-1 means unbounded), got {value}")
     return int(window[0]), int(window[1])
 
 

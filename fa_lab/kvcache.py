@@ -370,10 +370,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     """
     layout = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     causal, scale, window, softcap = check_options(layout.head_dim, causal, scale, window, softcap)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: chosen for the GPU), got {num_splits!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= layout.capacity:
+        raise ValueError(f"num_splits must be an int from 0 (0: chosen for the GPU) to the cache's capacity "
+                         f"{layout.capacity} (a split holds at least one key), got {num_splits!r}")
     if impl not in ("torch", "triton"):
         raise ValueError(f"impl must be 'torch' or 'triton' for attention_with_kvcache, got {impl!r}")
+    if impl == "triton":  # what the kernels refuse, refused before the cache is written
+        from .kernels import load_triton
+        load_triton()
+        from .kernels.common import check_triton_inputs
+        check_triton_inputs(q)
     if not isinstance(check_values, bool):
         raise TypeError(f"check_values must be True or False, got {check_values!r}")
     if check_values or impl == "torch":

@@ -111,6 +111,8 @@ def block_sparse_attention(q, k, v, key_tiles, block_q: int, block_k: int, causa
         from .kernels import triton_block_select_attention
         return triton_block_select_attention(q, k, v, key_tiles, block_k, causal, scale, block_q=block_q)
     check_qkv(q, k, v, DTYPES)
+    check_block_size("block_q", block_q)
+    check_block_size("block_k", block_k)
     scale = resolve_scale(scale, q.shape[-1])
     tiles = check_key_tiles(key_tiles, q, k, block_q, block_k, causal).to(q.device)
     batch, heads, seqlen_q, head_dim = q.shape
@@ -199,6 +201,7 @@ def moba_attention(q, k, v, block: int, top_k: int, scale: float | None = None, 
     differentiable in q, k, v (the gate's selection is discrete). impl="triton": the own blocks on the dense
     causal kernel, each block a head (varlen when N is not a multiple of block), the past blocks on the varlen
     kernel (float16/bfloat16; lse detached)."""
+    check_qkv(q, k, v, DTYPES)
     check_moba_gate(q, k, block, top_k, impl)
     scale = resolve_scale(scale, q.shape[-1])
     batch, heads, seqlen, head_dim = q.shape
@@ -376,6 +379,12 @@ def nsa_attention(q, k, v, gates, block_cmp: int, block_sel: int, top_n: int, wi
     if not isinstance(gates, torch.Tensor) or tuple(gates.shape) != (*q.shape[:3], 3):
         raise ValueError(f"gates must be a tensor of shape {(*q.shape[:3], 3)}, got "
                          f"{tuple(gates.shape) if isinstance(gates, torch.Tensor) else type(gates).__name__}")
+    if not gates.is_floating_point() or gates.device != q.device:
+        raise TypeError(f"gates must be a floating-point tensor on q's device {q.device}, got {gates.dtype} on "
+                        f"{gates.device}")
+    check_block_size("block_cmp", block_cmp)
+    check_block_size("block_sel", block_sel)
+    check_block_size("top_n", top_n)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1 (the keys of the window branch, the query's own included), "
                          f"got {window!r}")

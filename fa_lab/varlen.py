@@ -167,6 +167,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
     check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.device)
     check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q.device)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # the kernels read them flat
     _check_max_seqlen_type(max_seqlen_q, "max_seqlen_q")
     _check_max_seqlen_type(max_seqlen_k, "max_seqlen_k")
     batch, heads = cu_seqlens_q.numel() - 1, q.shape[1]

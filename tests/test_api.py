@@ -82,3 +82,24 @@ def test_bad_impl_scale_causal():
         fa_lab.attention(q, k, v, scale=-1.0)
     with pytest.raises(TypeError, match="causal must be True or False"):
         fa_lab.attention(q, k, v, causal="yes")
+
+
+def test_a_window_past_the_kernels_int32_bounds_is_refused():
+    q, k, v = _qkv()
+    for window in ((-1, 2 ** 31 - 1), (10 ** 20, -1)):
+        with pytest.raises(ValueError, match=r"at most 2\*\*30 \(-1 means unbounded\)"):
+            fa_lab.attention(q, k, v, window=window)
+    wide = fa_lab.attention(q, k, v, window=(2 ** 30, 2 ** 30), impl="torch")  # wider than any sequence
+    torch.testing.assert_close(wide, fa_lab.attention(q, k, v, impl="torch"))
+
+
+def test_moba_checks_v_like_k_before_anything_runs():
+    from fa_lab.sparse import moba_attention
+
+    q, k = torch.randn(1, 2, 16, 16).half(), torch.randn(1, 1, 16, 16).half()
+    for v, said in ((torch.randn(1, 1, 16, 8).half(), "v has head_dim 8"), (torch.randn(1, 2, 16, 16).half(),
+                                                                          "v has 2 heads but k has 1"),
+                    (torch.randn(1, 1, 16, 16), "v has dtype torch.float32")):
+        for impl in ("torch", "triton"):
+            with pytest.raises((ValueError, TypeError), match=said):
+                moba_attention(q, k, v, block=4, top_k=2, impl=impl)

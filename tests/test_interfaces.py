@@ -538,3 +538,13 @@ def test_a_right_bound_of_zero_is_the_causal_mask(generator):
     for impl in ("naive", "torch"):
         torch.testing.assert_close(fa_lab.attention(q, k, v, impl=impl, window=(-1, 0)),
                                    fa_lab.attention(q, k, v, causal=True, impl=impl))
+
+
+def test_varlen_takes_strided_offsets(generator):
+    q = torch.randn(10, 2, 16, generator=generator).half()  # 10 tokens, 2 query heads over 1 K/V head
+    k, v = (torch.randn(10, 1, 16, generator=generator).half() for _ in range(2))
+    strided = torch.tensor([0, 4, 4, 10, 10, 10], dtype=torch.int32)[::2]  # (0, 4, 10), stride 2
+    packed = strided.contiguous()
+    for impl in ("torch", "triton"):
+        torch.testing.assert_close(fa_lab.attention_varlen(q, k, v, strided, strided, impl=impl),
+                                   fa_lab.attention_varlen(q, k, v, packed, packed, impl=impl))

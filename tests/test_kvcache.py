@@ -605,3 +605,15 @@ def test_gpu_refused_triton_call_writes_nothing_and_leaves_the_gpu_usable(page_s
         assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before), change
     out = fa_lab.attention_with_kvcache(q, k_cache, v_cache, good, k_new, v_new, block_table=table, impl="triton")
     assert torch.isfinite(out).all()
+
+
+def test_a_call_the_kernels_refuse_leaves_the_cache_unwritten():
+    lengths = torch.zeros(1, dtype=torch.int32)
+    for dtype, splits, error, said in ((torch.float32, 0, TypeError, "float16 and bfloat16"),
+                                       (torch.float16, 10 ** 12, ValueError, "num_splits")):
+        k_cache, v_cache = torch.zeros(1, 8, 1, 16, dtype=dtype), torch.zeros(1, 8, 1, 16, dtype=dtype)
+        new = torch.ones(1, 1, 1, 16, dtype=dtype)
+        with pytest.raises(error, match=said):
+            fa_lab.attention_with_kvcache(torch.randn(1, 1, 1, 16, dtype=dtype), k_cache, v_cache, lengths, k_new=new,
+                                          v_new=new, num_splits=splits, impl="triton")
+        assert not k_cache.any() and not v_cache.any()

@@ -238,3 +238,21 @@ def test_nsa_residue_views_hold_each_query_once_under_its_mask(seqlen, block, ge
     for query, (group, s) in seen_at.items():
         visible = {j for j in range(group.keys) if j <= s + group.keys - group.queries}
         assert visible == {j for j in range(blocks) if (j + 1) * block - 1 <= query}, (query, group)
+
+
+def test_bad_sizes_and_gates_are_refused_by_name():
+    from fa_lab.sparse import block_sparse_attention, nsa_attention
+
+    q, k, v = (torch.randn(1, heads, 16, 16) for heads in (2, 1, 1))
+    tiles = torch.zeros(1, 1, 4, 1, dtype=torch.int32)
+    for block_q, block_k, said in ((0, 4, "block_q"), (4, -4, "block_k"), (2.0, 4, "block_q")):
+        with pytest.raises(ValueError, match=f"{said} must be a positive int"):
+            block_sparse_attention(q, k, v, tiles, block_q=block_q, block_k=block_k)
+    gates = torch.rand(1, 2, 16, 3)
+    for change, error, said in (({"block_cmp": 0}, ValueError, "block_cmp"), ({"block_sel": 0}, ValueError,
+                                                                              "block_sel"),
+                                ({"top_n": 0}, ValueError, "top_n"), ({"top_n": 1.5}, ValueError, "top_n"),
+                                ({"gates": gates.int()}, TypeError, "gates must be a floating-point")):
+        args = {"gates": gates, "block_cmp": 4, "block_sel": 8, "top_n": 2, "window": 4, **change}
+        with pytest.raises(error, match=said):
+            nsa_attention(q, k, v, **args)
