@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from .impls import IMPLS
-from .inputs import check_fp8_inputs, check_options, check_qkv
+from .inputs import check_flag, check_fp8_inputs, check_options, check_qkv
 from .kernels import use_interpreter_without_gpu
 from .score_mods import check_alibi_slopes
 
@@ -57,6 +57,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, impl: s
     if not prequantized:
         check_qkv(q, k, v)
     causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
+    check_flag("return_lse", return_lse)
     if prequantized:
         from .impls import run_prequantized_fp8
         out, lse = run_prequantized_fp8(q, k, v, descales, causal, scale, window, softcap, alibi_slopes)

@@ -86,6 +86,14 @@ def check_block_size(name: str, value) -> int:
     return value
 
 
+def check_flag(name: str, value) -> bool:
+    """A True/False argument (causal, return_lse): refuse anything else, which would otherwise pass for its truth
+    value."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_options(head_dim: int, causal, scale, window, softcap) -> tuple[bool, float, tuple[int, int], float]:
     """(causal, scale, window, softcap) of an attention call, checked: the scale resolved, the mask in
     :func:`fa_lab.block_info.canonical_mask`'s form, the soft cap a float (0.0: off)."""
@@ -93,9 +101,7 @@ def check_options(head_dim: int, causal, scale, window, softcap) -> tuple[bool, 
     from .score_mods import check_softcap
 
     scale = resolve_scale(scale, head_dim)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    causal, window = canonical_mask(causal, window)
+    causal, window = canonical_mask(check_flag("causal", causal), window)
     return causal, scale, window, check_softcap(softcap)
 
 

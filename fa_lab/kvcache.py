@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_info import cdiv
-from .inputs import SUPPORTED_DTYPES, check_head_dims, check_heads, check_options
+from .inputs import SUPPORTED_DTYPES, check_flag, check_head_dims, check_heads, check_options
 from .online_softmax import merge_splits
 
 SPLIT_BLOCK = 128  # keys per split are whole blocks of this many (the kernels' key tile)
@@ -80,6 +80,9 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, bl
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t, 4, "(batch, capacity, heads_kv, head_dim), or (num_pages, page_size, heads_kv, "
                             "head_dim) with block_table")
+    for name, t in (("k_new", k_new), ("v_new", v_new), ("block_table", block_table)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; attention needs float32, float16 or bfloat16")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
@@ -95,6 +98,9 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, bl
     batch, seqlen_q, heads, head_dim = q.shape
     if batch < 1 or seqlen_q < 1:
         raise ValueError(f"q must hold at least one query per sequence, got shape {tuple(q.shape)}")
+    if min(heads, head_dim, *k_cache.shape[1:]) < 1:
+        raise ValueError(f"q's heads and head_dim and k_cache's last three dimensions must be >= 1, got q "
+                         f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
     check_heads(heads, k_cache.shape[2], v_cache.shape[2])
     check_head_dims(head_dim, k_cache.shape[3], v_cache.shape[3])
     _tensor("cache_seqlens", cache_seqlens, 1, "(batch,)")
@@ -102,7 +108,8 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, bl
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
     if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape[0] != batch:
-        raise ValueError(f"cache_seqlens must be int32 of shape ({batch},), got {cache_seqlens.dtype} of shape "
+        raise ValueError(f"cache_seqlens must be int32 of shape ({batch},) (q's batch), got {cache_seqlens.dtype} "
+                         "of shape "
                          f"{tuple(cache_seqlens.shape)}")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new come together: give both or neither")
@@ -370,6 +377,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     """
     layout = check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     causal, scale, window, softcap = check_options(layout.head_dim, causal, scale, window, softcap)
+    check_flag("return_lse", return_lse)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= layout.capacity:
         raise ValueError(f"num_splits must be an int from 0 (0: chosen for the GPU) to the cache's capacity "
                          f"{layout.capacity} (a split holds at least one key), got {num_splits!r}")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .block_info import BlockInfo, cdiv
-from .inputs import SUPPORTED_DTYPES, check_block_size, check_qkv, resolve_scale
+from .inputs import SUPPORTED_DTYPES, check_block_size, check_flag, check_qkv, resolve_scale
 from .online_softmax import merge_splits
 from .reference import expand_kv, softmax_with_lse
 
@@ -107,14 +107,16 @@ def block_sparse_attention(q, k, v, key_tiles, block_q: int, block_k: int, causa
     (through the gather). impl="triton": the selected-blocks kernel (float16/bfloat16), with the tile's
     query rows of the whole GQA group in one program (:func:`fa_lab.kernels.triton_block_select_attention`).
     """
-    if check_impl(impl) == "triton":
-        from .kernels import triton_block_select_attention
-        return triton_block_select_attention(q, k, v, key_tiles, block_k, causal, scale, block_q=block_q)
+    impl = check_impl(impl)
     check_qkv(q, k, v, DTYPES)
     check_block_size("block_q", block_q)
     check_block_size("block_k", block_k)
-    scale = resolve_scale(scale, q.shape[-1])
+    check_flag("causal", causal)
     tiles = check_key_tiles(key_tiles, q, k, block_q, block_k, causal).to(q.device)
+    if impl == "triton":
+        from .kernels import triton_block_select_attention
+        return triton_block_select_attention(q, k, v, key_tiles, block_k, causal, scale, block_q=block_q)
+    scale = resolve_scale(scale, q.shape[-1])
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]
     info = BlockInfo(seqlen_q, seqlen_k, causal)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import impls
-from .inputs import check_head_dims, check_heads, check_options, check_tensors
+from .inputs import check_flag, check_head_dims, check_heads, check_options, check_tensors
 from .score_mods import check_alibi_slopes
 
 
@@ -165,6 +165,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     """
     _check_packed(q, k, v)
     causal, scale, window, softcap = check_options(q.shape[-1], causal, scale, window, softcap)
+    check_flag("return_lse", return_lse)
     check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.device)
     check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q.device)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # the kernels read them flat

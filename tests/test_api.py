@@ -103,3 +103,17 @@ def test_moba_checks_v_like_k_before_anything_runs():
         for impl in ("torch", "triton"):
             with pytest.raises((ValueError, TypeError), match=said):
                 moba_attention(q, k, v, block=4, top_k=2, impl=impl)
+
+
+def test_flags_must_be_true_or_false():
+    from fa_lab.sparse import block_sparse_attention
+
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="return_lse must be True or False, got 'no'"):
+        fa_lab.attention(q, k, v, return_lse="no")
+    tiles = torch.zeros(1, 2, 1, 1, dtype=torch.int32)
+    for impl in ("torch", "triton"):
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            block_sparse_attention(q.half(), k.half(), v.half(), tiles, block_q=8, block_k=8, causal="no", impl=impl)
+        with pytest.raises(ValueError, match="key_tiles holds indices outside"):
+            block_sparse_attention(q.half(), k.half(), v.half(), tiles + 5, block_q=8, block_k=8, impl=impl)

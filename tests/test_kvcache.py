@@ -617,3 +617,15 @@ def test_a_call_the_kernels_refuse_leaves_the_cache_unwritten():
             fa_lab.attention_with_kvcache(torch.randn(1, 1, 1, 16, dtype=dtype), k_cache, v_cache, lengths, k_new=new,
                                           v_new=new, num_splits=splits, impl="triton")
         assert not k_cache.any() and not v_cache.any()
+
+
+def test_non_tensors_and_empty_dimensions_are_refused_by_name():
+    q, lengths = torch.randn(1, 1, 8, 16), torch.zeros(1, dtype=torch.int32)
+    k_cache = torch.zeros(1, 4, 8, 16)
+    for change, error, said in (({"k_new": [[0.0]], "v_new": [[0.0]]}, TypeError, "k_new must be a torch.Tensor"),
+                                ({"block_table": [[0, 1]]}, TypeError, "block_table must be a torch.Tensor"),
+                                ({"k_cache": torch.zeros(1, 4, 0, 16), "v_cache": torch.zeros(1, 4, 0, 16)},
+                                 ValueError, "must be >= 1")):
+        args = {"k_cache": k_cache, "v_cache": k_cache.clone(), **change}
+        with pytest.raises(error, match=said):
+            fa_lab.attention_with_kvcache(q, cache_seqlens=lengths, **args)
