@@ -28,18 +28,14 @@ def _assign(args) -> int:
     except (AssignError, FileNotFoundError) as exc:
         print(f"fa-lab assign: {exc}", file=sys.stderr)
         return 1
-    kept = set(orphans)
-    if args.check:
-        for path in stale:
-            print(f"out of date: {path} (run fa-lab assign)")
-    else:
-        for path in stale:
-            print(f"{'wrote' if path.exists() else 'removed'} {path}")
+    for path in stale:
+        print(f"out of date: {path} (run fa-lab assign{' --prune' if args.prune else ''})" if args.check
+              else f"{'wrote' if path.exists() else 'removed'} {path}")
     for path in orphans:
         print(f"no solution for {path}: fa-lab assign --prune removes it", file=sys.stderr)
-    if not args.check and not stale and not kept:
+    if not (args.check or stale or orphans):
         print("labs/ is up to date")
-    return 1 if (args.check and stale) or kept else 0
+    return 1 if (args.check and stale) or orphans else 0
 
 
 def _start(args) -> int:
