@@ -86,13 +86,13 @@ def _grade_options(args):
     return Options(sandboxed=not args.no_sandbox, **{k: v for k, v in given.items() if v is not None})
 
 
-def _grade_folder(path: Path, args, options) -> int:
+def _grade_folder(path: Path, notebooks: list[Path], args, options) -> int:
     import csv
 
-    from .grading.grade import find_notebooks, grade_folder, lab_exercises
+    from .grading.grade import grade_folder, lab_exercises
     from .grading.report import csv_header, csv_row
 
-    names = lab_exercises(find_notebooks(path))
+    names = lab_exercises(notebooks)
     stream = open(args.csv, "w", newline="", encoding="utf-8") if args.csv else sys.stdout
     try:
         writer = csv.writer(stream)
@@ -121,9 +121,11 @@ def _grade(args) -> int:
     if path.is_dir() and args.json:
         print("fa-lab grade: --json takes one notebook; use --csv for a folder", file=sys.stderr)
         return GRADING_FAILED
+    notebooks = None
     if path.is_dir():
         from .grading.grade import find_notebooks
-        if not find_notebooks(path):
+        notebooks = find_notebooks(path)
+        if not notebooks:
             print(f"fa-lab grade: no .ipynb files under {path}", file=sys.stderr)
             return GRADING_FAILED
     options = _grade_options(args)
@@ -132,8 +134,8 @@ def _grade(args) -> int:
         return GRADING_FAILED
     if not options.sandboxed:
         print(f"fa-lab grade: warning: {NO_SANDBOX_WARNING}", file=sys.stderr)
-    if path.is_dir():
-        return _grade_folder(path, args, options)
+    if notebooks is not None:
+        return _grade_folder(path, notebooks, args, options)
     try:
         report = grade_notebook(path, args.seed, options)
     except GradingError as exc:

@@ -50,6 +50,7 @@ def check_key_tiles(key_tiles, q, k, block_q: int, block_k: int, causal: bool,
     """key_tiles as int64 (B, H_kv, ceil(Nq / block_q), S), checked: indices in [-1, key tiles), no tile
     listed twice for one query tile, and with ``causal`` no tile that lies wholly after the diagonal of
     every row of its query tile. ``name``: the argument's name in the messages."""
+    check_flag("causal", causal)
     if not isinstance(key_tiles, torch.Tensor) or key_tiles.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an int32 or int64 tensor, got {type(key_tiles).__name__}"
                         + (f" of {key_tiles.dtype}" if isinstance(key_tiles, torch.Tensor) else ""))
@@ -107,15 +108,14 @@ def block_sparse_attention(q, k, v, key_tiles, block_q: int, block_k: int, causa
     (through the gather). impl="triton": the selected-blocks kernel (float16/bfloat16), with the tile's
     query rows of the whole GQA group in one program (:func:`fa_lab.kernels.triton_block_select_attention`).
     """
-    impl = check_impl(impl)
+    if check_impl(impl) == "triton":  # the launcher checks the same, naming the tiles as the caller does
+        from .kernels import triton_block_select_attention
+        return triton_block_select_attention(q, k, v, key_tiles, block_k, causal, scale, block_q=block_q,
+                                             name="key_tiles")
     check_qkv(q, k, v, DTYPES)
     check_block_size("block_q", block_q)
     check_block_size("block_k", block_k)
-    check_flag("causal", causal)
     tiles = check_key_tiles(key_tiles, q, k, block_q, block_k, causal).to(q.device)
-    if impl == "triton":
-        from .kernels import triton_block_select_attention
-        return triton_block_select_attention(q, k, v, key_tiles, block_k, causal, scale, block_q=block_q)
     scale = resolve_scale(scale, q.shape[-1])
     batch, heads, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, group = k.shape[1], k.shape[2], heads // k.shape[1]

@@ -110,12 +110,14 @@ def triton_decode(*args, **kwargs):
     return run(*args, **kwargs)
 
 
-def triton_block_select_attention(q, k, v, block_indices, block_k, causal=False, scale=None, *, block_q=1):
+def triton_block_select_attention(q, k, v, block_indices, block_k, causal=False, scale=None, *, block_q=1,
+                                  name="block_indices"):
     """Differentiable attention over selected key blocks (NSA's selected branch, block-sparse attention):
-    returns (out, lse). See :mod:`fa_lab.kernels.portable.sparse_select`."""
+    returns (out, lse); ``name``: the selection's argument name in error messages. See
+    :mod:`fa_lab.kernels.portable.sparse_select`."""
     load_triton()
     from .portable.sparse_select import triton_block_select_attention as run
-    return run(q, k, v, block_indices, block_k, causal, scale, block_q=block_q)
+    return run(q, k, v, block_indices, block_k, causal, scale, block_q=block_q, name=name)
 
 
 def triton_nsa_importance(q, k_cmp, lse_cmp, block_cmp, block_sel, scale, top_n=0):

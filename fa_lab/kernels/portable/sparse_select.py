@@ -474,7 +474,7 @@ class BlockSelectFunction(torch.autograd.Function):
 
 
 def triton_block_select_attention(q, k, v, block_indices, block_k: int, causal: bool = False,
-                                  scale: float | None = None, *, block_q: int = 1):
+                                  scale: float | None = None, *, block_q: int = 1, name: str = "block_indices"):
     """Differentiable attention of each query over the key blocks its selection row lists.
 
     q: (B, H, Nq, d), k, v: (B, Hkv, Nk, d), float16 or bfloat16 (H a multiple of Hkv: the group
@@ -482,7 +482,8 @@ def triton_block_select_attention(q, k, v, block_indices, block_k: int, causal: 
     ``block_k`` keys, -1 for an unused slot; block_q = 1 (the default) is a per-query selection such as
     :func:`fa_lab.sparse.nsa_select`'s, block_q > 1 a per-tile list such as block-sparse attention's.
     A selection is checked before anything runs (:func:`fa_lab.sparse.check_key_tiles`: indices in
-    range, no block twice in one row, none that a causal call's rows all lie before).
+    range, no block twice in one row, none that a causal call's rows all lie before; ``name``: the selection's
+    argument name in its messages).
     Returns (out (B, H, Nq, d) in q.dtype, lse (B, H, Nq) float32, detached); rows that see no key
     get zeros and lse = -inf.
     """
@@ -490,7 +491,7 @@ def triton_block_select_attention(q, k, v, block_indices, block_k: int, causal: 
     check_triton_inputs(q)
     block_q, block_k = check_block_size("block_q", block_q), check_block_size("block_k", block_k)
     scale = resolve_scale(scale, q.shape[-1])
-    indices = check_key_tiles(block_indices, q, k, block_q, block_k, causal, name="block_indices")
+    indices = check_key_tiles(block_indices, q, k, block_q, block_k, causal, name=name)
     return selected_blocks_attention(q, k, v, indices, block_k, causal, scale, block_q)
 
 
