@@ -169,3 +169,20 @@ def test_every_kernel_fits_in_shared_memory_without_spilling(builds):
                if b.stack_bytes > ALLOWED_STACK.get(label, 0) or b.local_bytes}
     assert not too_big, f"over the {SM90_SHARED_LIMIT} bytes of shared memory: {too_big}"
     assert not spilled, f"(registers, stack, local bytes) of the kernels that spill: {spilled}"
+
+
+def test_a_failed_build_names_its_error_and_the_next_build_runs(builds):
+    """Under the interpreter the builds run in one kept compile process: a job that cannot compile raises with
+    the compiler's traceback, and neither that nor the process's death stops the builds after it."""
+    from fa_lab.kernels import interpreting
+    from fa_lab.kernels.hopper import sm90_offline
+
+    label, job = sparse_jobs()[0]
+    broken = {**job, "constants": {**job["constants"], "NOT_AN_ARGUMENT": 1}}
+    with pytest.raises(RuntimeError, match="(?s)compiling for sm_90 failed.*NOT_AN_ARGUMENT"):
+        compile_all_for_sm90([broken])
+    assert compile_all_for_sm90([job])[0].sass == builds[label].sass
+    if interpreting():
+        sm90_offline._COMPILER.process.kill()
+        sm90_offline._COMPILER.process.wait()
+        assert compile_all_for_sm90([job])[0].sass == builds[label].sass

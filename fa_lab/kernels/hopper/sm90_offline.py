@@ -9,11 +9,14 @@ ideas turn into (``setmaxnreg``, ``wgmma.mma_async``, ``mbarrier``).
 
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, which ``import fa_lab`` sets on a
 machine without a GPU) triton's own helper functions are replaced by interpreted ones
-that the compiler cannot use, so the compilation then runs in a fresh Python process
-with the interpreter off (``python -m fa_lab.kernels.hopper.sm90_offline``).
+that the compiler cannot use, so the compilation then runs in another Python process
+with the interpreter off (``python -m fa_lab.kernels.hopper.sm90_offline --serve``), started once and kept
+for the later builds: each start costs a Python start and the imports of torch and Triton, seconds on a small
+CPU, which the CPU tests' many builds would otherwise pay every time.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -21,6 +24,8 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
+import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -120,21 +125,77 @@ def compile_for_sm90(kernel, signature: dict[str, str], constants: dict, num_war
 
 
 def compile_all_for_sm90(jobs: list[dict]) -> list[Sm90Build]:
-    """Several :func:`compile_for_sm90` jobs (dicts of its arguments) in one process: under the interpreter,
-    one fresh process for all of them (each costs a Python start and the imports)."""
+    """Several :func:`compile_for_sm90` jobs (dicts of its arguments): under the interpreter, in the compile
+    process (:class:`_CompileProcess`), which imports each kernel's module once: a module edited on disk after
+    its first build there is not read again."""
     from .. import interpreting
 
     args = [dict(module=job["kernel"].fn.__module__, name=job["kernel"].fn.__qualname__, signature=job["signature"],
                  constants=job["constants"], num_warps=job.get("num_warps", 4), maxnreg=job.get("maxnreg"),
                  aligned=list(job.get("aligned", ())), num_stages=job.get("num_stages")) for job in jobs]
     if interpreting():
-        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
-        done = subprocess.run([sys.executable, "-m", __name__, json.dumps(args)], capture_output=True, text=True,
-                              env=env)
-        if done.returncode:
-            raise RuntimeError(f"compiling for sm_90 failed:\n{done.stderr[-3000:]}")
-        return [Sm90Build(**build) for build in json.loads(done.stdout)]
+        return [Sm90Build(**build) for build in _COMPILER.compile(args)]
     return [_compile(**arg) for arg in args]
+
+
+class _CompileProcess:
+    """The Python process (interpreter off) that compiles for the interpreted one: started at the first build,
+    then fed one JSON line of jobs per call (with this process's sys.path, so that modules added since are
+    found) and answering one line; it ends when this process closes its stdin (at exit, or when it dies)."""
+
+    def __init__(self):
+        self.process, self.lock = None, threading.Lock()
+
+    def compile(self, jobs: list[dict]) -> list[dict]:
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                self._start()
+            self.process.stdin.write(json.dumps({"path": sys.path, "jobs": jobs}) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+            if not line:  # the process died (its stderr says why); the next call starts another
+                self.errors.seek(0)
+                raise RuntimeError(f"compiling for sm_90 failed:\n{self.errors.read()[-3000:]}")
+            reply = json.loads(line)
+            if "error" in reply:
+                raise RuntimeError(f"compiling for sm_90 failed:\n{reply['error'][-3000:]}")
+            return reply["builds"]
+
+    def close(self):
+        """End the process (at exit): it sees its stdin close and returns."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def _start(self):
+        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+        self.errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: warnings cannot fill it and block
+        self.process = subprocess.Popen([sys.executable, "-m", __name__, "--serve"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.errors, text=True, env=env)
+
+
+_COMPILER = _CompileProcess()
+atexit.register(_COMPILER.close)
+
+
+def _serve():
+    """The compile process's loop: a line of jobs in, a line of builds (or the error's traceback) out. Whatever
+    else writes to stdout (a tool the compiler runs, a warning) goes to stderr, off the replies' pipe."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.path.extend(path for path in request["path"] if path not in sys.path)
+        importlib.invalidate_caches()  # modules written since the last request
+        try:
+            reply = {"builds": [asdict(_compile(**job)) for job in request["jobs"]]}
+        except Exception:
+            reply = {"error": traceback.format_exc()}
+        print(json.dumps(reply), file=replies, flush=True)
 
 
 def compile_fa3_for_sm90(head_dim: int = 128, causal: bool = False, **switches) -> Sm90Build:
@@ -370,5 +431,5 @@ def _spills(loop_bodies: list[list[str]]) -> int:
     return sum(1 for body in loop_bodies for text in body if re.search(r"\b(LDL|STL)\b", text))
 
 
-if __name__ == "__main__":  # python -m fa_lab.kernels.hopper.sm90_offline '[{"module": ...}, ...]' -> builds as JSON
-    print(json.dumps([asdict(_compile(**job)) for job in json.loads(sys.argv[1])]))
+if __name__ == "__main__":  # python -m fa_lab.kernels.hopper.sm90_offline --serve (see _CompileProcess)
+    _serve()
