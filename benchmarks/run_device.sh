@@ -115,6 +115,9 @@
 #   moba-gaps - MoBA's forward at 64K with its gate beside pass 1, on one stream and precomputed, pass 1 persistent
 #            with SMs spare, beside dense; its idle GPU time and kernels (h200_moba_forward_gaps.json, by
 #            benchmarks/moba_forward_gaps.py)
+#   notebooks - notebooks 02-04's code cells as scripts (benchmarks/notebook_as_script.py: the machine has no Jupyter),
+#            so their live branches run on the GPU: notebooks_on_gpu.log and the figures under OUTDIR/notebooks
+#            (the arguments after OUTDIR: other notebooks instead)
 #   tests  - the `gpu`-marked tests (correctness matrix, repeat test) with the committed tiles; on the
 #            H200 they take about 11 minutes: `tests tests/test_hopper.py` and the like run a part (the
 #            arguments after OUTDIR go to pytest)
@@ -239,6 +242,8 @@ case "$step" in
   three-consumers) python3 benchmarks/three_consumers_ab.py "$out" 2>&1 | tee "$out/three_consumers.log" ;;
   moba-gaps) python3 benchmarks/moba_forward_gaps.py "$out" 2>&1 | tee "$out/moba_forward_gaps.log" ;;
   sparse-bars) python3 benchmarks/sparse_bars_in_turn.py "$out" 2>&1 | tee "$out/sparse_bars_in_turn.log" ;;
+  notebooks) books=("$@"); [ ${#books[@]} -gt 0 ] || books=(notebooks/0[234]_*.ipynb)
+         python3 benchmarks/notebook_as_script.py "$out/notebooks" "${books[@]}" 2>&1 | tee "$out/notebooks_on_gpu.log" ;;
   nsa-dkdv-variants) python3 benchmarks/nsa_dkdv_variants.py "$out" 2>&1 | tee "$out/nsa_dkdv_variants.log" ;;
   nsa-gather-order) python3 benchmarks/nsa_dkdv_variants.py --order "$out" 2>&1 | tee "$out/nsa_gather_order.log" ;;
   tests) targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(tests)
@@ -251,5 +256,5 @@ case "$step" in
              "$(python3 -c "import torch, triton; print('torch', torch.__version__, '+ triton', triton.__version__)"): ${tests[*]}"
            "${tests[@]}" 2>&1; } | tee "$out/gpu_tests_verbose.log" | grep --line-buffered -vE "^[^ ]+::[^ ]+ $| (PASSED|SKIPPED) " \
            | tee "$out/gpu_tests.log" | tail -30 ;;
-  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-importance-full-steps|nsa-importance-registers|nsa-importance-registers-64k|nsa-top|nsa-compressed|nsa-checks|nsa-overlap|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse-bars|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_device.sh tune|bench|hopper|interfaces|decode|decode-tma|decode-tune|fp8-quant|training-memory|backward|backward-dq|backward-rows|backward-row-vectors|varlen-row-vectors|backward-head-groups|backward-rows-ahead|backward-kv-split|persistent-bf16|split-loops|split-loops-fp8|rescale-early|rescale-early-fp8|fp8-loop-variants|persistent-host|moba-gate|nsa-importance|nsa-importance-full-steps|nsa-importance-registers|nsa-importance-registers-64k|nsa-top|nsa-compressed|nsa-checks|nsa-overlap|nsa-read-probe|window-backward|backward-breakdown|nsa-dq-warps|decode-check-ab|window-variants|gqa-mha-ab|three-consumers|nsa-dkdv-variants|nsa-gather-order|moba-gaps|sparse-bars|notebooks|sparse|linear|linear-tune|linear-stages|gla-tiles|linear-bwd-sweep|breakdown|peers-warm|ring|ring-gpus|tests OUTDIR" >&2; exit 2 ;;
 esac
