@@ -473,3 +473,29 @@ def test_kernel_profile_record_reads_ncu_pages(tmp_path):
     # the fill kernel takes more than OTHER_KERNEL_SHARE of the call's kernel time: its regions are kept too
     assert recorded["profiles"]["fwd_plain"]["other_kernel_regions"] == {
         "fill": [{"first": 0, "last": 0, "executed": 8, "share": 1.0, "stalls": {"wait": 1.0}}]}
+
+
+def test_notebook_as_script_runs_cells_like_a_kernel(tmp_path):
+    """benchmarks/notebook_as_script.py, the GPU machine's stand-in for Jupyter: magics dropped, cells in one
+    namespace, a figure passed to display() saved, a last expression shown; a cell that raises stops its notebook,
+    named, and the run exits 1 while the other notebooks still run."""
+    import nbformat
+
+    def notebook(name, *sources):
+        path = tmp_path / name
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# title")] + [
+            nbformat.v4.new_code_cell(source) for source in sources]), path)
+        return str(path)
+
+    good = notebook("good.ipynb", "%matplotlib inline\nimport matplotlib.pyplot as plt\nvalue = 6",
+                    "from IPython.display import display\nfig, ax = plt.subplots()\ndisplay(fig)", "value * 7")
+    bad = notebook("bad.ipynb", "x = 1", "x / 0", "print('not reached')")
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "notebook_as_script.py"), str(out), bad, good],
+                          capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    assert "bad.ipynb: cell 2 FAILED" in done.stdout and "ZeroDivisionError" in done.stderr
+    assert "not reached" not in done.stdout and "bad.ipynb: cell 3" not in done.stdout
+    assert "42" in done.stdout and "good.ipynb: cell 3 ran" in done.stdout
+    assert [p.name for p in out.iterdir()] == ["good_cell2_1.png"]
+    assert done.stdout.splitlines()[-1] == f"failed: {bad}"
