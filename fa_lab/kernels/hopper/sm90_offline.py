@@ -150,9 +150,12 @@ class _CompileProcess:
         with self.lock:
             if self.process is None or self.process.poll() is not None:
                 self._start()
-            self.process.stdin.write(json.dumps({"path": sys.path, "jobs": jobs}) + "\n")
-            self.process.stdin.flush()
-            line = self.process.stdout.readline()
+            try:
+                self.process.stdin.write(json.dumps({"path": sys.path, "jobs": jobs}) + "\n")
+                self.process.stdin.flush()
+                line = self.process.stdout.readline()
+            except BrokenPipeError:
+                line = ""
             if not line:  # the process died (its stderr says why); the next call starts another
                 self.errors.seek(0)
                 raise RuntimeError(f"compiling for sm_90 failed:\n{self.errors.read()[-3000:]}")
