@@ -33,8 +33,9 @@ def code_cells(notebook: Path) -> list[tuple[int, str]]:
     return [(i, without_magics("".join(c["source"]))) for i, c in enumerate(cells) if c["cell_type"] == "code"]
 
 
-def _display_module(out: Path, stem: str, cell: list[int]) -> types.ModuleType:
-    """A stand-in for IPython.display whose display() saves figures under ``out`` and prints the rest."""
+def _stand_in_display(out: Path, stem: str, cell: list[int]):
+    """Install a stand-in for IPython.display whose display() saves figures under ``out`` and prints the rest;
+    return that display()."""
     import matplotlib.figure
 
     count = [0]
@@ -52,7 +53,7 @@ def _display_module(out: Path, stem: str, cell: list[int]) -> types.ModuleType:
     ipython.display, ipython.get_ipython = shown, lambda: None  # matplotlib asks for a shell: there is none
     ipython.version_info = (9, 0)  # and for the version, to choose its hooks
     sys.modules.update({"IPython": ipython, "IPython.display": shown})
-    return shown
+    return display
 
 
 def run_notebook(notebook: Path, out: Path) -> int:
@@ -61,7 +62,7 @@ def run_notebook(notebook: Path, out: Path) -> int:
     os.chdir(notebook.parent)  # as Jupyter starts a notebook's kernel
     sys.path.insert(0, str(ROOT))
     cell = [0]
-    display = _display_module(out, notebook.stem, cell).display
+    display = _stand_in_display(out, notebook.stem, cell)
     namespace = {"__name__": "__main__"}
     for index, source in code_cells(notebook):
         cell[0] = index

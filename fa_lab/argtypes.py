@@ -59,10 +59,10 @@ def output_file(text: str) -> str:
 
 def plot_file(text: str) -> str:
     """An image file (:func:`output_file`) whose suffix names a format matplotlib writes (png, pdf, svg...)."""
-    from matplotlib.figure import Figure
+    from matplotlib.backend_bases import FigureCanvasBase
 
     output_file(text)
-    formats = Figure().canvas.get_supported_filetypes()
+    formats = FigureCanvasBase.get_supported_filetypes()
     suffix = Path(text).suffix.lstrip(".").lower()
     if suffix not in formats:
         raise argparse.ArgumentTypeError(f"{text}: {'.' + suffix if suffix else 'no suffix'} is not an image "

@@ -109,8 +109,7 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, bl
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
     if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape[0] != batch:
         raise ValueError(f"cache_seqlens must be int32 of shape ({batch},) (q's batch), got {cache_seqlens.dtype} "
-                         "of shape "
-                         f"{tuple(cache_seqlens.shape)}")
+                         f"of shape {tuple(cache_seqlens.shape)}")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new come together: give both or neither")
     seqlen_new = 0
@@ -388,8 +387,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         load_triton()
         from .kernels.common import check_triton_inputs
         check_triton_inputs(q)
-    if not isinstance(check_values, bool):
-        raise TypeError(f"check_values must be True or False, got {check_values!r}")
+    check_flag("check_values", check_values)
     if check_values or impl == "torch":
         lengths = check_cache_values(layout, cache_seqlens, block_table, k_cache.shape[0])
     if k_new is not None:

@@ -65,9 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"any of {', '.join(full.impls)} (default: all)")
     p.add_argument("--repeats", type=positive_int, help=f"timed calls per point, default {full.repeats}")
     p.add_argument("--warmup", type=non_negative_int, help=f"untimed calls first, default {full.warmup}")
-    p.add_argument("--naive-max-seqlen", type=non_negative_int, help="longest seqlen naive runs at, modelled "
-                   "beyond "
-                   f"(default {full.naive_max_seqlen})")
+    p.add_argument("--naive-max-seqlen", type=non_negative_int,
+                   help=f"longest seqlen naive runs at, modelled beyond (default {full.naive_max_seqlen})")
     p.add_argument("--quick", action="store_true", help="smoke run of tiny shapes (the flags above still apply)")
     _add_outputs(p, "save a PNG of time and memory vs seqlen")
     p.set_defaults(handler=_run_cpu)
@@ -82,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", nargs="+", choices=gpu.GPU_IMPLS, default=list(gpu.GPU_IMPLS), metavar="IMPL",
                    help=f"any of {', '.join(gpu.GPU_IMPLS)} (default: all)")
     p.add_argument("--tune", metavar="FILE", type=output_file, help="first time candidate tiles of the Triton "
-                   "kernels at 8K, both "
-                   "masks, for the --head-dims; measure with the fastest; write the tuning log here")
+                   "kernels at 8K, both masks, for the --head-dims; measure with the fastest; write the tuning log "
+                   "here")
     _add_outputs(p, "save a PNG of TFLOP/s vs seqlen")
     _reject(p, ("--batch", "--heads", "--dtype"), PROTOCOL_FIXES)
     p.set_defaults(handler=_run_gpu)
@@ -119,8 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Chapter 06's decode benchmark: the shapes of fa_lab.bench.decode.")
     p.add_argument("--no-fa4", action="store_true", help="leave out the upstream flash-attn-4 rows")
     p.add_argument("--tune", metavar="PATH", type=output_file, help="instead, time the decode kernel's candidate "
-                   "configs and split "
-                   "counts and write the log to PATH (alone: no --json, --plot or --no-fa4)")
+                   "configs and split counts and write the log to PATH (alone: no --json, --plot or --no-fa4)")
     _add_outputs(p, "save a PNG of TB/s against the cache length")
     p.set_defaults(handler=_run_decode)
 
@@ -142,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--breakdown", action="store_true", help="instead, print each impl's kernels and their times, "
                    "forward and backward, per case at the first --seqlens")
     p.add_argument("--tune", metavar="PATH", type=output_file, help="instead, time our kernels at each candidate "
-                   "num_warps (at the "
-                   "first --seqlens, for the --cases) and write the log to PATH (no --json or --plot)")
+                   "num_warps (at the first --seqlens, for the --cases) and write the log to PATH (no --json or "
+                   "--plot)")
     p.add_argument("--stages", type=positive_int, nargs="+", metavar="S", help="with --tune: time these num_stages "
                    "(at the committed num_warps) instead")
     _add_outputs(p, "save a PNG of forward and backward time against the sequence length")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..inputs import check_block_size, check_tensors, resolve_scale
+from ..inputs import check_block_size, check_flag, check_tensors, resolve_scale
 
 FORMS = ("recurrent", "parallel", "chunk")
 IMPLS = ("torch", "triton")
@@ -123,8 +123,7 @@ def check_linear_call(q, k, v, g, beta, initial_state, scale, output_final_state
         raise ValueError("form='parallel' is a reference in PyTorch only: use impl='torch', or form='chunk' "
                          "or 'recurrent' with impl='triton'")
     check_block_size("chunk_size", chunk_size)
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be True or False, got {output_final_state!r}")
+    check_flag("output_final_state", output_final_state)
     scale = resolve_scale(scale, q.shape[-1])
     gate = check_gate(g, q, allow_per_dim=not delta)
     if delta:
