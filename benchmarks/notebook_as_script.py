@@ -4,15 +4,16 @@ take their live branches (03 and 04 run every cell on the GPU), which CI, with C
 Usage: python3 benchmarks/notebook_as_script.py OUTDIR NOTEBOOK...
 
 Each notebook runs in a process of its own, its code cells in order in one namespace, as a kernel would run them:
-IPython magics dropped, a cell's last expression shown, ``IPython.display.display`` stood in for (figures saved
-as OUTDIR/<notebook>_cell<N>_<k>.png, anything else printed), matplotlib on its Agg back end. A notebook stops at
-its first cell that raises, and the log names that cell. Prints one line a cell with its seconds; exits 1 if
-any notebook failed.
+IPython magics dropped, each cell's source readable by ``inspect`` (as ``@triton.jit`` needs), a cell's last
+expression shown, ``IPython.display.display`` stood in for (figures saved as OUTDIR/<notebook>_cell<N>_<k>.png,
+anything else printed), matplotlib on its Agg back end. A notebook stops at its first cell that raises, and the
+log names that cell. Prints one line a cell with its seconds; exits 1 if any notebook failed.
 """
 from __future__ import annotations
 
 import ast
 import json
+import linecache
 import os
 import subprocess
 import sys
@@ -68,11 +69,15 @@ def run_notebook(notebook: Path, out: Path) -> int:
         cell[0] = index
         start = time.perf_counter()
         try:
+            # The cell's source is registered under a file name, as IPython does, so that inspect (and so
+            # @triton.jit, which reads a kernel's source) finds it.
+            filename = str(out / f"{notebook.stem}_cell{index}.py")
+            linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
             tree = ast.parse(source)
             last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-            exec(compile(tree, f"<{notebook.name} cell {index}>", "exec"), namespace)
+            exec(compile(tree, filename, "exec"), namespace)
             if last is not None:
-                value = eval(compile(ast.Expression(last.value), f"<{notebook.name} cell {index}>", "eval"), namespace)
+                value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
                 if value is not None:
                     display(value)
         except BaseException:

@@ -477,8 +477,9 @@ def test_kernel_profile_record_reads_ncu_pages(tmp_path):
 
 def test_notebook_as_script_runs_cells_like_a_kernel(tmp_path):
     """benchmarks/notebook_as_script.py, the GPU machine's stand-in for Jupyter: magics dropped, cells in one
-    namespace, a figure passed to display() saved, a last expression shown; a cell that raises stops its notebook,
-    named, and the run exits 1 while the other notebooks still run."""
+    namespace, a figure passed to display() saved, a last expression shown, a cell's source readable by inspect
+    (as @triton.jit reads a kernel's); a cell that raises stops its notebook, named, and the run exits 1 while the
+    other notebooks still run."""
     import nbformat
 
     def notebook(name, *sources):
@@ -488,7 +489,8 @@ def test_notebook_as_script_runs_cells_like_a_kernel(tmp_path):
         return str(path)
 
     good = notebook("good.ipynb", "%matplotlib inline\nimport matplotlib.pyplot as plt\nvalue = 6",
-                    "from IPython.display import display\nfig, ax = plt.subplots()\ndisplay(fig)", "value * 7")
+                    "from IPython.display import display\nfig, ax = plt.subplots()\ndisplay(fig)", "value * 7",
+                    "def kernel_like(x):\n    return x + 1", "import inspect\nprint(inspect.getsource(kernel_like))")
     bad = notebook("bad.ipynb", "x = 1", "x / 0", "print('not reached')")
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, str(BENCHMARKS / "notebook_as_script.py"), str(out), bad, good],
@@ -497,5 +499,6 @@ def test_notebook_as_script_runs_cells_like_a_kernel(tmp_path):
     assert "bad.ipynb: cell 2 FAILED" in done.stdout and "ZeroDivisionError" in done.stderr
     assert "not reached" not in done.stdout and "bad.ipynb: cell 3" not in done.stdout
     assert "42" in done.stdout and "good.ipynb: cell 3 ran" in done.stdout
+    assert "def kernel_like(x):\n    return x + 1\n" in done.stdout
     assert [p.name for p in out.iterdir()] == ["good_cell2_1.png"]
     assert done.stdout.splitlines()[-1] == f"failed: {bad}"
