@@ -25,12 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def without_magics(source: str) -> str:
+    """A cell's source without its IPython magics and shell escapes (lines starting with % or !)."""
+    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+
+
 def code_cells(notebook: Path) -> list[tuple[int, str]]:
     """(index among all cells, source without magics) of each code cell."""
     cells = json.loads(notebook.read_text())["cells"]
-    def without_magics(source: str) -> str:
-        return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
-
     return [(i, without_magics("".join(c["source"]))) for i, c in enumerate(cells) if c["cell_type"] == "code"]
 
 

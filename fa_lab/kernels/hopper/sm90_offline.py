@@ -144,7 +144,7 @@ class _CompileProcess:
     found) and answering one line; it ends when this process closes its stdin (at exit, or when it dies)."""
 
     def __init__(self):
-        self.process, self.lock = None, threading.Lock()
+        self.process, self.errors, self.lock = None, None, threading.Lock()
 
     def compile(self, jobs: list[dict]) -> list[dict]:
         with self.lock:
@@ -175,6 +175,8 @@ class _CompileProcess:
 
     def _start(self):
         env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+        if self.errors is not None:  # the stderr of a process that died
+            self.errors.close()
         self.errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: warnings cannot fill it and block
         self.process = subprocess.Popen([sys.executable, "-m", __name__, "--serve"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self.errors, text=True, env=env)
